@@ -1,0 +1,106 @@
+"""Sampling parameters of one request, validated where they enter (DESIGN.md Contract 1).
+
+Pure Python, no torch: the scheduler and the server import it. Every range check raises
+`InvalidArgument` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rollout.errors import InvalidArgument
+
+MASK_MODES = ("selected", "support")
+
+
+@dataclass
+class SamplingParams:
+    """Contract 1 parameters. `top_k <= 0` disables top-k; `top_p == 1` and `min_p == 0`
+    disable theirs; penalties of 1 / 0 / 0 are off. `temperature == 0` is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int) -> SamplingParams:
+        """Check every field; returns self so calls chain. Raises InvalidArgument."""
+        _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k > vocab_size:
+            raise InvalidArgument("top_k", f"must be an integer <= vocab size {vocab_size} (<= 0 = off)")
+        _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _in_range("min_p", self.min_p, 0.0, 1.0)
+        _finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidArgument("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
+        _in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        for tok, bias in self.logit_bias.items():
+            _token_id("logit_bias", tok, vocab_size)
+            _finite("logit_bias", bias)
+            if abs(bias) > 100:
+                raise InvalidArgument("logit_bias", f"bias for token {tok} must be in [-100, 100], got {bias}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidArgument("max_tokens", f"must be an integer >= 1, got {self.max_tokens}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for tok in self.stop_token_ids:
+            _token_id("stop_token_ids", tok, vocab_size)
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise InvalidArgument("seed", f"must be an integer in [0, 2^63), got {self.seed}")
+        return self
+
+
+def validate_mask_request(mask: str | None, params: SamplingParams, max_mask_tokens: int) -> None:
+    """Contract 3 bounds: a mask request needs temperature 0 or 1 <= top_k <= max_mask_tokens."""
+    if mask is None or mask == "":
+        return
+    if mask not in MASK_MODES:
+        raise InvalidArgument("mask", f"must be one of {MASK_MODES} or unset, got {mask!r}")
+    if params.greedy:
+        return
+    if not 1 <= params.top_k <= max_mask_tokens:
+        raise InvalidArgument(
+            "top_k",
+            f"a mask request at temperature > 0 needs 1 <= top_k <= max_mask_tokens={max_mask_tokens}, "
+            f"got {params.top_k}",
+        )
+
+
+def _finite(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgument(name, f"must be a finite number, got {value!r}")
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, low_open: bool = False) -> None:
+    _finite(name, value)
+    if value > hi or value < lo or (low_open and value == lo):
+        bracket = "(" if low_open else "["
+        raise InvalidArgument(name, f"must be in {bracket}{lo}, {hi}], got {value}")
+
+
+def _token_id(name: str, tok: int, vocab_size: int) -> None:
+    if not isinstance(tok, int) or not 0 <= tok < vocab_size:
+        raise InvalidArgument(name, f"token id {tok!r} is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,29 @@
+"""Errors raised where bad input enters; the server maps them to gRPC status codes in one place."""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base class of every error `rollout` raises on purpose."""
+
+
+class InvalidArgument(RolloutError, ValueError):
+    """A request field is out of range or malformed. `field` names it (gRPC INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ResourceExhausted(RolloutError):
+    """The request queue is full (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class FailedPrecondition(RolloutError):
+    """A sample failed during generation, e.g. a mask support overflowed its bound
+    (gRPC FAILED_PRECONDITION). The whole sample fails; no partial masks."""
+
+
+class LoadError(RolloutError):
+    """A checkpoint cannot be loaded: unsupported model_type, missing or mis-shaped tensor,
+    vocabulary mismatch, drafter that does not fit its target. The message names the culprit."""

@@ -1,0 +1,1 @@
+"""trainer_client: what an RL trainer imports to talk to `rollout` servers."""
