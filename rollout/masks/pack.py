@@ -1,0 +1,66 @@
+"""The one mask packer (DESIGN.md Contract 3): device-side supports -> fixed-width rows -> host lists.
+
+After acceptance the engine holds, for every committed position that asked for a mask, the
+policy's token ids sorted by probability (desc, ties by id) and their log-probs, with -inf
+outside the support. Because the order is descending, every support is a prefix of its row,
+so packing to the batch's largest requested top_k is a slice, a pad and a finite count over
+`width + 1` columns: no sort, no scatter, nothing proportional to the vocabulary. The packed
+tensors go to the host in the step's one copy; `unpack_supports` turns them into the
+per-token lists that `SampleOutput` carries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Pack sorted supports to `width` columns on their device.
+
+    sorted_ids: [N, V] int64, each row's token ids sorted by probability desc (ties by id);
+    V may be the vocabulary or any prefix of it that still covers the supports plus one column.
+    sorted_logp: [N, V] float32 log-probs in the same order, -inf outside the support.
+
+    Returns ids [N, width] int32 (-1 pad), logp [N, width] float32 (-inf pad) and
+    support_len [N] int32. `support_len` is exact up to `width`; a row whose support is longer
+    reads `width + 1` (only when V > width) and its sample must fail as a whole: its packed row
+    is truncated.
+    """
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    n, v = sorted_ids.shape
+    counted = sorted_logp[:, : width + 1]  # [N, min(V, width + 1)]
+    support_len = torch.isfinite(counted).sum(dim=-1, dtype=torch.int32)  # [N]
+    logp = sorted_logp[:, :width].float()  # [N, min(V, width)]
+    ids = torch.where(torch.isfinite(logp), sorted_ids[:, :width], -1).to(torch.int32)
+    if v < width:
+        ids = F.pad(ids, (0, width - v), value=-1)
+        logp = F.pad(logp, (0, width - v), value=float("-inf"))
+    return ids.contiguous(), logp.contiguous(), support_len
+
+
+def unpack_supports(
+    ids: np.ndarray | Tensor, logp: np.ndarray | Tensor, lens: np.ndarray | Tensor, with_logprobs: bool
+) -> tuple[list[list[int]], list[list[float]] | None]:
+    """Host side: packed rows -> one list per row, trimmed to its support length.
+
+    ids: [N, W] int32, logp: [N, W] float32, lens: [N] int32, as `pack_supports` made them
+    (numpy arrays or CPU tensors). A row with `lens > W` overflowed; it comes back empty,
+    which is never a valid mask, so it cannot pass for one if the caller forgot to fail it.
+    """
+    ids, logp, lens = np.asarray(ids), np.asarray(logp), np.asarray(lens).astype(np.int64)
+    width = ids.shape[1]
+    lens = np.where(lens > width, 0, lens)  # [N]
+    keep = np.arange(width)[None, :] < lens[:, None]  # [N, W]
+    ends = np.cumsum(lens).tolist()
+    support_ids = _split(ids[keep].tolist(), ends)
+    support_logp = _split(logp[keep].tolist(), ends) if with_logprobs else None
+    return support_ids, support_logp
+
+
+def _split(flat: list, ends: list[int]) -> list[list]:
+    """Cut a flat list into consecutive pieces ending at `ends`."""
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
