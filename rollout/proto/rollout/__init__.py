@@ -1,0 +1,1 @@
+"""Generated stubs, package rollout (see rollout/proto/__init__.py)."""
