@@ -16,8 +16,9 @@ def _sorted_policy(n: int, vocab: int, lens: list[int], seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, vocab, generator=g)
     logits[0, :4] = 1.5  # a tie, broken by id
-    order = torch.stack([torch.tensor(sorted(range(vocab), key=lambda t, r=r: (-logits[r, t].item(), t)))
-                         for r in range(n)])  # [N, V]
+    order = torch.stack(
+        [torch.tensor(sorted(range(vocab), key=lambda t, r=r: (-logits[r, t].item(), t))) for r in range(n)]
+    )  # [N, V]
     sorted_logits = logits.gather(1, order)
     keep = torch.arange(vocab)[None, :] < torch.tensor(lens)[:, None]
     sorted_logp = torch.log_softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)

@@ -22,7 +22,9 @@ def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> tuple[
 
     sorted_ids: [N, V] int64, each row's token ids sorted by probability desc (ties by id);
     V may be the vocabulary or any prefix of it that still covers the supports plus one column.
-    sorted_logp: [N, V] float32 log-probs in the same order, -inf outside the support.
+    sorted_logp: [N, V] float32 log-probs in the same order, -inf outside the support. Sort by
+    these very values (e.g. a stable descending sort of an id-ordered row): float32 rounding can
+    make two close probabilities equal here, and the validator checks ties by id on them.
 
     Returns ids [N, width] int32 (-1 pad), logp [N, width] float32 (-inf pad) and
     support_len [N] int32. `support_len` is exact up to `width`; a row whose support is longer

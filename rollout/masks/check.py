@@ -1,0 +1,305 @@
+"""The Contract 3 validator: checks a rollout table's tokens, log-probs and masks, for CI.
+
+`check_table` walks a `pyarrow.Table` in the one rollout schema, one sample at a time, with
+numpy over the sample's flattened supports (no per-token Python loop), and returns a
+`CheckReport` whose violations name the sample (request_id, prompt_index, sample_index) and
+the output position. `main` is `rollout validate FILE`: it reads an Arrow IPC file or stream,
+prints a summary, and exits 0 when clean, 1 on any violation, 2 when the file is unreadable.
+Every "within tolerance" test is written so that NaN fails it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from rollout.engine.params import MASK_MODES
+from rollout.schema import ROLLOUT_SCHEMA
+
+FINISH_REASONS = ("stop", "length", "abort")
+MAX_WIDTH_KEY = b"max_mask_tokens"
+MASK_MODE_KEY = b"mask_mode"
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule. `position` is the output token index, None for a whole-sample rule."""
+
+    rule: str
+    message: str
+    request_id: str | None = None
+    prompt_index: int | None = None
+    sample_index: int | None = None
+    position: int | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.request_id}[prompt {self.prompt_index}, sample {self.sample_index}]"
+        if self.position is not None:
+            where += f" position {self.position}"
+        return f"{where}: {self.rule}: {self.message}"
+
+
+@dataclass
+class CheckReport:
+    """Totals over the table and the violations found (the first `max_kept` are kept)."""
+
+    samples: int = 0
+    tokens: int = 0
+    masked_tokens: int = 0
+    support_total: int = 0
+    max_support_width: int = 0
+    num_violations: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    max_kept: int = 1000
+
+    @property
+    def ok(self) -> bool:
+        return self.num_violations == 0
+
+    @property
+    def mean_support_width(self) -> float:
+        return self.support_total / self.masked_tokens if self.masked_tokens else 0.0
+
+    def add(self, violation: Violation) -> None:
+        self.num_violations += 1
+        if len(self.violations) < self.max_kept:
+            self.violations.append(violation)
+
+    def summary(self, shown: int = 20) -> str:
+        head = (
+            f"{self.samples} samples, {self.tokens} tokens, {self.masked_tokens} masked "
+            f"(support width mean {self.mean_support_width:.2f}, max {self.max_support_width}): "
+        )
+        if self.ok:
+            return head + "OK"
+        lines = [head + f"{self.num_violations} violations"]
+        lines += [f"  {v}" for v in self.violations[:shown]]
+        if self.num_violations > shown:
+            lines.append(f"  ... and {self.num_violations - shown} more")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Sample:
+    """One row as numpy: supports flattened, `widths[j]` entries for token j."""
+
+    tokens: np.ndarray  # [L] int64
+    token_logp: np.ndarray  # [L] float64
+    widths: np.ndarray | None  # [M] int64, M = number of masks (None: no masks)
+    sup_ids: np.ndarray | None  # [sum(widths)] int64
+    lp_widths: np.ndarray | None  # [M'] int64 (None: no support logprobs)
+    sup_logp: np.ndarray | None  # [sum(lp_widths)] float64
+
+
+def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None) -> CheckReport:
+    """Check every sample of `table` against Contract 3 (see the module docstring).
+
+    max_width bounds the support width (the requests' top_k); the schema metadata key
+    "max_mask_tokens", when present, is a bound too; the smaller one applies.
+    """
+    report = CheckReport()
+    if not table.schema.equals(ROLLOUT_SCHEMA, check_metadata=False):
+        report.add(
+            Violation("schema", f"table schema differs from rollout.schema.ROLLOUT_SCHEMA:\n{table.schema}")
+        )
+        return report
+    meta = table.schema.metadata or {}
+    bound = _width_bound(max_width, meta)
+    mode = meta.get(MASK_MODE_KEY, b"").decode()
+    table = table.combine_chunks()
+    for r, sample in enumerate(_samples(table)):
+        ident = {k: table.column(k)[r].as_py() for k in ("request_id", "prompt_index", "sample_index")}
+        finish = table.column("finish_reason")[r].as_py()
+        problems = _check_sample(sample, finish, mode, bound, tol)
+        for position, rule, message in problems:
+            report.add(Violation(rule, message, position=position, **ident))
+        _count(report, sample)
+    return report
+
+
+def _width_bound(max_width: int | None, meta: dict[bytes, bytes]) -> int | None:
+    bounds = [b for b in (max_width, int(meta[MAX_WIDTH_KEY]) if MAX_WIDTH_KEY in meta else None) if b]
+    return min(bounds) if bounds else None
+
+
+def _count(report: CheckReport, s: _Sample) -> None:
+    report.samples += 1
+    report.tokens += len(s.tokens)
+    if s.widths is not None and len(s.widths):
+        report.masked_tokens += len(s.widths)
+        report.support_total += int(s.widths.sum())
+        report.max_support_width = max(report.max_support_width, int(s.widths.max()))
+
+
+def _check_sample(s: _Sample, finish: str, mode: str, bound: int | None, tol: float) -> list[tuple]:
+    """All rule checks of one sample -> [(position | None, rule, message)]."""
+    out: list[tuple] = []
+    n = len(s.tokens)
+    if finish not in FINISH_REASONS:
+        out.append((None, "finish_reason", f"{finish!r} is not one of {FINISH_REASONS}"))
+    if len(s.token_logp) != n:
+        out.append((None, "token_logprobs", f"{len(s.token_logp)} logprobs for {n} tokens"))
+        return out
+    for j in np.flatnonzero(~(np.isfinite(s.token_logp) & (s.token_logp <= tol))):
+        out.append((int(j), "token_logprobs", f"logprob {s.token_logp[j]} is not a finite value <= 0"))
+    if s.widths is None:
+        if mode in MASK_MODES:
+            out.append((None, "one mask per token", f"mask_mode is {mode!r} but support_ids is null"))
+        if s.lp_widths is not None:
+            out.append((None, "support_logprobs", "support_logprobs present without support_ids"))
+        return out
+    if len(s.widths) != n:
+        out.append((None, "one mask per token", f"{len(s.widths)} masks for {n} tokens"))
+        return out
+    out += _check_supports(s, bound)
+    if s.lp_widths is None:
+        if mode == "support":
+            out.append((None, "support_logprobs", "mask_mode is 'support' but support_logprobs is null"))
+    elif not np.array_equal(s.lp_widths, s.widths):
+        out.append((None, "support_logprobs", "support_logprobs rows are not aligned with support_ids"))
+    else:
+        out += _check_support_logprobs(s, tol)
+    for j in np.flatnonzero((s.widths == 1) & ~(np.abs(s.token_logp) <= tol)):
+        out.append((int(j), "greedy singleton", f"support of width 1 with logprob {s.token_logp[j]}, not 0"))
+    return out
+
+
+def _check_supports(s: _Sample, bound: int | None) -> list[tuple]:
+    """Non-empty, within the bound, token inside, no duplicates."""
+    out = []
+    seg = np.repeat(np.arange(len(s.widths)), s.widths)  # [sum(widths)] token index of each entry
+    for j in np.flatnonzero(s.widths == 0):
+        out.append((int(j), "support", "empty support"))
+    if bound is not None:
+        for j in np.flatnonzero(s.widths > bound):
+            out.append((int(j), "support width", f"width {s.widths[j]} exceeds top_k bound {bound}"))
+    hits = np.bincount(seg, weights=s.sup_ids == s.tokens[seg], minlength=len(s.widths))
+    for j in np.flatnonzero((hits == 0) & (s.widths > 0)):
+        out.append((int(j), "token in support", f"token {s.tokens[j]} is not in its support"))
+    order = np.lexsort((s.sup_ids, seg))
+    ids, segs = s.sup_ids[order], seg[order]
+    dup = (segs[1:] == segs[:-1]) & (ids[1:] == ids[:-1])
+    for j in np.unique(segs[1:][dup]):
+        out.append((int(j), "duplicates", "support lists a token id more than once"))
+    return out
+
+
+def _check_support_logprobs(s: _Sample, tol: float) -> list[tuple]:
+    """Sorted by probability desc with ties by id, normalised, agreeing with token_logprobs."""
+    out = []
+    seg = np.repeat(np.arange(len(s.widths)), s.widths)
+    lp, ids = s.sup_logp, s.sup_ids
+    same = seg[1:] == seg[:-1]
+    unsorted = same & ((lp[1:] > lp[:-1]) | ((lp[1:] == lp[:-1]) & (ids[1:] < ids[:-1])))
+    for j in np.unique(seg[1:][unsorted]):
+        out.append((int(j), "sorted", "support is not sorted by probability desc, ties by id"))
+    lse = _segment_logsumexp(lp, s.widths)
+    for j in np.flatnonzero((s.widths > 0) & ~(np.abs(lse) <= tol)):
+        out.append((int(j), "normalised", f"support logprobs logsumexp to {lse[j]:.6f}, not 0"))
+    match = ids == s.tokens[seg]
+    token_lp = np.full(len(s.widths), np.nan)
+    token_lp[seg[match]] = lp[match]
+    found = np.zeros(len(s.widths), dtype=bool)
+    found[seg[match]] = True
+    for j in np.flatnonzero(found & ~(np.abs(token_lp - s.token_logp) <= tol)):
+        out.append(
+            (int(j), "token logprob", f"token_logprobs {s.token_logp[j]} != support logprob {token_lp[j]}")
+        )
+    return out
+
+
+def _segment_logsumexp(lp: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """logsumexp of each token's support; NaN for empty supports."""
+    out = np.full(len(widths), np.nan)
+    nonempty = widths > 0
+    if not nonempty.any():
+        return out
+    starts = (np.cumsum(widths) - widths)[nonempty]
+    peak = np.maximum.reduceat(lp, starts)  # [num nonempty]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        total = np.add.reduceat(np.exp(lp - np.repeat(peak, widths[nonempty])), starts)
+        out[nonempty] = peak + np.log(total)
+    return out
+
+
+def _samples(table: pa.Table):
+    """Yield each row of a single-chunk rollout table as a `_Sample`."""
+    tokens, token_logp = _lists(table, "token_ids", np.int64), _lists(table, "token_logprobs", np.float64)
+    supports = _nested(table, "support_ids", np.int64)
+    sup_logp = _nested(table, "support_logprobs", np.float64)
+    for r in range(table.num_rows):
+        widths, ids = supports(r)
+        lp_widths, lp = sup_logp(r)
+        yield _Sample(tokens(r), token_logp(r), widths, ids, lp_widths, lp)
+
+
+def _lists(table: pa.Table, name: str, dtype):
+    """Row accessor for a list<scalar> column: r -> numpy values (nulls become NaN / -1)."""
+    arr = _chunk(table, name)
+    offs = arr.offsets.to_numpy()
+    vals = _values(arr.values, dtype)
+    return lambda r: vals[offs[r] : offs[r + 1]]
+
+
+def _nested(table: pa.Table, name: str, dtype):
+    """Row accessor for a list<list<scalar>> column: r -> (widths [M], flat values) or (None, None)."""
+    outer = _chunk(table, name)
+    outer_offs = outer.offsets.to_numpy()  # into inner: one entry per token
+    inner = outer.values
+    inner_offs = inner.offsets.to_numpy()  # into vals: one entry per support element
+    widths = np.diff(inner_offs)
+    vals = _values(inner.values, dtype)
+    valid = outer.is_valid().to_numpy(zero_copy_only=False)
+
+    def row(r: int):
+        if not valid[r]:
+            return None, None
+        a, b = outer_offs[r], outer_offs[r + 1]
+        return widths[a:b], vals[inner_offs[a] : inner_offs[b]]
+
+    return row
+
+
+def _chunk(table: pa.Table, name: str) -> pa.Array:
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks else pa.array([], type=col.type)
+
+
+def _values(arr: pa.Array, dtype) -> np.ndarray:
+    fill = np.nan if np.issubdtype(dtype, np.floating) else -1
+    return arr.fill_null(fill).to_numpy(zero_copy_only=False).astype(dtype)
+
+
+def read_table(path: str) -> pa.Table:
+    """Read an Arrow IPC file, or failing that an IPC stream."""
+    with pa.memory_map(path) as source:
+        try:
+            return pa.ipc.open_file(source).read_all()
+        except pa.ArrowInvalid:
+            source.seek(0)
+            return pa.ipc.open_stream(source).read_all()
+
+
+def main(argv: list[str]) -> int:
+    """`rollout validate FILE`: 0 clean, 1 violations, 2 unreadable."""
+    parser = argparse.ArgumentParser(
+        prog="rollout validate", description="Check a rollout against Contract 3."
+    )
+    parser.add_argument("file", help="Arrow IPC file or stream in the rollout schema")
+    parser.add_argument(
+        "--max-width", type=int, default=None, help="support width bound (the requests' top_k)"
+    )
+    parser.add_argument("--tol", type=float, default=1e-3, help="log-probability tolerance")
+    args = parser.parse_args(argv)
+    try:
+        table = read_table(args.file)
+    except (OSError, pa.ArrowException) as e:
+        print(f"rollout validate: cannot read {args.file}: {e}", file=sys.stderr)
+        return 2
+    report = check_table(table, tol=args.tol, max_width=args.max_width)
+    print(f"{args.file}: {report.summary()}")
+    return 0 if report.ok else 1
