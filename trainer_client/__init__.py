@@ -1,1 +1,12 @@
-"""trainer_client: what an RL trainer imports to talk to `rollout` servers."""
+"""trainer_client: what an RL trainer imports to talk to `rollout` servers.
+
+`RolloutClient` / `AsyncRolloutClient` reach one server over gRPC and return Arrow tables;
+`to_torch` turns a table into padded training tensors and `masked_logprobs` replays the
+rollout's sampling masks on the trainer's logits.
+"""
+
+from trainer_client.aio import AsyncRolloutClient
+from trainer_client.client import RolloutClient
+from trainer_client.tensors import RolloutBatch, masked_logprobs, to_torch
+
+__all__ = ["AsyncRolloutClient", "RolloutBatch", "RolloutClient", "masked_logprobs", "to_torch"]

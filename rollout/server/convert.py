@@ -1,0 +1,111 @@
+"""Translation between wire messages and the engine's Python types.
+
+Requests: a `GenerateRequest` becomes a `GenerateCall` (prompts as token ids or text still to be
+tokenised on the engine thread, `SamplingParams`, n, mask mode, grammar). Results: finished
+samples become one Arrow IPC message (schema with metadata + one record batch). Range checks
+are not repeated here: the engine validates every field when the request is added.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from rollout.engine.outputs import SampleOutput
+from rollout.engine.params import SamplingParams
+from rollout.errors import InvalidArgument
+from rollout.proto.rollout.v1 import rollout_pb2 as pb
+from rollout.schema import to_record_batch
+from rollout.spec.grammar import GrammarSpec
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "min_tokens",
+    "max_tokens",
+    "ignore_eos",
+    "seed",
+)
+
+
+@dataclass
+class GenerateCall:
+    """One Generate request in engine terms. `prompts` holds token ids or text (tokenised by
+    the engine thread, which owns the tokenizer)."""
+
+    request_id: str
+    prompts: list[list[int] | str]
+    params: SamplingParams
+    n: int
+    mask: str | None
+    grammar: GrammarSpec | None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompts) * self.n
+
+
+def parse_generate(request: pb.GenerateRequest) -> GenerateCall:
+    """GenerateRequest -> GenerateCall; assigns a request id when the client sent none."""
+    grammar = (
+        GrammarSpec(request.grammar.kind, request.grammar.value) if request.HasField("grammar") else None
+    )
+    return GenerateCall(
+        request_id=request.request_id or f"req-{uuid.uuid4().hex[:16]}",
+        prompts=[_prompt(i, p) for i, p in enumerate(request.prompts)],
+        params=sampling_from_proto(request.sampling),
+        n=request.n if request.HasField("n") else 1,
+        mask=request.mask or None,
+        grammar=grammar,
+    )
+
+
+def _prompt(index: int, prompt: pb.Prompt) -> list[int] | str:
+    kind = prompt.WhichOneof("kind")
+    if kind == "token_ids":
+        return list(prompt.token_ids.ids)
+    if kind == "text":
+        return prompt.text
+    raise InvalidArgument(f"prompts[{index}]", "must carry token_ids or text")
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Only the fields the client set; the rest keep SamplingParams' defaults."""
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    return SamplingParams(logit_bias=dict(msg.logit_bias), stop_token_ids=list(msg.stop_token_ids), **kwargs)
+
+
+def encode_samples(samples: Sequence[SampleOutput], schema: pa.Schema) -> pb.GenerateResponse:
+    """Finished samples -> one response holding an Arrow IPC stream of one record batch."""
+    batch = to_record_batch(samples, schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(batch)
+    return pb.GenerateResponse(arrow_ipc=sink.getvalue().to_pybytes(), num_rows=batch.num_rows)
+
+
+def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str) -> pb.ServerInfo:
+    """engine.info() + engine.kv_blocks() -> ServerInfo. Non-integer limits are left out."""
+    limits = {k: int(v) for k, v in dict(info.get("limits", {})).items() if isinstance(v, int | bool)}
+    free, total = kv_blocks
+    return pb.ServerInfo(
+        model=str(info["model"]),
+        drafter=drafter,
+        spec_method=str(info["spec_method"]),
+        vocab_size=int(info["vocab_size"]),
+        eos_token_ids=[int(t) for t in info["eos_token_ids"]],
+        block_size=int(info["block_size"]),
+        max_model_len=int(info.get("max_model_len", limits.get("max_model_len", 0))),
+        limits=limits,
+        policy_version=int(info["policy_version"]),
+        kv_blocks_free=free,
+        kv_blocks_total=total,
+    )

@@ -1,0 +1,228 @@
+"""The engine loop: the one thread that owns the engine, and the bridge to asyncio.
+
+The engine is single-threaded. Every call on it (add, abort, info, weight updates, step) runs
+on this thread; the asyncio side submits commands through a queue and gets results back as
+asyncio futures (resolved with `loop.call_soon_threadsafe`). Finished samples are routed to
+the request's sink, a callable that is also invoked on the event loop, once per request per
+step, so the event loop never blocks on the engine and the engine never waits for a client.
+
+Weight updates follow the engine's drain policy: `update_weights` validates synchronously,
+then the engine applies it at a step boundary once running samples have finished; the caller's
+future resolves with the new `policy_version` after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.engine.outputs import SampleOutput
+from rollout.errors import FailedPrecondition, InvalidArgument
+from rollout.server.convert import GenerateCall
+from rollout.server.logs import elapsed_ms, log_event
+
+
+@dataclass
+class Delivery:
+    """What a request's sink receives: finished samples, and `done` with the last of them, or
+    `error` (the request failed; nothing more follows)."""
+
+    samples: list[SampleOutput]
+    done: bool = False
+    error: BaseException | None = None
+
+
+Sink = Callable[[Delivery], None]
+
+
+@dataclass
+class _Route:
+    sink: Sink
+    remaining: int
+    started: float
+
+
+class EngineLoop:
+    """Owns the engine built by `engine_factory` on its own thread (see module docstring)."""
+
+    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop):
+        self._factory = engine_factory
+        self._loop = loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, _Route] = {}
+        self._weight_waiters: list[concurrent.futures.Future] = []
+        self._stopping = False
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
+        self.engine: Any = None
+
+    async def start(self) -> None:
+        """Builds the engine on the loop thread; raises whatever the factory raised."""
+        self._thread.start()
+        await asyncio.wrap_future(self._ready)
+
+    async def stop(self) -> None:
+        """Ends the thread after the commands already queued; running requests are aborted."""
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Runs fn(engine) on the engine thread; the result (or exception) comes back as a future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return asyncio.wrap_future(fut, loop=self._loop)
+
+    async def add(self, call: GenerateCall, sink: Sink) -> None:
+        """Admits a request (raises the engine's InvalidArgument / ResourceExhausted)."""
+        await self.call(lambda engine: self._add(engine, call, sink))
+
+    def abort(self, request_id: str, reason: str, sink: Sink | None = None) -> asyncio.Future:
+        """Aborts a request (enqueued at once; await for the number of aborted samples). Its
+        unfinished samples go to its sink with finish_reason "abort". With `sink`, only the
+        request admitted with that sink is aborted (a handler cleaning up after itself)."""
+        return self.call(lambda engine: self._abort(engine, request_id, reason, sink))
+
+    async def update_weights(self, state: dict, draft_state: dict | None) -> int:
+        """Validates now, resolves with the new policy_version once the update is applied."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((lambda engine: self._update(engine, state, draft_state, fut), None))
+        return await asyncio.wrap_future(fut, loop=self._loop)
+
+    def num_requests(self) -> int:
+        return len(self._routes)
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as exc:
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(None)
+        while not self._stopping:
+            self._run_commands(block=not self._busy())
+            if self._busy() and not self._stopping:
+                self._step()
+        for request_id in list(self._routes):
+            self._abort(self.engine, request_id, "server stopped")
+        for fut in self._weight_waiters:
+            fut.set_exception(FailedPrecondition("weights: the server stopped before the update applied"))
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished() or self.engine.weight_update_pending()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            self._execute(fn, fut)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+        self._stopping = True
+
+    def _execute(self, fn: Callable[[Any], Any], fut: concurrent.futures.Future | None) -> None:
+        try:
+            result = fn(self.engine)
+        except BaseException as exc:
+            if fut is not None:
+                fut.set_exception(exc)
+            return
+        if fut is not None:
+            fut.set_result(result)
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except Exception as exc:
+            log_event("engine_step_failed", logging.ERROR, exc_info=True)
+            self._fail_all(exc)
+            return
+        self._dispatch(finished)
+        self._settle_weight_updates()
+
+    def _dispatch(self, finished: list[SampleOutput]) -> None:
+        by_request: dict[str, list[SampleOutput]] = {}
+        for sample in finished:
+            by_request.setdefault(sample.request_id, []).append(sample)
+        for request_id, samples in by_request.items():
+            route = self._routes.get(request_id)
+            if route is None:
+                continue
+            failed = next((s for s in samples if s.error is not None), None)
+            if failed is not None:
+                self._fail(
+                    request_id,
+                    FailedPrecondition(f"sample {failed.prompt_index}/{failed.sample_index}: {failed.error}"),
+                )
+                continue
+            route.remaining -= len(samples)
+            done = route.remaining <= 0
+            if done:
+                del self._routes[request_id]
+                log_event("request_finished", request_id=request_id, ms=elapsed_ms(route.started))
+            self._post(route.sink, Delivery(samples, done=done))
+
+    def _post(self, sink: Sink, delivery: Delivery) -> None:
+        self._loop.call_soon_threadsafe(sink, delivery)
+
+    def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
+        if call.request_id in self._routes:
+            raise InvalidArgument("request_id", f"{call.request_id!r} is already running")
+        prompts = [engine.tokenizer.encode(p).ids if isinstance(p, str) else p for p in call.prompts]
+        engine.add_request(
+            call.request_id, prompts, call.params, n=call.n, mask=call.mask, grammar=call.grammar
+        )
+        self._routes[call.request_id] = _Route(sink, call.num_samples, time.perf_counter())
+
+    def _abort(self, engine: Any, request_id: str, reason: str, sink: Sink | None = None) -> int:
+        route = self._routes.get(request_id)
+        if route is None or (sink is not None and route.sink is not sink):
+            return 0
+        del self._routes[request_id]
+        aborted = engine.abort(request_id)
+        log_event("request_aborted", request_id=request_id, reason=reason, samples=len(aborted))
+        self._post(route.sink, Delivery(aborted, done=True))
+        return len(aborted)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        route = self._routes.pop(request_id)
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log_event("abort_failed", logging.ERROR, exc_info=True, request_id=request_id)
+        log_event("request_failed", logging.WARNING, request_id=request_id, error=str(error))
+        self._post(route.sink, Delivery([], done=True, error=error))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._routes):
+            self._fail(request_id, error)
+
+    def _update(
+        self, engine: Any, state: dict, draft_state: dict | None, fut: concurrent.futures.Future
+    ) -> None:
+        try:
+            engine.update_weights(state, draft_state)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            return
+        self._weight_waiters.append(fut)
+        self._settle_weight_updates()
+
+    def _settle_weight_updates(self) -> None:
+        if self._weight_waiters and not self.engine.weight_update_pending():
+            for fut in self._weight_waiters:
+                fut.set_result(self.engine.policy_version)
+            self._weight_waiters.clear()

@@ -1,0 +1,165 @@
+"""The `rollout.v1.Rollout` servicer: grpc.aio handlers on top of the engine loop.
+
+Generate admits the request on the engine thread, then streams finished samples as Arrow
+record batches, flushing when `FlushPolicy.rows` samples are pending or the oldest pending
+sample has waited `FlushPolicy.seconds`. If the client goes away (cancel, deadline) the handler
+is cancelled and the request is aborted on the engine, which frees its KV blocks. Errors reach
+the client through `rollout.server.status.to_status`, the one mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from rollout.engine.outputs import SampleOutput
+from rollout.errors import InvalidArgument
+from rollout.proto.rollout.v1 import rollout_pb2 as pb
+from rollout.proto.rollout.v1 import rollout_pb2_grpc
+from rollout.schema import schema_with_metadata
+from rollout.server.convert import encode_samples, parse_generate, server_info_message
+from rollout.server.logs import log_event
+from rollout.server.loop import Delivery, EngineLoop
+from rollout.server.status import to_status
+from rollout.server.weights import assemble
+
+
+@dataclass(frozen=True)
+class FlushPolicy:
+    """When a Generate stream sends the samples it holds: at `rows` samples or after `seconds`."""
+
+    rows: int = 32
+    seconds: float = 0.02
+
+    def __post_init__(self):
+        if self.rows < 1:
+            raise InvalidArgument("flush_rows", f"must be >= 1, got {self.rows}")
+        if not self.seconds >= 0:
+            raise InvalidArgument("flush_seconds", f"must be >= 0, got {self.seconds}")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Names that go into every batch's schema metadata."""
+
+    model: str
+    drafter: str
+    spec_method: str
+
+
+@contextlib.asynccontextmanager
+async def status_on_error(context: grpc.aio.ServicerContext, rpc: str, request_id: str = ""):
+    """Ends the RPC with the status `to_status` picks for any error raised inside."""
+    try:
+        yield
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as exc:
+        code, message = to_status(exc)
+        level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
+        log_event(
+            "rpc_error",
+            level,
+            exc_info=level == logging.ERROR,
+            rpc=rpc,
+            request_id=request_id,
+            code=code.name,
+            message=message,
+        )
+        await context.abort(code, message)
+
+
+class RolloutService(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, engine_loop: EngineLoop, identity: Identity, flush: FlushPolicy = FlushPolicy()):
+        self.engine_loop = engine_loop
+        self.identity = identity
+        self.flush = flush
+
+    def schema(self, mask: str | None):
+        ident = self.identity
+        return schema_with_metadata(ident.model, ident.drafter, ident.spec_method, mask or "none")
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        async with status_on_error(context, "Generate", request.request_id):
+            call = parse_generate(request)
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        sink = inbox.put_nowait
+        try:
+            async with status_on_error(context, "Generate", call.request_id):
+                await self.engine_loop.add(call, sink)
+        except asyncio.CancelledError:
+            self.engine_loop.abort(call.request_id, "client went away during admission", sink)
+            raise
+        log_event(
+            "request_admitted",
+            request_id=call.request_id,
+            prompts=len(call.prompts),
+            n=call.n,
+            mask=call.mask,
+            max_tokens=call.params.max_tokens,
+            peer=context.peer(),
+        )
+        schema, delivered = self.schema(call.mask), False
+        try:
+            async with status_on_error(context, "Generate", call.request_id):
+                async for samples in self._flushes(inbox):
+                    yield encode_samples(samples, schema)
+            delivered = True
+        finally:
+            if not delivered:
+                self.engine_loop.abort(call.request_id, "client went away or request failed", sink)
+
+    async def _flushes(self, inbox: asyncio.Queue[Delivery]) -> AsyncIterator[list[SampleOutput]]:
+        """Groups delivered samples into messages of at most `rows` samples; a partial group is
+        sent once its oldest sample has waited `seconds`, or when the request is done."""
+        pending: list[SampleOutput] = []
+        deadline = 0.0
+        while True:
+            timeout = max(0.0, deadline - time.monotonic()) if pending else None
+            try:
+                delivery = await asyncio.wait_for(inbox.get(), timeout)
+            except TimeoutError:
+                yield pending
+                pending = []
+                continue
+            if delivery.error is not None:
+                raise delivery.error
+            if not pending:
+                deadline = time.monotonic() + self.flush.seconds
+            pending.extend(delivery.samples)
+            while len(pending) >= self.flush.rows:
+                yield pending[: self.flush.rows]
+                pending = pending[self.flush.rows :]
+            if delivery.done:
+                if pending:
+                    yield pending
+                return
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        async with status_on_error(context, "Abort", request.request_id):
+            aborted = await self.engine_loop.abort(request.request_id, "abort rpc")
+            return pb.AbortResponse(num_aborted=aborted)
+
+    async def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
+        drafter = self.identity.drafter
+        async with status_on_error(context, "GetServerInfo"):
+            return await self.engine_loop.call(
+                lambda e: server_info_message(e.info(), e.kv_blocks(), drafter)
+            )
+
+    async def UpdateWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
+        async with status_on_error(context, "UpdateWeights"):
+            chunks = [chunk async for chunk in request_iterator]
+            state, draft_state = await asyncio.to_thread(assemble, chunks)
+            log_event("weights_received", tensors=len(state), draft_tensors=len(draft_state or {}))
+            version = await self.engine_loop.update_weights(state, draft_state)
+            log_event("weights_applied", policy_version=version)
+            return pb.UpdateWeightsResponse(
+                policy_version=version, num_tensors=len(state), num_draft_tensors=len(draft_state or {})
+            )

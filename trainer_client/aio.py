@@ -1,0 +1,132 @@
+"""`AsyncRolloutClient`: the asyncio twin of `RolloutClient` on a grpc.aio channel.
+
+Same methods, same arguments, same results, awaited: `await generate(...)` returns a
+`pyarrow.Table`, `stream(...)` is an async iterator of record batches (leaving it early cancels
+the call, which aborts the request on the server), failures raise `grpc.RpcError` (grpc.aio's
+`AioRpcError`) carrying the status code. Useful when one trainer process drives many requests
+or many servers concurrently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import pyarrow as pa
+
+from rollout.proto.rollout.v1 import rollout_pb2 as pb
+from rollout.proto.rollout.v1 import rollout_pb2_grpc
+from trainer_client.client import (
+    CHANNEL_OPTIONS,
+    Prompt,
+    Weights,
+    build_request,
+    decode_batch,
+    info_to_dict,
+    to_table,
+    weight_chunks,
+)
+
+
+class AsyncBatchStream:
+    """The record batches of one Generate call (async iterator). `close()` (also on leaving a
+    `with` block or when dropped unfinished) cancels the call and so aborts the request."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall):
+        self._call = call
+        self._responses = call.__aiter__()
+
+    def __aiter__(self) -> AsyncBatchStream:
+        return self
+
+    async def __anext__(self) -> pa.RecordBatch:
+        return decode_batch(await self._responses.__anext__())
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> AsyncBatchStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class AsyncRolloutClient:
+    """Asyncio client. `timeout` (seconds) is the default deadline of every call; None = none.
+    Create it inside the event loop that will use it."""
+
+    def __init__(self, address: str, timeout: float | None = None, options: Iterable[tuple] = ()):
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
+        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+
+    async def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        n: int = 1,
+        sampling: Mapping[str, Any] | None = None,
+        mask: str | None = None,
+        grammar: Any = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> pa.Table:
+        """All samples of all prompts as one table, ordered by (prompt_index, sample_index)."""
+        with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout) as batches:
+            return to_table([batch async for batch in batches])
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        n: int = 1,
+        sampling: Mapping[str, Any] | None = None,
+        mask: str | None = None,
+        grammar: Any = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncBatchStream:
+        """Sends the request now; `async for` the record batches as samples finish. Closing
+        the stream, or dropping it before the end, cancels the request."""
+        request = build_request(prompts, n, sampling, mask, grammar, request_id)
+        return AsyncBatchStream(self._stub.Generate(request, timeout=self._deadline(timeout)))
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> int:
+        """Aborts a running request; returns how many unfinished samples it had."""
+        reply = await self._stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=self._deadline(timeout)
+        )
+        return reply.num_aborted
+
+    async def server_info(self, timeout: float | None = None) -> dict[str, Any]:
+        reply = await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self._deadline(timeout))
+        return info_to_dict(reply)
+
+    async def update_weights(
+        self,
+        weights: Weights | None,
+        draft: bool = False,
+        *,
+        draft_weights: Weights | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
+        chunks = weight_chunks(weights, draft, draft_weights)
+        reply = await self._stub.UpdateWeights(chunks, timeout=self._deadline(timeout))
+        return reply.policy_version
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
