@@ -1,0 +1,96 @@
+"""After the step's one host copy: advance the sequences, append committed tokens with
+their logprobs and masks, stop at the finish, fork the samples of freshly prefilled
+prompts, roll back the KV of rejected drafts, and emit finished samples."""
+
+from __future__ import annotations
+
+from rollout.engine.batch import StepBatch
+from rollout.engine.outputs import SampleOutput
+from rollout.engine.sequence import Sequence
+from rollout.masks.capture import committed_masks
+
+
+class Committer:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def commit(self, step: StepBatch, host) -> list[SampleOutput]:
+        eng = self.engine
+        tokens, logprobs, num_accepted = (h.tolist() for h in host[:3]) if host else ([], [], [])
+        mask_host = host[3:] if host and len(host) > 3 else None
+        accepted = {step.entry_item[e]: num_accepted[e] for e, s in enumerate(step.entries)
+                    if s is step.items[step.entry_item[e]].seq}
+        for i, item in enumerate(step.items):
+            seq, old = item.seq, item.seq.num_computed_tokens
+            seq.num_computed_tokens = old + item.num_new_tokens + accepted.get(i, 0)
+            eng.block_manager.register_computed(seq, old)
+        outputs = []
+        for e, seq in enumerate(step.entries):
+            parent = step.items[step.entry_item[e]].seq
+            if seq is not parent:
+                self._fork(parent, seq)
+            count = num_accepted[e] + 1
+            masks = None
+            if seq.mask:
+                masks = committed_masks(eng.capture.last, mask_host, e, count, seq.mask == "support")
+                if masks is None:
+                    outputs.append(self.fail(seq, f"mask support exceeded its bound of {eng.capture.last.width}"))
+                    continue
+            reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks)
+            if reason:
+                outputs.append(self.finish(seq, reason))
+        for item in step.items:
+            item.seq.children = []
+            if not item.seq.is_finished:
+                eng.block_manager.truncate(item.seq, item.seq.num_tokens)
+        return outputs
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        copy = self.engine.block_manager.fork(parent, child)
+        if copy is not None:
+            self.engine.pending_copies.append(copy)
+        self.engine.scheduler.add_running(child)
+        child.started = True
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks) -> str | None:
+        """Append committed tokens up to the finish; returns the finish reason or None."""
+        sp = seq.params
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.engine.eos_token_ids))
+        reason, n = None, 0
+        for j, tok in enumerate(tokens):
+            seq.output_token_ids.append(tok)
+            seq.output_logprobs.append(logprobs[j])
+            if masks is not None:
+                seq.support_ids.append(masks[0][j])
+                if seq.support_logprobs is not None:
+                    seq.support_logprobs.append(masks[1][j])
+            n += 1
+            if tok in stops:
+                reason = "stop"
+            elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.engine.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        seq.accept_lengths.append(n)
+        if seq.grammar is not None:
+            seq.grammar.commit(tokens[:n])
+        return reason
+
+    def finish(self, seq: Sequence, reason: str) -> SampleOutput:
+        self.engine.scheduler.finish(seq)
+        self.engine.intake.done(seq)
+        seq.finish_reason = reason
+        return SampleOutput(
+            request_id=seq.request_id, prompt_index=seq.prompt_index, sample_index=seq.sample_index,
+            prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            token_logprobs=seq.output_logprobs, support_ids=seq.support_ids,
+            support_logprobs=seq.support_logprobs, finish_reason=reason,
+            accept_lengths=seq.accept_lengths, policy_version=self.engine.policy_version,
+        )
+
+    def fail(self, seq: Sequence, error: str) -> SampleOutput:
+        """The whole sample fails: no tokens, no partial masks."""
+        out = self.finish(seq, "error")
+        out.token_ids, out.token_logprobs, out.support_ids, out.support_logprobs = [], [], None, None
+        out.accept_lengths, out.error = [], error
+        return out

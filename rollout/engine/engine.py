@@ -1,0 +1,178 @@
+"""The engine: requests in, finished samples out. `step()` is the table of contents.
+
+    schedule -> draft -> forward -> policy -> verify -> capture -> sync -> commit/emit
+
+One step is one target forward over a ragged batch (prefill chunks, decode anchors and
+draft blocks mixed), one Contract-1 policy over the rows that sample, one verification, one
+host synchronisation. The engine is single-threaded: the server calls it from one loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from rollout.engine.batch import StepBatch, build_step
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.config import EngineConfig
+from rollout.engine.intake import Intake
+from rollout.engine.kv import allocate_kv, size_kv_blocks
+from rollout.engine.loader import load_model
+from rollout.engine.outputs import SampleOutput
+from rollout.engine.rows import build_row_params
+from rollout.engine.sampler import policy
+from rollout.engine.scheduler import Scheduler
+from rollout.engine.sequence import Sequence
+from rollout.engine.commit import Committer
+from rollout.engine.weights import WeightUpdater
+from rollout.masks.capture import MaskCapture
+from rollout.spec.proposer import Drafts
+from rollout.spec.verify import VerifyResult, verify
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.loaded = load_model(config.model_path, self.device)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = self.loaded.config.vocab_size
+        self.eos_token_ids = self.loaded.eos_token_ids
+        self.model_name = self.loaded.name
+        self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
+        num_blocks = size_kv_blocks(config, self.loaded.config, self.drafter, self.device)
+        self.kv_caches = allocate_kv(self.loaded.config, num_blocks, config.block_size, self.device,
+                                     self.model.embed_tokens.weight.dtype)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = min(config.max_model_len or self.loaded.config.max_position_embeddings,
+                                 (num_blocks - 1) * config.block_size)
+        num_spec = self.drafter.num_spec if self.drafter else 0
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   num_spec)
+        self.intake = Intake(self, random.Random())
+        self.capture = MaskCapture()
+        self.weights = WeightUpdater(self)
+        self.committer = Committer(self)
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # -- public API (see rollout.server) --------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self.weights.version
+
+    def add_request(self, request_id: str, prompts: list[list[int]], params, n: int = 1,
+                    mask: str | None = None, grammar=None) -> None:
+        """Validate everything, then queue n samples of every prompt. Raises InvalidArgument
+        (naming the field) or ResourceExhausted before any work is done."""
+        self.intake.add(request_id, prompts, params, n, mask, grammar)
+
+    def abort(self, request_id: str) -> list[SampleOutput]:
+        """Stop a request now and free its KV blocks; returns its unfinished samples."""
+        return [self.committer.finish(s, "abort") for s in self.intake.pop_unfinished(request_id)]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.weights.pending
+
+    def kv_blocks(self) -> tuple[int, int]:
+        return self.block_manager.num_free_blocks, self.block_manager.num_blocks
+
+    def update_weights(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
+        """Validate now; apply once running samples drained (see WeightUpdater)."""
+        self.weights.submit(state, draft_state)
+
+    def weight_update_pending(self) -> bool:
+        return self.weights.pending
+
+    def info(self) -> dict:
+        free, total = self.kv_blocks()
+        return dict(model=self.model_name, drafter=self.drafter_name, vocab_size=self.vocab_size,
+                    eos_token_ids=list(self.eos_token_ids), spec_method=self.config.spec,
+                    spec_block_size=self.drafter.block if self.drafter else 0,
+                    max_model_len=self.max_model_len, max_mask_tokens=self.config.max_mask_tokens,
+                    max_queued_samples=self.config.max_queued_samples,
+                    max_num_seqs=self.config.max_num_seqs, policy_version=self.policy_version,
+                    kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[SampleOutput]:
+        self.weights.apply_if_drained()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        drafts = self._draft(plan)
+        step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device)
+        result, captured = self._run(step, drafts)
+        host = _to_host(result, captured)
+        return self.committer.commit(step, host)
+
+    def _draft(self, plan) -> Drafts:
+        if self.drafter is None:
+            return Drafts(torch.zeros(0, dtype=torch.int64, device=self.device), [0] * len(plan))
+        return self.drafter.propose(plan, [it.seq.block_table for it in plan])
+
+    @torch.inference_mode()
+    def _run(self, step: StepBatch, drafts: Drafts):
+        self._copy_pending_blocks()
+        input_ids = step.input_ids.index_put((step.draft_token_index,), drafts.tokens)
+        layer_ids = self.drafter.target_layer_ids if self.drafter else ()
+        hidden, aux = self.model(input_ids, step.meta, self.kv_caches, layer_ids)
+        if self.drafter is not None:
+            self.drafter.update_context(aux, step.meta)
+        if not step.entries:
+            return None, None
+        logits = self.model.compute_logits(hidden[step.logits_index])  # [R, V]
+        bitmask = self.intake.grammar_bitmask(step, drafts)
+        rows = build_row_params(step, drafts.tokens, self.vocab_size, self.eos_token_ids, bitmask, self.device)
+        pol = policy(logits, rows)
+        seeds = torch.tensor([s.seed for s in step.entries], device=self.device)[step.row_entry]
+        result = verify(pol, drafts.tokens, drafts.q, step.num_draft, step.cu_rows, step.judge_row,
+                        step.draft_of_row, seeds, step.row_position)
+        return result, self.capture.capture(pol, step)
+
+    def _copy_pending_blocks(self) -> None:
+        if not self.pending_copies:
+            return
+        src = torch.tensor([s for s, _ in self.pending_copies], device=self.device)
+        dst = torch.tensor([d for _, d in self.pending_copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+        if self.drafter is not None:
+            self.drafter.copy_blocks(self.pending_copies)
+        self.pending_copies = []
+
+    def new_sequence(self, **kw) -> Sequence:
+        return self.intake.new_sequence(**kw)
+
+
+def _to_host(result: VerifyResult | None, captured):
+    """The step's one device -> host synchronisation: committed tokens, logprobs and
+    acceptance counts, plus the packed masks when the batch has mask requests."""
+    if result is None:
+        return None
+    tensors = [result.tokens, result.logprobs, result.num_accepted]
+    if captured is not None:
+        tensors += list(captured.tensors())
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    if tensors[0].is_cuda:
+        torch.cuda.current_stream().synchronize()
+    return host
+
+
+def _build_drafter(config: EngineConfig, loaded):
+    if config.spec == "none":
+        return None, ""
+    from rollout.spec.draft_model import load_drafter
+    from rollout.spec.proposer import BlockDrafter
+
+    path = config.draft_path
+    model = load_drafter(path, loaded, kind=config.spec, block_size=config.spec_block_size,
+                         device=loaded.model.embed_tokens.weight.device,
+                         dtype=loaded.model.embed_tokens.weight.dtype)
+    return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold), path.name

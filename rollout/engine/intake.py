@@ -1,0 +1,121 @@
+"""Requests entering the engine: validation before any work, samples and their seeds,
+grammar states, and the bookkeeping of which samples each request still has running."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from rollout.engine.params import SamplingParams, validate_mask_request
+from rollout.engine.sequence import Sequence
+from rollout.errors import InvalidArgument, ResourceExhausted
+
+_M64 = (1 << 64) - 1
+
+
+def sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
+    """splitmix64 of (base, prompt, sample): distinct, reproducible per-sample seeds."""
+    x = (base ^ (prompt_index * 0x9E3779B97F4A7C15) ^ (sample_index * 0xBF58476D1CE4E5B9)) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return (x ^ (x >> 31)) >> 1  # 63 bits
+
+
+class Intake:
+    def __init__(self, engine, rng: random.Random):
+        self.engine = engine
+        self.rng = rng
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_unfinished = 0
+        self._next_id = 0
+        self._grammars = None
+
+    def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+            mask: str | None, grammar) -> None:
+        eng = self.engine
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument("request_id", "must be a non-empty string")
+        if request_id in self.requests:
+            raise InvalidArgument("request_id", f"{request_id!r} is already running")
+        if not prompts:
+            raise InvalidArgument("prompts", "at least one prompt is required")
+        if not isinstance(n, int) or n < 1:
+            raise InvalidArgument("n", f"must be an integer >= 1, got {n!r}")
+        params.validate(eng.vocab_size)
+        validate_mask_request(mask or None, params, eng.config.max_mask_tokens)
+        for i, prompt in enumerate(prompts):
+            self._check_prompt(i, prompt, params)
+        compiled = self.grammars().compile(grammar) if grammar is not None else None
+        total = n * len(prompts)
+        if self.num_unfinished + total > eng.config.max_queued_samples:
+            raise ResourceExhausted(
+                f"queue full: {self.num_unfinished} samples queued, {total} more would exceed "
+                f"max_queued_samples={eng.config.max_queued_samples}")
+        base = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        seqs = []
+        for p, prompt in enumerate(prompts):
+            group = [self.new_sequence(request_id=request_id, prompt_index=p, sample_index=s,
+                                       prompt_token_ids=list(prompt), params=params,
+                                       seed=sample_seed(base, p, s), mask=mask or None,
+                                       grammar=self.grammars().state(compiled) if compiled else None)
+                     for s in range(n)]
+            group[0].children = group[1:]
+            eng.scheduler.add(group[0])
+            seqs += group
+        self.requests[request_id] = seqs
+        self.num_unfinished += total
+
+    def _check_prompt(self, i: int, prompt, params: SamplingParams) -> None:
+        eng = self.engine
+        if not prompt:
+            raise InvalidArgument(f"prompts[{i}]", "is empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < eng.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompts[{i}]", f"token id {bad[0]!r} is outside the vocabulary [0, {eng.vocab_size})")
+        if len(prompt) + params.max_tokens > eng.max_model_len:
+            raise InvalidArgument(
+                f"prompts[{i}]", f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                f"the context of {eng.max_model_len} tokens")
+
+    def new_sequence(self, **kw) -> Sequence:
+        self._next_id += 1
+        return Sequence(seq_id=self._next_id, **kw)
+
+    def done(self, seq: Sequence) -> None:
+        seqs = self.requests.get(seq.request_id)
+        if seqs is None or seq not in seqs:
+            return
+        seqs.remove(seq)
+        self.num_unfinished -= 1
+        if not seqs:
+            del self.requests[seq.request_id]
+
+    def pop_unfinished(self, request_id: str) -> list[Sequence]:
+        return list(self.requests.get(request_id, []))
+
+    def grammars(self):
+        if self._grammars is None:
+            from rollout.spec.grammar import GrammarCompilerCache
+
+            eng = self.engine
+            self._grammars = GrammarCompilerCache(eng.tokenizer, eng.vocab_size, eng.eos_token_ids)
+        return self._grammars
+
+    def grammar_bitmask(self, step, drafts) -> torch.Tensor | None:
+        """One bitmask row per verify row of grammar samples (state after the earlier drafts);
+        None when no sample in the step has a grammar. Reads the drafts on the host."""
+        with_grammar = [e for e, s in enumerate(step.entries) if s.grammar is not None]
+        if not with_grammar:
+            return None
+        from rollout.spec.grammar import new_bitmask
+
+        draft_list = drafts.tokens.tolist()
+        offsets = [0]
+        for k in step.num_draft:
+            offsets.append(offsets[-1] + k)
+        bitmask = new_bitmask(step.cu_rows[-1], self.engine.vocab_size)
+        for e in with_grammar:
+            own = draft_list[offsets[e] : offsets[e] + step.num_draft[e]]
+            step.entries[e].grammar.fill_verify_bitmask(own, bitmask, step.cu_rows[e])
+        return bitmask.to(self.engine.device, non_blocking=True)

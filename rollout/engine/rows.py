@@ -1,0 +1,94 @@
+"""Per-row sampling parameters for one step (host -> device), the input of Contract 1.
+
+Row r of a step belongs to sampling entry e (a sample) and predicts output index
+`num_output(e) + (r - cu_rows[e])`; its conditioning prefix is the sample's committed
+tokens plus the drafts before it, so penalty counts include those drafts (Contract 2).
+Processors no row needs are left out entirely.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.engine.batch import StepBatch
+from rollout.engine.sampler import RowParams
+
+
+def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int, eos_ids: list[int],
+                     bitmask: torch.Tensor | None, device: torch.device) -> RowParams:
+    """drafts: [D] int64 flattened draft tokens on the device."""
+    temp, top_k, top_p, min_p = [], [], [], []
+    bias_r, bias_t, bias_v, ban_r, ban_t = [], [], [], [], []
+    pen_entries = []
+    for e, seq in enumerate(step.entries):
+        sp = seq.params
+        rows = range(step.cu_rows[e], step.cu_rows[e + 1])
+        n = len(rows)
+        greedy = sp.greedy
+        temp += [1.0 if greedy else sp.temperature] * n
+        top_k += [1 if greedy else (sp.top_k if sp.top_k > 0 else vocab_size)] * n
+        top_p += [1.0 if greedy else sp.top_p] * n
+        min_p += [0.0 if greedy else sp.min_p] * n
+        for tok, b in sp.logit_bias.items():
+            bias_r += rows
+            bias_t += [tok] * n
+            bias_v += [float(b)] * n
+        if sp.min_tokens:
+            stops = list(dict.fromkeys([*eos_ids, *sp.stop_token_ids]))
+            for j, r in enumerate(rows):
+                if seq.num_output_tokens + j < sp.min_tokens:
+                    ban_r += [r] * len(stops)
+                    ban_t += stops
+        if sp.has_penalties:
+            pen_entries.append(e)
+    as_f = lambda x: torch.tensor(x, dtype=torch.float32).to(device, non_blocking=True)  # noqa: E731
+    as_i = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+    params = RowParams(temperature=as_f(temp), top_k=as_i(top_k), top_p=as_f(top_p), min_p=as_f(min_p))
+    if bias_r:
+        params.bias = (as_i(bias_r), as_i(bias_t), as_f(bias_v))
+    if ban_r:
+        params.banned = (as_i(ban_r), as_i(ban_t))
+    if pen_entries:
+        params.counts, params.penalties = _penalty_counts(step, pen_entries, drafts, vocab_size, device)
+    params.bitmask = bitmask
+    return params
+
+
+def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tensor, vocab_size: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts [R, V]: prompt + output tokens of the row's sample plus the drafts before the
+    row; penalties [R, 3] (rows of samples without penalties stay neutral)."""
+    num_rows = step.cu_rows[-1]
+    pen = torch.tensor([[1.0, 0.0, 0.0]]).repeat(num_rows, 1)
+    tok_rows, toks, draft_rows, draft_idx = [], [], [], []
+    draft_base = _draft_offsets(step)
+    for e in pen_entries:
+        seq = step.entries[e]
+        sp = seq.params
+        r0, r1 = step.cu_rows[e], step.cu_rows[e + 1]
+        pen[r0:r1] = torch.tensor([sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty])
+        history = seq.prompt_token_ids + seq.output_token_ids
+        for r in range(r0, r1):
+            tok_rows += [r] * len(history)
+            toks += history
+            for j in range(r - r0):  # drafts d_1 .. d_{r-r0} precede row r
+                draft_rows.append(r)
+                draft_idx.append(draft_base[e] + j)
+    counts = torch.zeros(num_rows, vocab_size, device=device)
+    ones = torch.ones(len(toks), device=device)
+    counts.index_put_((torch.tensor(tok_rows, device=device), torch.tensor(toks, device=device)), ones,
+                      accumulate=True)
+    if draft_rows:
+        dr = torch.tensor(draft_rows, device=device)
+        counts.index_put_((dr, drafts[torch.tensor(draft_idx, device=device)]),
+                          torch.ones(len(draft_rows), device=device), accumulate=True)
+    return counts, pen.to(device)
+
+
+def _draft_offsets(step: StepBatch) -> list[int]:
+    """Flat index of each entry's first draft (entries without drafts get the running total)."""
+    out, total = [], 0
+    for k in step.num_draft:
+        out.append(total)
+        total += k
+    return out

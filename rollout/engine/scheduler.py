@@ -1,0 +1,133 @@
+"""Continuous batching under a token budget. Pure Python, no torch.
+
+The scheduler allocates *tokens*, not modes: every running sequence has `num_tokens`
+tokens of which `num_computed_tokens` have KV in the cache, and a step lets it catch up by
+a chunk (prefill, chunked under the step's token budget; recompute after preemption) or,
+once caught up but for its last token, by that token plus up to `num_spec` draft tokens
+(a decode / verify step). Admission needs free KV blocks; when blocks run out the most
+recently admitted sequence is preempted (blocks freed, recomputed later), so the oldest
+work always progresses and nothing deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens [num_computed, num_computed +
+    num_new_tokens); `num_draft` > 0 only for decode steps (room for that many drafts)."""
+
+    seq: Sequence
+    num_new_tokens: int
+    num_draft: int = 0
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token, so it samples."""
+        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_spec: int = 0):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_spec = num_spec
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.admission_paused = False
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_started_work(self) -> bool:
+        """True while any sample that began under the current weights is unfinished."""
+        return bool(self.running) or any(s.started for s in self.waiting)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            item = self._plan(seq, budget)
+            if self._reserve(item):
+                batch.append(item)
+                budget -= item.num_new_tokens + item.num_draft
+                i += 1
+            elif not self._preempt_last(keep=seq):
+                break
+        self._admit(batch, budget)
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished or aborted sequence's blocks at once."""
+        seq.status = SeqStatus.FINISHED
+        self.bm.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample joins the running set right behind its parent."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _plan(self, seq: Sequence, budget: int) -> ScheduledSeq:
+        behind = seq.num_tokens - seq.num_computed_tokens
+        if behind > 1:
+            return ScheduledSeq(seq, min(behind, budget))
+        num_draft = max(0, min(self.num_spec, seq.remaining_tokens - 1, budget - 1))
+        return ScheduledSeq(seq, 1, num_draft)
+
+    def _reserve(self, item: ScheduledSeq) -> bool:
+        seq = item.seq
+        end = seq.num_computed_tokens + item.num_new_tokens + item.num_draft
+        extra = len(seq.children) if item.samples else 0  # forked samples may each copy one block
+        if self.bm.blocks_needed(seq, end) + extra > self.bm.num_free_blocks:
+            return False
+        return self.bm.ensure_slots(seq, end)
+
+    def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.admission_paused and not seq.started:
+                break  # a weight update is draining: only samples already under way continue
+            if not seq.block_table:
+                seq.num_computed_tokens = self.bm.allocate_prompt(seq)
+            item = self._plan(seq, budget)
+            if not self._reserve(item):
+                self.bm.free(seq)
+                if not self.running:
+                    raise RuntimeError("KV cache too small for one step of a single sequence")
+                break
+            self.waiting.popleft()
+            seq.started = True
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.append(item)
+            budget -= item.num_new_tokens + item.num_draft
+
+    def _preempt_last(self, keep: Sequence) -> bool:
+        """Preempt the newest running sequence (recompute later). Returns False when
+        `keep` itself had to go (nothing else left to take blocks from)."""
+        victim = self.running.pop()
+        self.bm.free(victim)
+        victim.status = SeqStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim is not keep

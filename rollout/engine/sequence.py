@@ -1,0 +1,86 @@
+"""Per-sample request state: tokens, KV bookkeeping, captured masks. Pure Python, no torch.
+
+A `Sequence` is one (prompt, sample) of a request. The n samples of one prompt start as a
+single sequence (sample 0) that prefills the prompt once; when its prompt is computed the
+engine forks the other n-1 from it, sharing the prompt's KV blocks (see BlockManager.fork).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.engine.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    mask: str | None = None
+    grammar: Any = None  # rollout.spec.grammar.GrammarState
+    children: list[Sequence] = field(default_factory=list)  # samples forked once the prompt is computed
+    started: bool = False  # admitted at least once (its tokens belong to policy_version)
+    policy_version: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    support_ids: list[list[int]] | None = None
+    support_logprobs: list[list[float]] | None = None
+    accept_lengths: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def __post_init__(self):
+        if self.mask:
+            self.support_ids = []
+            if self.mask == "support":
+                self.support_logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)

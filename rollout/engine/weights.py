@@ -1,0 +1,72 @@
+"""Weight updates without mixing policies inside a sample.
+
+`submit` validates the new state (every name known, shapes equal, floating dtypes) before
+anything changes, then pauses admission of new samples. Samples already under way run to
+the end on the old weights (draining); when none is left the update is applied between two
+steps, `policy_version` increments, cached prompt prefixes (computed with the old weights)
+are dropped, and admission resumes. Every sample is stamped with the version current when it
+finishes, which is the version it ran under from its first token to its last.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.engine.loader import _param_slots, load_state_into
+from rollout.errors import InvalidArgument
+
+
+def validate_state(model: torch.nn.Module, state: dict[str, torch.Tensor], field: str) -> None:
+    """Every tensor must name a parameter of `model` and match its shape; floating dtypes only."""
+    slots, aliases = _param_slots(model)
+    if not state:
+        raise InvalidArgument(field, "no tensors given")
+    for name, tensor in state.items():
+        key = name.removeprefix("model.")
+        if key not in slots and key not in aliases:
+            raise InvalidArgument(field, f"unknown tensor {name!r}")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise InvalidArgument(field, f"tensor {name!r} must be a floating tensor, got "
+                                         f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+        if key in slots:
+            param, rows = slots[key]
+            want = tuple((param.data if rows is None else param.data[rows]).shape)
+            if tuple(tensor.shape) != want:
+                raise InvalidArgument(field, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+
+
+class WeightUpdater:
+    def __init__(self, engine):
+        self.engine = engine
+        self.version = 0
+        self._pending: tuple[dict, dict | None] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def submit(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
+        eng = self.engine
+        validate_state(eng.model, state, "weights")
+        if draft_state:
+            if eng.drafter is None:
+                raise InvalidArgument("draft_weights", "this server runs no drafter (--spec none)")
+            validate_state(eng.drafter.model, draft_state, "draft_weights")
+        if self._pending is not None:
+            raise InvalidArgument("weights", "another weight update is still draining")
+        self._pending = (state, draft_state)
+        eng.scheduler.admission_paused = True
+
+    def apply_if_drained(self) -> bool:
+        eng = self.engine
+        if self._pending is None or eng.scheduler.has_started_work():
+            return False
+        state, draft_state = self._pending
+        load_state_into(eng.model, state, strict=False)
+        if draft_state:
+            load_state_into(eng.drafter.model, draft_state, strict=False)
+        eng.block_manager.reset_prefix_cache()
+        self.version += 1
+        self._pending = None
+        eng.scheduler.admission_paused = False
+        return True

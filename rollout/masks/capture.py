@@ -1,0 +1,67 @@
+"""Mask capture after acceptance (DESIGN.md Contract 3).
+
+Reads the very policy rows verification used (no recomputation), for the samples that
+asked for masks only, packs them on the device to the batch's largest requested width and
+hands them to the step's one host copy. The host side keeps exactly the committed rows.
+A batch without mask requests runs none of this: `capture` returns before touching a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.sampler import Policy
+from rollout.masks.pack import pack_supports, unpack_supports
+
+
+@dataclass
+class Captured:
+    ids: torch.Tensor  # [M, W] int32 packed supports of the mask rows (-1 pad)
+    logp: torch.Tensor  # [M, W] float32
+    lens: torch.Tensor  # [M] int32 support lengths (> W means overflow)
+    first_row: dict[int, int]  # entry -> its first packed row
+    width: int
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.ids, self.logp, self.lens
+
+
+def mask_width(entries) -> int:
+    """The batch's largest requested support bound: top_k, or 1 for greedy samples."""
+    return max(1 if s.params.greedy else s.params.top_k for s in entries)
+
+
+class MaskCapture:
+    def __init__(self):
+        self.num_captures = 0
+        self.last: Captured | None = None
+
+    def capture(self, pol: Policy, step) -> Captured | None:
+        entries = [e for e, s in enumerate(step.entries) if s.mask]
+        if not entries:
+            self.last = None
+            return None
+        self.num_captures += 1
+        first_row, rows = {}, []
+        for e in entries:
+            first_row[e] = len(rows)
+            rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
+        width = mask_width([step.entries[e] for e in entries])
+        index = torch.tensor(rows, device=pol.sorted_ids.device)
+        cols = min(width + 1, pol.sorted_ids.shape[1])
+        ids, logp, lens = pack_supports(pol.sorted_ids[:, :cols][index], pol.sorted_logp[:, :cols][index], width)
+        self.last = Captured(ids, logp, lens, first_row, width)
+        return self.last
+
+
+def committed_masks(cap: Captured, host: list, e: int, count: int, with_logprobs: bool):
+    """Host side: the masks of entry e's first `count` committed tokens, or None when one of
+    them overflowed its bound (the sample then fails as a whole)."""
+    ids, logp, lens = host
+    r0 = cap.first_row[e]
+    lens_e = lens[r0 : r0 + count]
+    if bool((lens_e > cap.width).any()):
+        return None
+    return unpack_supports(ids[r0 : r0 + count], logp[r0 : r0 + count], lens_e, with_logprobs)

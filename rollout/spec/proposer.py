@@ -1,0 +1,153 @@
+"""Drafters on the engine side: the extension point, and the DFlash / DSpark block drafter.
+
+A `Drafter` proposes, in one batched call, a draft block for every sample in a decode step
+(anchor = its last committed token, context = what the target already processed) together
+with the distributions `q` the drafts were drawn from (None = deterministic, one-hot q), and
+keeps its own context state up to date from the target's hidden states after each step.
+New drafter kinds subclass `Drafter`.
+
+`BlockDrafter` runs a `DraftModel` (DFlash, or DSpark with its Markov and confidence heads).
+Its per-layer context K/V live in a paged cache indexed by the target's own block tables
+and slots, so prefix sharing, forks and preemption need no extra bookkeeping: after every
+target forward the projected K/V of every processed token are written at that token's
+slot. Rejected drafts leave K/V past the committed end; they are never read (the next
+block's context stops before its anchor) and are overwritten when that position commits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
+from rollout.engine.scheduler import ScheduledSeq
+from rollout.spec.draft_model import DraftModel
+
+
+@dataclass
+class Drafts:
+    tokens: torch.Tensor  # [D] int64 drafts of all decode items, flattened in item order
+    num_per_item: list[int]  # drafts carried by each scheduled item (0 for prefill chunks)
+    q: torch.Tensor | None = None  # [D, V] float32 proposal distributions, None = one-hot
+
+
+class Drafter(ABC):
+    """The drafter extension point (see module docstring)."""
+
+    num_spec: int  # the most drafts per block
+    target_layer_ids: tuple[int, ...]
+
+    @abstractmethod
+    def bytes_per_block(self, block_size: int) -> int: ...
+
+    @abstractmethod
+    def allocate(self, num_blocks: int, block_size: int) -> None: ...
+
+    @abstractmethod
+    def propose(self, items: list[ScheduledSeq], block_tables: list[list[int]]) -> Drafts: ...
+
+    @abstractmethod
+    def update_context(self, target_aux: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+    @abstractmethod
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
+
+
+class BlockDrafter(Drafter):
+    """DFlash / DSpark: one non-causal forward drafts a whole block."""
+
+    def __init__(self, model: DraftModel, block_size: int | None = None, confidence_threshold: float = 0.0):
+        self.model = model
+        self.block = block_size or model.config.block_size
+        self.num_spec = self.block - 1
+        self.target_layer_ids = tuple(model.config.target_layer_ids)
+        self.threshold = confidence_threshold if model.config.kind == "dspark" else 0.0
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_proposals = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    def bytes_per_block(self, block_size: int) -> int:
+        bb = self.model.config.backbone
+        elem = self.model.fc.weight.element_size()
+        return 2 * bb.num_hidden_layers * block_size * bb.num_key_value_heads * bb.head_dim * elem
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        bb = self.model.config.backbone
+        shape = (num_blocks, block_size, bb.num_key_value_heads, bb.head_dim)
+        kw = dict(dtype=self.model.fc.weight.dtype, device=self.device)
+        self.caches = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.model.layers]
+
+    @torch.inference_mode()
+    def update_context(self, target_aux: torch.Tensor, meta: AttentionMetadata) -> None:
+        # target_aux: [T, n * Ht] -> per-layer K/V written at the tokens' own slots
+        ctx = self.model.project_context(target_aux)
+        for (k, v), (k_cache, v_cache) in zip(self.model.context_kv(ctx, meta.positions), self.caches):
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k_cache, v_cache in self.caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def propose(self, items: list[ScheduledSeq], block_tables: list[list[int]]) -> Drafts:
+        rows = [i for i, it in enumerate(items) if it.num_draft > 0]
+        if not rows:
+            return Drafts(torch.zeros(0, dtype=torch.int64, device=self.device), [0] * len(items))
+        self.num_proposals += 1
+        dev = self.device
+        seqs = [items[i].seq for i in rows]
+        anchor_pos = torch.tensor([s.num_computed_tokens for s in seqs], device=dev)  # [S]
+        anchors = torch.tensor([s.last_token for s in seqs], device=dev)  # [S]
+        width = max(len(block_tables[i]) for i in rows)
+        table = torch.zeros(len(rows), width, dtype=torch.int64)
+        for j, i in enumerate(rows):
+            table[j, : len(block_tables[i])] = torch.tensor(block_tables[i])
+        table = table.to(dev)
+        ctx_len = max(s.num_computed_tokens for s in seqs)
+        ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
+        ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
+        block_ids = torch.full((len(rows), self.block), self.model.config.mask_token_id, device=dev)
+        block_ids[:, 0] = anchors
+        positions = anchor_pos[:, None] + torch.arange(self.block, device=dev)  # [S, B]
+        hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
+        logits = self.model.logits(hidden)  # [S, B-1, V]
+        drafts, keep = self._choose(logits, hidden, anchors)
+        limit = [items[i].num_draft for i in rows]
+        counts = self._lengths(keep, limit)
+        flat = torch.cat([drafts[j, :k] for j, k in enumerate(counts)])
+        per_item = [0] * len(items)
+        for j, i in enumerate(rows):
+            per_item[i] = counts[j]
+        return Drafts(flat, per_item)
+
+    def _choose(self, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor):
+        """Greedy drafts; DSpark walks the block left to right adding its Markov bias and
+        scores each position's confidence. Returns drafts [S, B-1] and keep [S, B-1] or None."""
+        if self.model.config.kind != "dspark":
+            return logits.argmax(dim=-1), None
+        prev, drafts, conf = anchors, [], []
+        for i in range(logits.shape[1]):
+            bias, emb = self.model.markov_bias(prev)
+            prev = (logits[:, i] + bias).argmax(dim=-1)
+            drafts.append(prev)
+            if self.threshold > 0:
+                conf.append(self.model.confidence(hidden[:, i], emb))
+        keep = torch.stack(conf, dim=1) >= self.threshold if conf else None
+        return torch.stack(drafts, dim=1), keep
+
+    @staticmethod
+    def _lengths(keep: torch.Tensor | None, limit: list[int]) -> list[int]:
+        """Draft length per sample: its limit, cut at the first position below the
+        confidence threshold (one small host read, only when a threshold is set)."""
+        if keep is None:
+            return limit
+        run = keep.int().cumprod(dim=1).sum(dim=1).tolist()
+        return [min(a, b) for a, b in zip(run, limit)]
