@@ -168,7 +168,7 @@ def _to_host(result: VerifyResult | None, captured):
 def _build_drafter(config: EngineConfig, loaded):
     if config.spec == "none":
         return None, ""
-    from rollout.spec.draft_model import load_drafter
+    from rollout.spec.draft_loader import load_drafter
     from rollout.spec.proposer import BlockDrafter
 
     path = config.draft_path

@@ -46,7 +46,8 @@ class Intake:
         validate_mask_request(mask or None, params, eng.config.max_mask_tokens)
         for i, prompt in enumerate(prompts):
             self._check_prompt(i, prompt, params)
-        compiled = self.grammars().compile(grammar) if grammar is not None else None
+        if grammar is not None:
+            self.grammars().compile(grammar)  # refuses a grammar that does not compile
         total = n * len(prompts)
         if self.num_unfinished + total > eng.config.max_queued_samples:
             raise ResourceExhausted(
@@ -58,7 +59,7 @@ class Intake:
             group = [self.new_sequence(request_id=request_id, prompt_index=p, sample_index=s,
                                        prompt_token_ids=list(prompt), params=params,
                                        seed=sample_seed(base, p, s), mask=mask or None,
-                                       grammar=self.grammars().state(compiled) if compiled else None)
+                                       grammar=self._grammar_state(grammar, params) if grammar else None)
                      for s in range(n)]
             group[0].children = group[1:]
             eng.scheduler.add(group[0])
@@ -102,20 +103,24 @@ class Intake:
             self._grammars = GrammarCompilerCache(eng.tokenizer, eng.vocab_size, eng.eos_token_ids)
         return self._grammars
 
+    def _grammar_state(self, grammar, params: SamplingParams):
+        stops = list(dict.fromkeys([*self.engine.eos_token_ids, *params.stop_token_ids]))
+        return self.grammars().new_state(grammar, stops)
+
     def grammar_bitmask(self, step, drafts) -> torch.Tensor | None:
         """One bitmask row per verify row of grammar samples (state after the earlier drafts);
         None when no sample in the step has a grammar. Reads the drafts on the host."""
         with_grammar = [e for e, s in enumerate(step.entries) if s.grammar is not None]
         if not with_grammar:
             return None
-        from rollout.spec.grammar import new_bitmask
+        from rollout.spec.grammar import allocate_bitmask, upload_bitmask
 
         draft_list = drafts.tokens.tolist()
         offsets = [0]
         for k in step.num_draft:
             offsets.append(offsets[-1] + k)
-        bitmask = new_bitmask(step.cu_rows[-1], self.engine.vocab_size)
+        bitmask = allocate_bitmask(step.cu_rows[-1], self.engine.vocab_size)
         for e in with_grammar:
             own = draft_list[offsets[e] : offsets[e] + step.num_draft[e]]
             step.entries[e].grammar.fill_verify_bitmask(own, bitmask, step.cu_rows[e])
-        return bitmask.to(self.engine.device, non_blocking=True)
+        return upload_bitmask(bitmask, self.engine.device)

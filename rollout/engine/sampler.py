@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.spec.grammar import apply_bitmask
+
 PURPOSE_SAMPLE = 1  # the token drawn from p (or from the residual after a rejection)
 PURPOSE_ACCEPT = 2  # the acceptance test of a draft token
 PURPOSE_DRAFT = 3  # a drafter sampling its own proposal from q
@@ -95,17 +97,10 @@ def apply_processors(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
         logits = torch.where(seen, scaled, logits)
         logits -= freq[:, None] * rows.counts + pres[:, None] * seen
     if rows.bitmask is not None:
-        logits.masked_fill_(~unpack_bitmask(rows.bitmask, logits.shape[1]), float("-inf"))
+        apply_bitmask(logits, rows.bitmask)
     if rows.banned is not None:
         logits.index_put_(rows.banned, torch.tensor(float("-inf"), device=logits.device))
     return logits
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, W] int32 (bit j of word w allows token 32w + j) -> [N, V] bool."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [N, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def policy(logits: torch.Tensor, rows: RowParams) -> Policy:
