@@ -67,6 +67,17 @@ def test_greedy_singleton():
     assert ids.tolist() == [[7, -1, -1, -1]] and logp[0, 0].item() == 0.0 and support_len.tolist() == [1]
 
 
+def test_equal_logprobs_come_out_in_id_order():
+    """Distinct logits can round to one float32 log-prob; the packed row orders those by id."""
+    sorted_ids = torch.tensor([[5, 9, 4, 7, 1, 0], [3, 2, 8, 0, 1, 4]])
+    sorted_logp = torch.tensor(
+        [[-0.5, -2.0, -2.0, -2.0, -3.0, float("-inf")], [-0.1, -0.1, -4.0] + [float("-inf")] * 3]
+    )
+    ids, logp, support_len = pack_supports(sorted_ids, sorted_logp, 5)
+    assert ids.tolist() == [[5, 4, 7, 9, 1], [2, 3, 8, -1, -1]]
+    assert logp.tolist() == sorted_logp[:, :5].tolist() and support_len.tolist() == [5, 3]
+
+
 def test_unpack_roundtrip_and_overflow():
     lens = [1, 3, 8, 5]
     sorted_ids, sorted_logp = _sorted_policy(len(lens), 16, lens, seed=3)

@@ -1,12 +1,15 @@
 """The one mask packer (DESIGN.md Contract 3): device-side supports -> fixed-width rows -> host lists.
 
 After acceptance the engine holds, for every committed position that asked for a mask, the
-policy's token ids sorted by probability (desc, ties by id) and their log-probs, with -inf
-outside the support. Because the order is descending, every support is a prefix of its row,
-so packing to the batch's largest requested top_k is a slice, a pad and a finite count over
-`width + 1` columns: no sort, no scatter, nothing proportional to the vocabulary. The packed
-tensors go to the host in the step's one copy; `unpack_supports` turns them into the
-per-token lists that `SampleOutput` carries.
+policy's token ids sorted by probability (desc) and their log-probs, with -inf outside the
+support. Because the order is descending, every support is a prefix of its row, so packing
+to the batch's largest requested top_k works on `width + 1` columns only: nothing
+proportional to the vocabulary. One small sort over those columns puts equal log-probs in
+id order: the engine sorts by logits, and float32 rounding in `z - logsumexp` can make two
+distinct logits return the same log-prob (about once per position at top_k 4096), which
+would otherwise break "ties by id" in the values the trainer sees. The packed tensors go to
+the host in the step's one copy; `unpack_supports` turns them into the per-token lists that
+`SampleOutput` carries.
 """
 
 from __future__ import annotations
@@ -20,11 +23,10 @@ from torch import Tensor
 def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
     """Pack sorted supports to `width` columns on their device.
 
-    sorted_ids: [N, V] int64, each row's token ids sorted by probability desc (ties by id);
+    sorted_ids: [N, V] int64, each row's token ids sorted by probability desc;
     V may be the vocabulary or any prefix of it that still covers the supports plus one column.
-    sorted_logp: [N, V] float32 log-probs in the same order, -inf outside the support. Sort by
-    these very values (e.g. a stable descending sort of an id-ordered row): float32 rounding can
-    make two close probabilities equal here, and the validator checks ties by id on them.
+    sorted_logp: [N, V] float32 log-probs in the same order (non-increasing), -inf outside
+    the support.
 
     Returns ids [N, width] int32 (-1 pad), logp [N, width] float32 (-inf pad) and
     support_len [N] int32. `support_len` is exact up to `width`; a row whose support is longer
@@ -41,7 +43,16 @@ def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> tuple[
     if v < width:
         ids = F.pad(ids, (0, width - v), value=-1)
         logp = F.pad(logp, (0, width - v), value=float("-inf"))
+    ids, logp = _ties_by_id(ids, logp)
     return ids.contiguous(), logp.contiguous(), support_len
+
+
+def _ties_by_id(ids: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
+    """Reorder each run of equal log-probs by ascending id. ids, logp: [N, W], logp non-increasing."""
+    new_run = torch.ne(logp[:, 1:], logp[:, :-1])  # [N, W-1]
+    run = F.pad(torch.cumsum(new_run, dim=1, dtype=torch.int64), (1, 0))  # [N, W] run index
+    order = torch.sort((run << 32) + ids.to(torch.int64) + 1, dim=1).indices  # [N, W]
+    return ids.gather(1, order), logp.gather(1, order)
 
 
 def unpack_supports(
