@@ -11,7 +11,8 @@ device (DESIGN.md Contract 1, step 1: the grammar is one of the processors).
 
 Special tokens (MASK, padding, reserved, EOS) enter xgrammar with an empty spelling, which
 makes them special: never allowed inside the grammar's text; stop tokens only where the
-grammar may end. Needs xgrammar >= 0.2 (unbounded matcher rollback).
+grammar may end. Needs an xgrammar whose matcher rollback is unbounded (mlc-ai/xgrammar#385,
+mid-2025; tested with 0.2.9): older releases bounded it by `max_rollback_tokens`.
 """
 
 from __future__ import annotations
