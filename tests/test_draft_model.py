@@ -116,6 +116,23 @@ def test_save_load_round_trip(target, kind, tmp_path):
     assert load_drafter(tmp_path, target, block_size=8).config.block_size == 8
 
 
+def test_published_config_layout_loads(target, tmp_path):
+    """Top-level block_size, dflash_config without it, HF extras, and `model.`-prefixed tensors."""
+    save_drafter(_drafter(target, "dflash"), tmp_path / "ours")
+
+    def published(d):
+        del d["dflash_config"]["block_size"], d["target_hidden_size"]
+        d.update(block_size=16, num_target_layers=2, layer_types=["full_attention"] * 2,
+                 use_sliding_window=False, sliding_window=None, auto_map={"AutoModel": "dflash.Model"})
+
+    def prefixed(state):
+        for name in list(state):
+            state["model." + name] = state.pop(name)
+
+    d = load_drafter(_edit(tmp_path / "ours", tmp_path / "pub", config=published, tensors=prefixed), target)
+    assert (d.config.kind, d.config.block_size, d.config.target_layer_ids) == ("dflash", 16, (0, 1))
+
+
 def _edit(src, dst, config=None, tensors=None):
     shutil.copytree(src, dst)
     if config is not None:
@@ -174,7 +191,7 @@ def test_kind_and_hidden_size_mismatch_refused(target, tmp_path):
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_random_drafter_for_small_target(target, kind):
     a, b = random_drafter(target, kind, 8, seed=3), random_drafter(target, kind, 8, seed=3)
-    assert a.config.target_layer_ids == (1,) and a.config.mask_token_id == 263
+    assert a.config.target_layer_ids == (1,) and a.config.mask_token_id == 258  # the tokenizer's <|mask|>
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     H, D = a.config.hidden_size, a.config.head_dim
     with torch.no_grad():

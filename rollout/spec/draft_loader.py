@@ -140,14 +140,16 @@ def random_drafter(target: LoadedModel, kind: str, block_size: int, num_layers: 
     """An untrained drafter shaped like `target`'s layers (for tests and as a training start).
 
     DSpark copies the target's embeddings and LM head into its own. The mask id defaults to
-    the last vocabulary id, the layer ids to the published spread.
+    the tokenizer's mask token (else the last vocabulary id), the layer ids to the published spread.
     """
     t = target.config
+    if mask_token_id is None:
+        mask_token_id = _tokenizer_mask_id(target)
     backbone = dataclasses.replace(t, model_type="qwen3", num_hidden_layers=num_layers,
                                    tie_word_embeddings=False, attention_bias=False)
     cfg = DraftConfig(
         kind=kind, block_size=block_size,
-        mask_token_id=t.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids or default_target_layer_ids(t.num_hidden_layers, num_layers),
         target_hidden_size=t.hidden_size, backbone=backbone,
         markov_rank=markov_rank if kind == "dspark" else 0,
@@ -162,6 +164,14 @@ def random_drafter(target: LoadedModel, kind: str, block_size: int, num_layers: 
             model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
             model.lm_head.weight.copy_(target.model.lm_head.weight)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _tokenizer_mask_id(target: LoadedModel) -> int:
+    for token in ("<|mask|>", "<|MASK|>"):
+        token_id = target.tokenizer.token_to_id(token) if target.tokenizer is not None else None
+        if token_id is not None and token_id < target.config.vocab_size:
+            return token_id
+    return target.config.vocab_size - 1
 
 
 def checkpoint_tensors(model: DraftModel) -> dict[str, Tensor]:
