@@ -133,6 +133,8 @@ def test_mode_requires_masks(rng):
     assert {v.rule for v in check_table(_table([s], mode="selected")).violations} == {"one mask per token"}
     t = _sample(rng, mode="selected")
     assert {v.rule for v in check_table(_table([t], mode="support")).violations} == {"support_logprobs"}
+    u = _sample(rng, mode="support")
+    assert {v.rule for v in check_table(_table([u], mode="selected")).violations} == {"support_logprobs"}
 
 
 def test_schema_must_match(rng):

@@ -146,6 +146,13 @@ def _check_sample(s: _Sample, finish: str, mode: str, bound: int | None, tol: fl
         return out
     for j in np.flatnonzero(~(np.isfinite(s.token_logp) & (s.token_logp <= tol))):
         out.append((int(j), "token_logprobs", f"logprob {s.token_logp[j]} is not a finite value <= 0"))
+    return out + _check_masks(s, mode, bound, tol)
+
+
+def _check_masks(s: _Sample, mode: str, bound: int | None, tol: float) -> list[tuple]:
+    """Presence and alignment of the mask columns, then the per-support rules."""
+    out: list[tuple] = []
+    n = len(s.tokens)
     if s.widths is None:
         if mode in MASK_MODES:
             out.append((None, "one mask per token", f"mask_mode is {mode!r} but support_ids is null"))
@@ -162,6 +169,8 @@ def _check_sample(s: _Sample, finish: str, mode: str, bound: int | None, tol: fl
     elif not np.array_equal(s.lp_widths, s.widths):
         out.append((None, "support_logprobs", "support_logprobs rows are not aligned with support_ids"))
     else:
+        if mode == "selected":
+            out.append((None, "support_logprobs", "mask_mode is 'selected' but support_logprobs is set"))
         out += _check_support_logprobs(s, tol)
     for j in np.flatnonzero((s.widths == 1) & ~(np.abs(s.token_logp) <= tol)):
         out.append((int(j), "greedy singleton", f"support of width 1 with logprob {s.token_logp[j]}, not 0"))
