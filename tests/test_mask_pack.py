@@ -68,14 +68,22 @@ def test_greedy_singleton():
 
 
 def test_equal_logprobs_come_out_in_id_order():
-    """Distinct logits can round to one float32 log-prob; the packed row orders those by id."""
-    sorted_ids = torch.tensor([[5, 9, 4, 7, 1, 0], [3, 2, 8, 0, 1, 4]])
+    """Distinct logits can round to one float32 log-prob; unpacking orders those runs by id."""
+    inf = float("-inf")
+    sorted_ids = torch.tensor([[5, 9, 4, 7, 1, 0], [3, 2, 8, 0, 1, 4], [1, 2, 3, 4, 5, 6]])
     sorted_logp = torch.tensor(
-        [[-0.5, -2.0, -2.0, -2.0, -3.0, float("-inf")], [-0.1, -0.1, -4.0] + [float("-inf")] * 3]
+        [
+            [-0.5, -2.0, -2.0, -2.0, -3.0, inf],
+            [-0.25, -0.25, -4.0, inf, inf, inf],
+            [-1.0, -1.0, -2.0, inf, inf, inf],
+        ]
     )
     ids, logp, support_len = pack_supports(sorted_ids, sorted_logp, 5)
-    assert ids.tolist() == [[5, 4, 7, 9, 1], [2, 3, 8, -1, -1]]
-    assert logp.tolist() == sorted_logp[:, :5].tolist() and support_len.tolist() == [5, 3]
+    packed = ids.numpy().copy()
+    sup_ids, sup_logp = unpack_supports(ids.numpy(), logp.numpy(), support_len.numpy(), with_logprobs=True)
+    assert sup_ids == [[5, 4, 7, 9, 1], [2, 3, 8], [1, 2, 3]]
+    assert sup_logp == [[-0.5, -2.0, -2.0, -2.0, -3.0], [-0.25, -0.25, -4.0], [-1.0, -1.0, -2.0]]
+    assert np.array_equal(ids.numpy(), packed)  # the caller's host buffers are not reordered
 
 
 def test_unpack_roundtrip_and_overflow():

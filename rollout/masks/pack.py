@@ -3,13 +3,16 @@
 After acceptance the engine holds, for every committed position that asked for a mask, the
 policy's token ids sorted by probability (desc) and their log-probs, with -inf outside the
 support. Because the order is descending, every support is a prefix of its row, so packing
-to the batch's largest requested top_k works on `width + 1` columns only: nothing
-proportional to the vocabulary. One small sort over those columns puts equal log-probs in
-id order: the engine sorts by logits, and float32 rounding in `z - logsumexp` can make two
-distinct logits return the same log-prob (about once per position at top_k 4096), which
-would otherwise break "ties by id" in the values the trainer sees. The packed tensors go to
-the host in the step's one copy; `unpack_supports` turns them into the per-token lists that
-`SampleOutput` carries.
+to the batch's largest requested top_k is a slice, one finite test and a count over
+`width + 1` columns: a handful of kernels, nothing proportional to the vocabulary, no sort.
+The packed tensors go to the host in the step's one copy; `unpack_supports` turns them into
+the per-token lists that `SampleOutput` carries.
+
+Ties: the engine sorts by logits, ties by id; float32 rounding in `z - logsumexp` can still
+give two distinct logits the same returned log-prob (with float32 logits, about once per
+position at top_k 4096; bf16 logits are too coarse for it). `unpack_supports` puts such
+runs in id order on the host, only in the rows that have one, so the values the trainer
+sees are "sorted by probability, ties by id" exactly.
 """
 
 from __future__ import annotations
@@ -35,30 +38,23 @@ def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> tuple[
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    n, v = sorted_ids.shape
-    counted = sorted_logp[:, : width + 1]  # [N, min(V, width + 1)]
-    support_len = torch.isfinite(counted).sum(dim=-1, dtype=torch.int32)  # [N]
-    logp = sorted_logp[:, :width].float()  # [N, min(V, width)]
-    ids = torch.where(torch.isfinite(logp), sorted_ids[:, :width], -1).to(torch.int32)
+    v = sorted_ids.shape[1]
+    cols = sorted_logp[:, : width + 1].float()  # [N, C], C = min(V, width + 1)
+    finite = torch.isfinite(cols)  # [N, C]
+    support_len = finite.sum(dim=-1, dtype=torch.int32)  # [N]
+    ids = torch.where(finite[:, :width], sorted_ids[:, :width], -1).to(torch.int32)  # [N, min(V, width)]
+    logp = cols[:, :width].contiguous()
     if v < width:
         ids = F.pad(ids, (0, width - v), value=-1)
         logp = F.pad(logp, (0, width - v), value=float("-inf"))
-    ids, logp = _ties_by_id(ids, logp)
-    return ids.contiguous(), logp.contiguous(), support_len
-
-
-def _ties_by_id(ids: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
-    """Reorder each run of equal log-probs by ascending id. ids, logp: [N, W], logp non-increasing."""
-    new_run = torch.ne(logp[:, 1:], logp[:, :-1])  # [N, W-1]
-    run = F.pad(torch.cumsum(new_run, dim=1, dtype=torch.int64), (1, 0))  # [N, W] run index
-    order = torch.sort((run << 32) + ids.to(torch.int64) + 1, dim=1).indices  # [N, W]
-    return ids.gather(1, order), logp.gather(1, order)
+    return ids, logp, support_len
 
 
 def unpack_supports(
     ids: np.ndarray | Tensor, logp: np.ndarray | Tensor, lens: np.ndarray | Tensor, with_logprobs: bool
 ) -> tuple[list[list[int]], list[list[float]] | None]:
-    """Host side: packed rows -> one list per row, trimmed to its support length.
+    """Host side: packed rows -> one list per row, trimmed to its support length, equal
+    log-probs in id order.
 
     ids: [N, W] int32, logp: [N, W] float32, lens: [N] int32, as `pack_supports` made them
     (numpy arrays or CPU tensors). A row with `lens > W` overflowed; it comes back empty,
@@ -68,10 +64,26 @@ def unpack_supports(
     width = ids.shape[1]
     lens = np.where(lens > width, 0, lens)  # [N]
     keep = np.arange(width)[None, :] < lens[:, None]  # [N, W]
+    ids, logp = _ties_by_id(ids, logp, keep)
     ends = np.cumsum(lens).tolist()
     support_ids = _split(ids[keep].tolist(), ends)
     support_logp = _split(logp[keep].tolist(), ends) if with_logprobs else None
     return support_ids, support_logp
+
+
+def _ties_by_id(ids: np.ndarray, logp: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort each run of equal log-probs by id, in the (rare) rows that have one; copies those."""
+    tied = (logp[:, 1:] == logp[:, :-1]) & keep[:, 1:]  # [N, W-1]
+    tied &= ids[:, 1:] < ids[:, :-1]
+    rows = np.flatnonzero(tied.any(axis=1))
+    if rows.size == 0:
+        return ids, logp
+    ids, logp = ids.copy(), logp.copy()
+    for r in rows:
+        n = int(keep[r].sum())
+        order = np.lexsort((ids[r, :n], -logp[r, :n]))  # log-prob desc, then id asc
+        ids[r, :n], logp[r, :n] = ids[r, :n][order], logp[r, :n][order]
+    return ids, logp
 
 
 def _split(flat: list, ends: list[int]) -> list[list]:
