@@ -86,6 +86,9 @@ def test_to_torch_shapes_and_padding(logits):
 def test_modes_select_columns(logits):
     selected = to_torch(_rollout(logits, [3, 2], set(), "selected")[0])
     assert selected.support_ids is not None and selected.support_logprobs is None
+    moved = selected.to("cpu")
+    assert torch.equal(moved.support_ids, selected.support_ids) and moved.support_logprobs is None
+    assert moved.request_id == selected.request_id
     plain = to_torch(_rollout(logits, [3, 2], set(), "")[0])
     assert plain.support_ids is None and plain.support_logprobs is None
 

@@ -42,13 +42,9 @@ class RolloutBatch:
     finish_reason: list[str]
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        """A copy with every tensor on `device` (non-blocking from pinned memory)."""
-        moved = {
-            f.name: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v
-            for f in fields(self)
-            for v in [getattr(self, f.name)]
-        }
-        return RolloutBatch(**moved)
+        """A copy with every tensor on `device`; the lists are shared."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
 
 
 def to_torch(table: pa.Table) -> RolloutBatch:
