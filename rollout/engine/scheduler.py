@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rollout.engine.block_manager import BlockManager
-from rollout.engine.sequence import Sequence, SeqStatus
+from rollout.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.admission_paused = False
         self.num_preemptions = 0
+        self._fork_blocks = 0  # free blocks promised to this step's forks (copies of partial blocks)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,6 +59,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        self._fork_blocks = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -98,8 +100,9 @@ class Scheduler:
         seq = item.seq
         end = seq.num_computed_tokens + item.num_new_tokens + item.num_draft
         extra = len(seq.children) if item.samples else 0  # forked samples may each copy one block
-        if self.bm.blocks_needed(seq, end) + extra > self.bm.num_free_blocks:
+        if self.bm.blocks_needed(seq, end) + extra + self._fork_blocks > self.bm.num_free_blocks:
             return False
+        self._fork_blocks += extra
         return self.bm.ensure_slots(seq, end)
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
