@@ -65,10 +65,8 @@ class Driver:
             if not item.samples:
                 continue
             for child in seq.children:
-                copy = bm.fork(seq, child)
+                copy = sched.fork(seq, child)
                 assert copy is None or copy[1] in child.block_table
-                sched.add_running(child)
-                child.started = True
                 self._append(child)
             seq.children = []
             self._append(seq)

@@ -46,11 +46,9 @@ class Committer:
         return outputs
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
-        copy = self.engine.block_manager.fork(parent, child)
+        copy = self.engine.scheduler.fork(parent, child)
         if copy is not None:
             self.engine.pending_copies.append(copy)
-        self.engine.scheduler.add_running(child)
-        child.started = True
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks) -> str | None:
         """Append committed tokens up to the finish; returns the finish reason or None."""

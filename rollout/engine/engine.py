@@ -27,12 +27,13 @@ from rollout.engine.sequence import Sequence
 from rollout.engine.commit import Committer
 from rollout.engine.weights import WeightUpdater
 from rollout.masks.capture import MaskCapture
-from rollout.spec.proposer import Drafts
+from rollout.spec.proposer import Drafter, Drafts
 from rollout.spec.verify import VerifyResult, verify
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, drafter: Drafter | None = None):
+        """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names."""
         self.config = config
         self.device = torch.device(config.device)
         self.loaded = load_model(config.model_path, self.device)
@@ -41,7 +42,10 @@ class LLMEngine:
         self.vocab_size = self.loaded.config.vocab_size
         self.eos_token_ids = self.loaded.eos_token_ids
         self.model_name = self.loaded.name
-        self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
+        if drafter is not None:
+            self.drafter, self.drafter_name = drafter, type(drafter).__name__
+        else:
+            self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
         num_blocks = size_kv_blocks(config, self.loaded.config, self.drafter, self.device)
         self.kv_caches = allocate_kv(self.loaded.config, num_blocks, config.block_size, self.device,
                                      self.model.embed_tokens.weight.dtype)

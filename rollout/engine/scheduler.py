@@ -82,10 +82,20 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sample joins the running set right behind its parent."""
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Start a sample forked from its prompt's first sample once the prompt is computed:
+        it shares the prompt's blocks and runs. Returns the (src, dst) partial-block copy the
+        device must make, if any. When no block is free for that copy the sample waits and
+        recomputes its prompt later, like a preempted one (prefix caching still shares it)."""
+        child.started = True
+        if parent.num_computed_tokens % self.bm.block_size and self.bm.num_free_blocks == 0:
+            child.status = SeqStatus.WAITING
+            self.waiting.appendleft(child)
+            return None
+        copy = self.bm.fork(parent, child)
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+        return copy
 
     # -- internals ---------------------------------------------------------------------
 
@@ -99,10 +109,14 @@ class Scheduler:
     def _reserve(self, item: ScheduledSeq) -> bool:
         seq = item.seq
         end = seq.num_computed_tokens + item.num_new_tokens + item.num_draft
-        extra = len(seq.children) if item.samples else 0  # forked samples may each copy one block
-        if self.bm.blocks_needed(seq, end) + extra + self._fork_blocks > self.bm.num_free_blocks:
+        need = self.bm.blocks_needed(seq, end)
+        if need + self._fork_blocks > self.bm.num_free_blocks:
             return False
-        self._fork_blocks += extra
+        if item.samples and seq.children:
+            # hold one block per forked sample (for its partial-block copy) as far as they go;
+            # a sample left without one waits and recomputes its prompt (Committer._fork)
+            spare = self.bm.num_free_blocks - need - self._fork_blocks
+            self._fork_blocks += min(len(seq.children), spare)
         return self.bm.ensure_slots(seq, end)
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
