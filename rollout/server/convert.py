@@ -93,8 +93,14 @@ def encode_samples(samples: Sequence[SampleOutput], schema: pa.Schema) -> pb.Gen
 
 
 def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str) -> pb.ServerInfo:
-    """engine.info() + engine.kv_blocks() -> ServerInfo. Non-integer limits are left out."""
-    limits = {k: int(v) for k, v in dict(info.get("limits", {})).items() if isinstance(v, int | bool)}
+    """engine.info() + engine.kv_blocks() -> ServerInfo. `limits` gathers the integer `max_*`
+    entries (and the spec block size), whether info nests them under "limits" or not."""
+    flat = {**info, **dict(info.get("limits", {}))}
+    limits = {
+        k: int(v)
+        for k, v in flat.items()
+        if (k.startswith("max_") or k == "spec_block_size") and isinstance(v, int) and not isinstance(v, bool)
+    }
     free, total = kv_blocks
     return pb.ServerInfo(
         model=str(info["model"]),
@@ -103,7 +109,7 @@ def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str) ->
         vocab_size=int(info["vocab_size"]),
         eos_token_ids=[int(t) for t in info["eos_token_ids"]],
         block_size=int(info["block_size"]),
-        max_model_len=int(info.get("max_model_len", limits.get("max_model_len", 0))),
+        max_model_len=limits.get("max_model_len", 0),
         limits=limits,
         policy_version=int(info["policy_version"]),
         kv_blocks_free=free,

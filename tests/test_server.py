@@ -1,0 +1,200 @@
+"""The real server end to end: the engine on a tiny random Qwen3 (tests/conftest.py) with random
+DFlash / DSpark drafters, served on 127.0.0.1 by grpc.aio in this process, reached through
+trainer_client. Round trips for every spec and mask mode (schema, validator, lossless greedy),
+200 concurrent streams with half cancelled (KV blocks come back), the malformed-request matrix,
+and weight updates (outputs change, versions never mix, a wrong shape changes nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.loader import load_model
+from rollout.masks.check import check_table
+from rollout.schema import ROLLOUT_SCHEMA
+from rollout.server.app import BackgroundServer, ServeConfig
+from rollout.spec.draft_loader import random_drafter, save_drafter
+from trainer_client import AsyncRolloutClient, RolloutClient
+
+PROMPTS = ["import os\n", [40, 41, 42, 43, 44]]
+SAMPLING = dict(temperature=1.0, top_k=16, top_p=0.9, max_tokens=12, seed=3)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_random_qwen3, tmp_path_factory):
+    target = load_model(tiny_random_qwen3, "cpu")
+    root = tmp_path_factory.mktemp("drafters")
+    for kind in ("dflash", "dspark"):
+        save_drafter(random_drafter(target, kind, block_size=4, seed=1), root / kind)
+    return root
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_random_qwen3, drafters):
+    """servers(spec, **engine_overrides) -> a BackgroundServer, started once per configuration."""
+    started: dict[tuple, BackgroundServer] = {}
+
+    def get(spec: str = "none", **overrides) -> BackgroundServer:
+        key = (spec, *sorted(overrides.items()))
+        if key not in started:
+            draft = None if spec == "none" else str(drafters / spec)
+            config = EngineConfig(model=str(tiny_random_qwen3), draft=draft, spec=spec, **overrides)
+            started[key] = BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0)).__enter__()
+        return started[key]
+
+    yield get
+    for server in started.values():
+        server.close()
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
+def test_round_trip_every_mask_mode(servers, spec):
+    with RolloutClient(servers(spec).address, timeout=120) as client:
+        for mask in (None, "selected", "support"):
+            table = client.generate(PROMPTS, n=3, sampling=SAMPLING, mask=mask, request_id=f"{spec}-{mask}")
+            assert table.schema.remove_metadata() == ROLLOUT_SCHEMA
+            meta = table.schema.metadata
+            assert meta[b"spec_method"] == spec.encode() and meta[b"mask_mode"] == (mask or "none").encode()
+            assert table.num_rows == 6 and set(table.column("request_id").to_pylist()) == {f"{spec}-{mask}"}
+            assert table.column("prompt_token_ids").to_pylist()[0] == list(b"import os\n")
+            assert all(1 <= len(t) <= 12 for t in table.column("token_ids").to_pylist())
+            assert table.column("support_ids").null_count == (6 if mask is None else 0)
+            assert table.column("support_logprobs").null_count == (0 if mask == "support" else 6)
+            report = check_table(table, max_width=16)
+            assert report.ok, report.violations[:3]
+
+
+def test_greedy_is_identical_across_spec_methods(servers):
+    greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for spec in ("none", "dflash", "dspark"):
+        with RolloutClient(servers(spec).address, timeout=120) as client:
+            table = client.generate(PROMPTS, n=2, sampling=greedy, mask="support")
+            outputs[spec] = table.column("token_ids").to_pylist()
+            assert check_table(table).ok
+    assert outputs["none"] == outputs["dflash"] == outputs["dspark"]
+    assert all(len(t) == 16 for t in outputs["none"])
+
+
+def test_200_concurrent_streams_with_half_cancelled_return_kv_blocks(servers):
+    server = servers("dflash", num_kv_blocks=2048)
+
+    async def main():
+        async with AsyncRolloutClient(server.address, timeout=300) as client:
+            free0 = (await client.server_info())["kv_blocks_free"]
+            long = dict(SAMPLING, max_tokens=400, ignore_eos=True)
+            short = dict(SAMPLING, max_tokens=6, ignore_eos=True)
+            doomed = [client.stream([[i % 200 + 1, 7, 9]], sampling=long) for i in range(100)]
+            kept = [client.generate([[i % 200 + 1, 8]], n=1, sampling=short) for i in range(100)]
+            tables = await asyncio.gather(*kept)
+            assert all(t.num_rows == 1 and len(t.column("token_ids")[0]) == 6 for t in tables)
+            assert (await client.server_info())["kv_blocks_free"] < free0  # the long ones hold blocks
+            for stream in doomed:
+                stream.close()
+            await _until(lambda: _free(client), lambda free: free == free0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "kwargs, code, field",
+    [
+        (dict(sampling=dict(temperature=-0.5)), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(sampling=dict(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (dict(sampling=dict(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (dict(mask="everything"), grpc.StatusCode.INVALID_ARGUMENT, "mask"),
+        (
+            dict(mask="support", sampling=dict(temperature=1.0, top_k=0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_k",
+        ),
+        (dict(mask="support", sampling=dict(top_k=100)), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (dict(prompts=[[1, 2, 100000]]), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (dict(prompts=[[5] * 600]), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (dict(prompts=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompts"),
+        (dict(n=0), grpc.StatusCode.INVALID_ARGUMENT, "n"),
+        (dict(grammar=("yaml", "a: 1")), grpc.StatusCode.INVALID_ARGUMENT, "grammar"),
+        (dict(grammar=("regex", "(unclosed")), grpc.StatusCode.INVALID_ARGUMENT, "grammar"),
+        (dict(prompts=[[1, 2]] * 40, n=2), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    ],
+)
+def test_malformed_requests_name_the_field_and_the_server_keeps_serving(servers, kwargs, code, field):
+    server = servers("none", max_mask_tokens=64, max_queued_samples=64)
+    args = dict(prompts=[[1, 2, 3]], sampling=dict(max_tokens=4)) | kwargs
+    with RolloutClient(server.address, timeout=60) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(**args)
+        assert err.value.code() == code, err.value.details()
+        assert field in err.value.details()
+        assert client.generate([[1, 2, 3]], n=2, sampling=dict(max_tokens=3)).num_rows == 2
+        assert client.server_info()["kv_blocks_free"] == client.server_info()["kv_blocks_total"]
+
+
+def test_update_weights_changes_outputs_never_mixes_versions_and_refuses_bad_shapes(
+    servers, tiny_random_qwen3
+):
+    server = servers("dflash", enable_prefix_caching=True, max_num_seqs=64)
+    greedy = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+    original = load_file(str(tiny_random_qwen3 / "model.safetensors"))
+    torch.manual_seed(0)
+    perturbed = {k: v + 0.5 * v.std() * torch.randn_like(v) for k, v in original.items()}
+    with RolloutClient(server.address, timeout=120) as client:
+        v0 = client.server_info()["policy_version"]
+        before = client.generate(PROMPTS, sampling=greedy)
+        name = next(iter(original))
+        with pytest.raises(grpc.RpcError) as err:
+            client.update_weights({name: torch.zeros(3, 3)})
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+        assert client.server_info()["policy_version"] == v0
+        assert client.generate(PROMPTS, sampling=greedy).column("token_ids") == before.column("token_ids")
+
+        running = {}
+        worker = threading.Thread(
+            target=lambda: running.update(t=client.generate(PROMPTS, n=4, sampling=greedy))
+        )
+        worker.start()
+        _wait_for(lambda: client.server_info()["kv_blocks_free"] < client.server_info()["kv_blocks_total"])
+        assert client.update_weights(perturbed) == v0 + 1
+        worker.join()
+        assert running["t"].column("policy_version").to_pylist() == [v0] * 8  # drained on the old weights
+        after = client.generate(PROMPTS, sampling=greedy)
+        assert after.column("policy_version").to_pylist() == [v0 + 1] * 2
+        assert after.column("token_ids") != before.column("token_ids")
+        _assert_each_sample_is_one_version(running["t"], {v0: before, v0 + 1: after})
+        assert client.update_weights(original) == v0 + 2
+        restored = client.generate(PROMPTS, sampling=greedy)
+        assert restored.column("token_ids") == before.column("token_ids")
+
+
+def _assert_each_sample_is_one_version(table, references) -> None:
+    """A greedy sample tagged with version v equals the greedy output of weights v."""
+    for row in table.to_pylist():
+        ref = references[row["policy_version"]].to_pylist()[row["prompt_index"]]
+        assert row["token_ids"] == ref["token_ids"], f"sample mixes versions: {row['policy_version']}"
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.01)
+
+
+async def _free(client: AsyncRolloutClient) -> int:
+    return (await client.server_info())["kv_blocks_free"]
+
+
+async def _until(get, ok, timeout: float = 30.0):
+    end = time.monotonic() + timeout
+    while not ok(value := await get()):
+        assert time.monotonic() < end, f"last value {value}"
+        await asyncio.sleep(0.05)
+    return value
