@@ -43,7 +43,7 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch
     h = _fmix32(h ^ hi)
     h = _fmix32(h ^ ((positions * 0x27D4EB2F) & _M32))
     h = _fmix32(h ^ (purpose * 0x165667B1))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # 23 bits: k + 0.5 is exact in float32
 
 
 @dataclass
@@ -111,7 +111,8 @@ def policy(logits: torch.Tensor, rows: RowParams) -> Policy:
     rank = torch.arange(z.shape[1], device=z.device)
     keep = (rank[None, :] < rows.top_k[:, None]) & (sorted_z > float("-inf"))
     probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=1)
-    keep &= (probs.cumsum(dim=1) - probs) < rows.top_p[:, None]
+    # top_p == 1 is off: a float32 cumsum reaches 1 before the tail, which must stay
+    keep &= ((probs.cumsum(dim=1) - probs) < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
     keep &= probs >= rows.min_p[:, None] * probs[:, :1]
     sorted_logp = torch.log_softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=1)
     return Policy(sorted_ids, sorted_logp, keep.sum(dim=1))
