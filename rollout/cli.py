@@ -119,7 +119,7 @@ def cmd_validate(argv: list[str]) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rollout.server.demo import run_demo
 
-    return run_demo(spec=args.spec, n=args.n, max_tokens=args.max_tokens, prompt=args.prompt, seed=args.seed)
+    return run_demo(args.spec, args.n, args.max_tokens, args.prompt, args.seed, args.model, args.draft)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.add_argument("--prompt", default="def fibonacci(n):\n")
     demo.add_argument("--seed", type=int, default=7)
+    demo.add_argument("--model", default=None, help="default: the embedded tiny Qwen3")
+    demo.add_argument("--draft", default=None, help="default: the embedded drafter for --spec")
     return parser
 
 

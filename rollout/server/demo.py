@@ -21,11 +21,11 @@ from rollout.server.process import ServerProcess
 TOP_K = 64
 
 
-def pick_spec(requested: str) -> tuple[str, str]:
-    """The requested method if its embedded drafter exists, else another one that does, else
-    "none"; with a note saying what happened."""
+def pick_spec(requested: str, draft: str | None = None) -> tuple[str, str]:
+    """The requested method if its drafter was given or is embedded, else another embedded one,
+    else "none"; with a note saying what happened."""
     available = [m for m, path in DEFAULT_DRAFTS.items() if (path / "config.json").exists()]
-    if requested == "none" or requested in available:
+    if requested == "none" or draft is not None or requested in available:
         return requested, ""
     fallback = available[0] if available else "none"
     return (
@@ -35,14 +35,21 @@ def pick_spec(requested: str) -> tuple[str, str]:
 
 
 def run_demo(spec: str = "dflash", n: int = 8, max_tokens: int = 96, prompt: str = "def fibonacci(n):\n",
-             seed: int = 7) -> int:  # fmt: skip
+             seed: int = 7, model: str | None = None, draft: str | None = None) -> int:  # fmt: skip
+    """Returns 0 when the rollout validated and the server drained and exited 0."""
     from trainer_client import RolloutClient
 
-    spec, note = pick_spec(spec)
+    spec, note = pick_spec(spec, draft)
     if note:
         print(note)
+    serve_args = [
+        "--spec",
+        spec,
+        *(["--model", model] if model else []),
+        *(["--draft", draft] if draft else []),
+    ]
     sampling = dict(temperature=1.0, top_k=TOP_K, top_p=0.95, max_tokens=max_tokens, seed=seed)
-    with ServerProcess(["--spec", spec]) as server, RolloutClient(server.address, timeout=600) as client:
+    with ServerProcess(serve_args) as server, RolloutClient(server.address, timeout=600) as client:
         info = client.server_info()
         kv = f"{info['kv_blocks_free']}/{info['kv_blocks_total']}"
         print(f"server {server.address}: model {info['model']}, drafter {info['drafter'] or '-'} ({spec}), "
@@ -51,15 +58,15 @@ def run_demo(spec: str = "dflash", n: int = 8, max_tokens: int = 96, prompt: str
         start = time.perf_counter()
         table = client.generate(prompt, n=n, sampling=sampling, mask="support", request_id="demo-group")
         seconds = time.perf_counter() - start
-        print_group(table, seconds)
+        print_group(table, seconds, Path(model) if model else DEFAULT_MODEL)
         status = validate(table) | collate(table)
     exit_code = server.proc.returncode
     print(f"\nserver stopped with SIGTERM after draining: exit {exit_code} (logs: {server.log_path})")
     return status | (exit_code != 0)
 
 
-def print_group(table: pa.Table, seconds: float) -> None:
-    decode = _decoder()
+def print_group(table: pa.Table, seconds: float, model_dir: Path) -> None:
+    decode = _decoder(model_dir)
     rows = table.to_pylist()
     print(f"{'#':>2}  {'finish':<6} {'tokens':>6} {'accept':>6} {'mask w':>11}  completion")
     for row in rows:
@@ -75,8 +82,8 @@ def print_group(table: pa.Table, seconds: float) -> None:
           f"mean acceptance {tokens / max(steps, 1):.2f} tokens per verify step")  # fmt: skip
 
 
-def _decoder():
-    tokenizer_file = DEFAULT_MODEL / "tokenizer.json"
+def _decoder(model_dir: Path):
+    tokenizer_file = model_dir / "tokenizer.json"
     if not tokenizer_file.exists():
         return lambda ids: " ".join(map(str, ids))
     from tokenizers import Tokenizer
