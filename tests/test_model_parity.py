@@ -168,3 +168,28 @@ def test_tiny_random_qwen3_fixture_loads(tiny_random_qwen3):
     assert loaded.eos_token_ids == [256]
     assert loaded.tokenizer.encode("hé").ids == [104, 0xC3, 0xA9]
     assert loaded.name == tiny_random_qwen3.name
+
+
+@pytest.mark.parametrize("case", ["qwen3-mqa-bias-untied", "llama-mha-tied"])
+def test_project_kv_equals_the_kv_of_project_qkv(case, tmp_path):
+    save_random_hf_model(tmp_path, seed=3, **{**SMALL, **CASES[case]})
+    attn = load_model(tmp_path).model.layers[1].self_attn
+    hidden, positions = torch.randn(7, SMALL["hidden_size"]), torch.tensor([0, 1, 2, 9, 10, 40, 41])
+    _, k, v = attn.project_qkv(hidden, positions)
+    k2, v2 = attn.project_kv(hidden, positions)
+    torch.testing.assert_close(k2, k)
+    torch.testing.assert_close(v2, v)
+
+
+EMBEDDED = Path(__file__).resolve().parents[1] / "rollout" / "assets" / "tiny-qwen3"
+
+
+@pytest.mark.skipif(not (EMBEDDED / "config.json").is_file(), reason="embedded tiny-qwen3 not built yet")
+def test_embedded_tiny_qwen3_matches_transformers():
+    import transformers
+
+    hf_model = transformers.Qwen3ForCausalLM.from_pretrained(EMBEDDED, dtype=torch.float32).eval()
+    loaded = check_parity(hf_model, EMBEDDED, hf_model.config.vocab_size)
+    assert loaded.config.model_type == "qwen3" and loaded.config.tie_word_embeddings
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("def f(x):\n").ids) == "def f(x):\n"
+    assert loaded.eos_token_ids == [256]
