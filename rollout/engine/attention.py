@@ -36,7 +36,13 @@ class AttentionMetadata:
 
     The queries of sequence s are `cu_seqlens_q[s]:cu_seqlens_q[s+1]` in the flattened batch; they
     sit at consecutive positions ending at `context_lens[s] - 1` (a prefill chunk, one decode
-    token, or a verify block). Every sequence has at least one query token.
+    token, or a verify block). Every sequence has at least one query token. `block_tables` needs
+    at least ceil(max_context_len / block_size) columns; max_context_len may exceed the longest
+    context (e.g. a CUDA-graph bucket): keys past each sequence's context_len are masked.
+
+    The layer-independent plan (scatter indices, mask) is cached on the object at first use. To
+    capture a CUDA graph over static metadata buffers, capture with an object whose plan is not
+    built yet, so that the plan's ops are recorded and replayed with the buffers' new values.
     """
 
     positions: Tensor  # [T] int64: absolute position of each token in its sequence
@@ -55,6 +61,11 @@ class AttentionMetadata:
         if self.max_query_len <= 0 or self.max_context_len < self.max_query_len:
             raise ValueError(
                 f"need 0 < max_query_len <= max_context_len, got {self.max_query_len}, {self.max_context_len}"
+            )
+        if self.block_tables.shape[1] * self.block_size < self.max_context_len:
+            raise ValueError(
+                f"block_tables has {self.block_tables.shape[1]} columns of {self.block_size} slots, "
+                f"fewer than max_context_len {self.max_context_len}"
             )
 
     @property
