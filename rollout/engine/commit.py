@@ -34,13 +34,16 @@ class Committer:
             if seq.mask:
                 masks = committed_masks(eng.capture.last, mask_host, e, count, seq.mask == "support")
                 if masks is None:
-                    outputs.append(self.fail(seq, f"mask support exceeded its bound of {eng.capture.last.width}"))
+                    bound = eng.capture.last.width
+                    outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
                     continue
             reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks)
             if reason:
                 outputs.append(self.finish(seq, reason))
-        for item in step.items:
-            item.seq.children = []
+        sampled = set(step.entry_item)
+        for i, item in enumerate(step.items):
+            if i in sampled:  # forked above; a prompt still mid-prefill keeps its samples to fork
+                item.seq.children = []
             if not item.seq.is_finished:
                 eng.block_manager.truncate(item.seq, item.seq.num_tokens)
         return outputs
