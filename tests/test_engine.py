@@ -194,6 +194,24 @@ def test_n_samples_share_the_prompt_blocks_and_prefill_once(tiny_random_qwen3):
     assert len({tuple(o.token_ids) for o in outs.values()}) > 1
 
 
+def test_a_sample_that_stops_at_once_costs_its_group_no_second_prefill(tiny_random_qwen3):
+    prompt, n = list(range(30, 39)), 4
+    base = dict(max_tokens=6, seed=3, **SAMPLED)
+    eng = make_engine(tiny_random_qwen3)
+    eng.add_request("grp", [prompt], SamplingParams(**base), n=n)
+    free_run = run_all(eng)
+    stop = free_run[("grp", 0, 0)].token_ids[0]
+    assert all(stop not in free_run[("grp", 0, s)].token_ids for s in range(1, n))  # the seed's premise
+    eng = make_engine(tiny_random_qwen3)
+    forwarded = count_forward_tokens(eng)
+    eng.add_request("grp", [prompt], SamplingParams(stop_token_ids=[stop], **base), n=n)
+    outs = run_all(eng)
+    assert outs[("grp", 0, 0)].token_ids == [stop] and outs[("grp", 0, 0)].finish_reason == "stop"
+    assert_same_outputs({k: v for k, v in outs.items() if k[2]}, {k: v for k, v in free_run.items() if k[2]})
+    assert sum(forwarded) == len(prompt) + (n - 1) * (base["max_tokens"] - 1), "the prompt was computed twice"
+    assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_forked_samples_see_the_right_kv(tiny_random_qwen3, block_size):
     """Block size 1 forks without copying; 16 copies the prompt's only block: the tokens of

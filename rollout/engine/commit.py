@@ -24,11 +24,14 @@ class Committer:
             seq, old = item.seq, item.seq.num_computed_tokens
             seq.num_computed_tokens = old + item.num_new_tokens + accepted.get(i, 0)
             eng.block_manager.register_computed(seq, old)
-        outputs = []
-        for e, seq in enumerate(step.entries):
+        for e, seq in enumerate(step.entries):  # fork first: the parent may finish below
             parent = step.items[step.entry_item[e]].seq
             if seq is not parent:
                 self._fork(parent, seq)
+        for i in set(step.entry_item):  # a prompt still mid-prefill keeps its samples to fork
+            step.items[i].seq.children = []
+        outputs = []
+        for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1
             masks = None
             if seq.mask:
@@ -40,10 +43,7 @@ class Committer:
             reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks)
             if reason:
                 outputs.append(self.finish(seq, reason))
-        sampled = set(step.entry_item)
-        for i, item in enumerate(step.items):
-            if i in sampled:  # forked above; a prompt still mid-prefill keeps its samples to fork
-                item.seq.children = []
+        for item in step.items:
             if not item.seq.is_finished:
                 eng.block_manager.truncate(item.seq, item.seq.num_tokens)
         return outputs
