@@ -179,9 +179,10 @@ def train_drafter(kind: str, hf, target, stream, pool, cfg: TrainConfig, seconds
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 7)
     step, next_log, start = 0, 10.0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
+    while step == 0 or (elapsed := time.perf_counter() - start) < seconds:
+        elapsed = time.perf_counter() - start
         for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, elapsed / seconds)
+            group["lr"] = lr_at(cfg, min(1.0, elapsed / max(seconds, 1e-9)))
         ids = sample_batch(stream, pool, cfg, gen)
         aux, logits = target_pass(hf, ids, cfg.target_layer_ids, cfg.device)
         loss, acc = drafter_loss(drafter, aux, ids, logits, cfg, gen)
