@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import tokenizers
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
@@ -21,17 +22,14 @@ from torch import Tensor, nn
 from rollout.engine.model import ModelConfig, PackedLinear, TransformerLM
 from rollout.errors import LoadError
 
-try:
-    import tokenizers
-except ImportError:  # pragma: no cover - tokenizers is a hard dependency; keeps the module importable
-    tokenizers = None
-
 # Non-parameter tensors some checkpoints carry (old Llama exports save RoPE frequencies).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass
 class LoadedModel:
+    """A target model ready to run (eval mode, no grad) with what the engine needs around it."""
+
     model: TransformerLM
     config: ModelConfig
     tokenizer: tokenizers.Tokenizer | None
