@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollout.errors import InvalidArgument
+from rollout.errors import InvalidArgument, RolloutError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"serve": cmd_serve, "generate": cmd_generate, "demo": cmd_demo}
     try:
         return commands[args.command](args)
-    except InvalidArgument as exc:
+    except RolloutError as exc:
         print(f"rollout {args.command}: {exc}", file=sys.stderr)
         return 2
 

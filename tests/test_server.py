@@ -148,13 +148,15 @@ def test_update_weights_changes_outputs_never_mixes_versions_and_refuses_bad_sha
     perturbed = {k: v + 0.5 * v.std() * torch.randn_like(v) for k, v in original.items()}
     with RolloutClient(server.address, timeout=120) as client:
         v0 = client.server_info()["policy_version"]
-        before = client.generate(PROMPTS, sampling=greedy)
+        before = client.generate(PROMPTS, n=4, sampling=greedy)  # the running request's batch shape
         name = next(iter(original))
         with pytest.raises(grpc.RpcError) as err:
             client.update_weights({name: torch.zeros(3, 3)})
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
         assert client.server_info()["policy_version"] == v0
-        assert client.generate(PROMPTS, sampling=greedy).column("token_ids") == before.column("token_ids")
+        assert client.generate(PROMPTS, n=4, sampling=greedy).column("token_ids") == before.column(
+            "token_ids"
+        )
 
         running = {}
         worker = threading.Thread(
@@ -165,19 +167,19 @@ def test_update_weights_changes_outputs_never_mixes_versions_and_refuses_bad_sha
         assert client.update_weights(perturbed) == v0 + 1
         worker.join()
         assert running["t"].column("policy_version").to_pylist() == [v0] * 8  # drained on the old weights
-        after = client.generate(PROMPTS, sampling=greedy)
-        assert after.column("policy_version").to_pylist() == [v0 + 1] * 2
+        after = client.generate(PROMPTS, n=4, sampling=greedy)
+        assert after.column("policy_version").to_pylist() == [v0 + 1] * 8
         assert after.column("token_ids") != before.column("token_ids")
         _assert_each_sample_is_one_version(running["t"], {v0: before, v0 + 1: after})
         assert client.update_weights(original) == v0 + 2
-        restored = client.generate(PROMPTS, sampling=greedy)
+        restored = client.generate(PROMPTS, n=4, sampling=greedy)
         assert restored.column("token_ids") == before.column("token_ids")
 
 
 def _assert_each_sample_is_one_version(table, references) -> None:
     """A greedy sample tagged with version v equals the greedy output of weights v."""
     for row in table.to_pylist():
-        ref = references[row["policy_version"]].to_pylist()[row["prompt_index"]]
+        ref = references[row["policy_version"]].to_pylist()[4 * row["prompt_index"] + row["sample_index"]]
         assert row["token_ids"] == ref["token_ids"], f"sample mixes versions: {row['policy_version']}"
 
 

@@ -137,7 +137,11 @@ class BackgroundServer:
     def __enter__(self) -> BackgroundServer:
         self._thread.start()
         started = asyncio.run_coroutine_threadsafe(start_server(self._factory, self._config), self._loop)
-        self.running = started.result()
+        try:
+            self.running = started.result()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
