@@ -212,6 +212,23 @@ def test_a_sample_that_stops_at_once_costs_its_group_no_second_prefill(tiny_rand
     assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
 
 
+def test_a_group_wider_than_the_free_blocks_still_finishes_every_sample(tiny_random_qwen3):
+    """81 prompt tokens fill 21 of 32 blocks; 12 forks would each copy the partial block, so
+    some samples wait and recompute the prompt instead: same tokens as with ample blocks."""
+    prompt, n = [7] * 81, 13
+    params = SamplingParams(max_tokens=4, seed=5, **SAMPLED)
+    runs = []
+    for blocks in (256, 32):
+        eng = make_engine(tiny_random_qwen3, block_size=4, num_kv_blocks=blocks)
+        forwarded = count_forward_tokens(eng)
+        eng.add_request("wide", [prompt], params, n=n)
+        runs.append(run_all(eng))
+        assert eng.kv_blocks() == (blocks, blocks)
+    assert sum(forwarded) > len(prompt) + n * 3, "expected some samples to recompute their prompt"
+    assert len(runs[1]) == n
+    assert_same_outputs(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_forked_samples_see_the_right_kv(tiny_random_qwen3, block_size):
     """Block size 1 forks without copying; 16 copies the prompt's only block: the tokens of
