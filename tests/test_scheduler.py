@@ -266,3 +266,19 @@ def test_finish_frees_a_waiting_or_running_sequence_at_once():
     sched.finish(waiting)
     assert sched.running == [b] and not sched.waiting
     assert a.block_table == [] and sched.bm.num_free_blocks == 8 - len(b.block_table)
+
+
+def test_forks_without_a_free_block_wait_and_recompute():
+    sched = make_scheduler(num_blocks=3, block_size=2)
+    parent = make_seq(3, max_tokens=2, n=4)  # 2 blocks, partial last: each fork copies one block
+    children = list(parent.children)
+    sched.add(parent)
+    driver = Driver(sched)
+    driver.step()
+    assert sched.running == [parent, children[0]]  # the one spare block went to the first fork
+    assert [c.status for c in children[1:]] == [SeqStatus.WAITING] * 2
+    assert all(c.started and c.block_table == [] and c.num_output_tokens == 1 for c in children[1:])
+    assert sched.bm.num_free_blocks == 0
+    driver.run()
+    check_outputs([parent, *children])
+    assert sched.bm.num_free_blocks == 3
