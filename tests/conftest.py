@@ -76,3 +76,19 @@ def tiny_random_qwen3(tmp_path_factory) -> Path:
     save_random_hf_model(path, seed=0, **TINY_QWEN3)
     write_byte_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def random_drafters(tiny_random_qwen3, tmp_path_factory) -> dict[str, str]:
+    """Untrained DFlash and DSpark drafters (block 4, one layer) for `tiny_random_qwen3`, saved
+    in the published layouts: {"dflash": dir, "dspark": dir}."""
+    from rollout.engine.loader import load_model
+    from rollout.spec.draft_loader import random_drafter, save_drafter
+
+    target = load_model(tiny_random_qwen3)
+    out = {}
+    for kind in ("dflash", "dspark"):
+        path = tmp_path_factory.mktemp(kind)
+        save_drafter(random_drafter(target, kind, block_size=4, num_layers=1, mask_token_id=258, seed=1), path)
+        out[kind] = str(path)
+    return out

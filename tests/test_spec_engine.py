@@ -25,17 +25,6 @@ PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [
            [1, 2, 3, 4, 5, 6], [200, 201], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17], [77, 78, 79, 80]]
 
 
-@pytest.fixture(scope="module")
-def drafters(tiny_random_qwen3, tmp_path_factory):
-    target = load_model(tiny_random_qwen3)
-    out = {}
-    for kind in ("dflash", "dspark"):
-        path = tmp_path_factory.mktemp(kind)
-        save_drafter(random_drafter(target, kind, block_size=4, num_layers=1, mask_token_id=258, seed=1), path)
-        out[kind] = str(path)
-    return out
-
-
 def _generate(model, prompts, params, n=1, spec="none", draft=None, block=None, num_kv_blocks=400,
               drafter=None, max_num_seqs=256, budget=32):
     cfg = EngineConfig(model=str(model), spec=spec, draft=draft, spec_block_size=block, block_size=4,
@@ -60,10 +49,10 @@ def greedy_base(tiny_random_qwen3):
 
 @pytest.mark.parametrize("block", [2, 4, 8])
 @pytest.mark.parametrize("spec", ["dflash", "dspark"])
-def test_greedy_spec_equals_plain_greedy(tiny_random_qwen3, drafters, greedy_base, spec, block):
+def test_greedy_spec_equals_plain_greedy(tiny_random_qwen3, random_drafters, greedy_base, spec, block):
     for prompts in (PROMPTS[:1], PROMPTS):
         for kv in (400, 14):  # 14 blocks of 4 slots force preemption with 7 prompts
-            outs, eng = _generate(tiny_random_qwen3, prompts, GREEDY, spec=spec, draft=drafters[spec],
+            outs, eng = _generate(tiny_random_qwen3, prompts, GREEDY, spec=spec, draft=random_drafters[spec],
                                   block=block, num_kv_blocks=kv)
             assert [o.token_ids for o in outs] == greedy_base[len(prompts)]
             assert all(sum(o.accept_lengths) == len(o.token_ids) for o in outs)
@@ -153,9 +142,9 @@ def reference_joint(tiny_random_qwen3):
 
 
 @pytest.mark.parametrize("which", ["plain", "repeat-drafter", "random-dflash"])
-def test_sampled_spec_follows_contract1_joint_law(tiny_random_qwen3, drafters, reference_joint, which):
+def test_sampled_spec_follows_contract1_joint_law(tiny_random_qwen3, random_drafters, reference_joint, which):
     kw = {"plain": {}, "repeat-drafter": {"drafter": RepeatDrafter(4)},
-          "random-dflash": {"spec": "dflash", "draft": drafters["dflash"]}}[which]
+          "random-dflash": {"spec": "dflash", "draft": random_drafters["dflash"]}}[which]
     stat, df, crit = _chi2(_engine_pairs(tiny_random_qwen3, **kw), reference_joint)
     assert df >= 8
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} ({df} dof)"

@@ -33,6 +33,9 @@ from torch import Tensor
 from rollout.errors import InvalidArgument
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+# Whitespace between JSON elements is bounded: a sampled policy can otherwise spend its whole
+# token budget on blanks the schema allows, a degenerate loop RL rollouts hit in practice.
+MAX_JSON_WHITESPACE = 4
 _XGR_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
 
@@ -130,7 +133,7 @@ class GrammarCompilerCache:
         try:
             if spec.kind == "json_schema":
                 json.loads(spec.value)
-                return self._compiler.compile_json_schema(spec.value)
+                return self._compiler.compile_json_schema(spec.value, max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.value)
             return self._compiler.compile_grammar(spec.value)

@@ -1,0 +1,227 @@
+"""Sampling masks captured after acceptance (Contract 3) through the real engine: the
+{none, DFlash, DSpark} x {greedy, sampled, mixed} x {selected, support} matrix, independent
+recomputation against transformers, grammar-constrained verify, support overflow, and
+zero capture work for requests without masks. Writes the suite's rollout to
+.ci-artifacts/rollout.arrow for `rollout validate` in `make test`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+import rollout.masks.capture as capture_mod
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.params import SamplingParams
+from rollout.masks.check import check_table
+from rollout.schema import schema_with_metadata, to_record_batch
+from rollout.spec.grammar import GrammarSpec
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7, 8, 9], [100, 101], [42, 43, 44, 45, 46, 47, 48, 49, 50]]
+SAMPLED = SamplingParams(temperature=1.0, top_k=12, top_p=0.9, max_tokens=10, seed=5, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+COLLECTED: list = []
+
+
+def _engine(model, spec="none", draft=None, **kw):
+    return LLMEngine(EngineConfig(model=str(model), spec=spec, draft=draft, block_size=4, num_kv_blocks=300,
+                                  max_num_batched_tokens=64, **kw))
+
+
+def _run(eng):
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    return outs
+
+
+def _check_sample(o, params, mode):
+    n = len(o.token_ids)
+    assert n == len(o.token_logprobs) == len(o.support_ids) > 0
+    assert (o.support_logprobs is not None) == (mode == "support")
+    for j, (tok, sup) in enumerate(zip(o.token_ids, o.support_ids)):
+        assert tok in sup
+        assert len(sup) == len(set(sup)) <= (1 if params.greedy else params.top_k)
+        if params.greedy:
+            assert sup == [tok] and o.token_logprobs[j] == 0.0
+        if mode == "support":
+            lps = torch.tensor(o.support_logprobs[j])
+            assert abs(torch.logsumexp(lps, 0).item()) < 1e-4
+            assert abs(lps[sup.index(tok)].item() - o.token_logprobs[j]) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["selected", "support"])
+@pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
+def test_mask_matrix(tiny_random_qwen3, random_drafters, spec, mode):
+    eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
+    eng.add_request("greedy", PROMPTS, GREEDY, mask=mode)
+    eng.add_request("sampled", PROMPTS, SAMPLED, n=2, mask=mode)
+    eng.add_request("mixed-unmasked", PROMPTS[:2], SAMPLED)  # same batch, no masks
+    outs = _run(eng)
+    assert len(outs) == 3 + 6 + 2
+    for o in outs:
+        if o.request_id == "mixed-unmasked":
+            assert o.support_ids is None and o.support_logprobs is None
+        else:
+            _check_sample(o, GREEDY if o.request_id == "greedy" else SAMPLED, mode)
+    masked = [o for o in outs if o.support_ids is not None]
+    if mode == "support":
+        COLLECTED.extend(masked)
+    table = pa.Table.from_batches([to_record_batch(masked)])
+    assert check_table(table).ok
+
+
+def test_masks_with_trained_drafter_and_accepted_blocks(tiny_random_qwen3):
+    """Accepted drafts commit several tokens per step; each still gets its own mask row."""
+    from spec_helpers import RepeatDrafter
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300),
+                    drafter=RepeatDrafter(4))
+    eng.add_request("g", PROMPTS, GREEDY, mask="support")
+    eng.add_request("s", PROMPTS, SAMPLED, n=2, mask="support")
+    outs = _run(eng)
+    assert any(max(o.accept_lengths) > 1 for o in outs)
+    for o in outs:
+        _check_sample(o, GREEDY if o.request_id == "g" else SAMPLED, "support")
+
+
+# ---- independent recomputation ---------------------------------------------------------------
+
+PENALISED = SamplingParams(temperature=0.8, top_k=10, top_p=0.92, min_p=0.05, repetition_penalty=1.2,
+                           frequency_penalty=0.3, presence_penalty=0.2, logit_bias={7: 1.5, 120: -2.0},
+                           min_tokens=3, max_tokens=12, seed=9)
+
+
+def _reference_row(z, history, sp, eos_ids, out_index):
+    """Contract 1 for one row, written out directly (float64)."""
+    z = z.double().clone()
+    for t, b in sp.logit_bias.items():
+        z[t] += b
+    counts = torch.bincount(torch.tensor(history), minlength=z.numel()).double()
+    seen = counts > 0
+    z = torch.where(seen, torch.where(z > 0, z / sp.repetition_penalty, z * sp.repetition_penalty), z)
+    z = z - sp.frequency_penalty * counts - sp.presence_penalty * seen.double()
+    if out_index < sp.min_tokens:
+        z[eos_ids + sp.stop_token_ids] = float("-inf")
+    z = z / sp.temperature
+    order = sorted(range(z.numel()), key=lambda i: (-z[i].item(), i))[: sp.top_k]
+    p = torch.softmax(z[order], 0)
+    keep, mass = [], 0.0
+    for i, pi in zip(order, p.tolist()):
+        if mass >= sp.top_p:
+            break
+        keep.append((i, pi))
+        mass += pi
+    top = keep[0][1]
+    keep = [(i, pi) for i, pi in keep if pi >= sp.min_p * top]
+    total = sum(pi for _, pi in keep)
+    return [i for i, _ in keep], [torch.log(torch.tensor(pi / total)).item() for _, pi in keep]
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash"])
+def test_masks_equal_fresh_transformers_recomputation(tiny_random_qwen3, random_drafters, spec):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
+    eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
+    eng.add_request("p", PROMPTS, PENALISED, n=2, mask="support")
+    outs = _run(eng)
+    assert len(outs) == 6
+    for o in outs:
+        seq = o.prompt_token_ids + o.token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0]
+        for j, tok in enumerate(o.token_ids):
+            pos = len(o.prompt_token_ids) + j - 1
+            ids, lps = _reference_row(logits[pos], seq[: pos + 1], PENALISED, eng.eos_token_ids, j)
+            assert o.support_ids[j] == ids, f"sample {o.prompt_index}/{o.sample_index} position {j}"
+            assert torch.allclose(torch.tensor(o.support_logprobs[j]), torch.tensor(lps), atol=2e-4)
+            assert abs(o.token_logprobs[j] - lps[ids.index(tok)]) < 2e-4
+
+
+# ---- grammar ---------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "n": {"enum": [1, 2, 3]}}}
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
+def test_grammar_constrained_outputs(spec):
+    """The embedded model under a JSON schema and a regex, with masks: outputs parse / match
+    and no support holds a token the grammar forbids at that point."""
+    eng = LLMEngine(EngineConfig(spec=spec, num_kv_blocks=400))
+    tok = eng.tokenizer
+    prompt = tok.encode("def f(x):\n    return ").ids
+    schema = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    regex = GrammarSpec("regex", r"[0-9]{2,5}\.[0-9]")
+    eng.add_request("json", [prompt], SamplingParams(temperature=1.0, top_k=20, max_tokens=80, seed=3), n=3,
+                    grammar=schema, mask="support")
+    eng.add_request("re", [prompt], SamplingParams(temperature=0.7, top_k=8, max_tokens=40, seed=4), n=2,
+                    grammar=regex, mask="selected")
+    outs = _run(eng)
+    assert len(outs) == 5
+    checker = eng.intake.grammars()
+    for o in outs:
+        assert o.finish_reason == "stop" and o.token_ids[-1] in eng.eos_token_ids
+        text = tok.decode(o.token_ids[:-1])
+        if o.request_id == "json":
+            value = json.loads(text)
+            assert re.fullmatch("[a-z]{1,6}", value["name"]) and value["n"] in (1, 2, 3)
+        else:
+            assert re.fullmatch(r"[0-9]{2,5}\.[0-9]", text)
+        state = checker.new_state(schema if o.request_id == "json" else regex)
+        for j, sup in enumerate(o.support_ids):
+            row = torch.full((1, (eng.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            state.fill_verify_bitmask([], row, 0)
+            allowed = [t for t in sup if (row[0, t >> 5].item() >> (t & 31)) & 1]
+            assert allowed == sup, f"grammar-forbidden token in support at {j}"
+            state.commit([o.token_ids[j]])
+
+
+# ---- overflow and zero-cost -------------------------------------------------------------------
+
+def test_support_overflow_fails_that_sample_only(tiny_random_qwen3, monkeypatch):
+    monkeypatch.setattr(capture_mod, "mask_width", lambda entries: 2)  # pretend the bound is 2
+    eng = _engine(tiny_random_qwen3)
+    eng.add_request("wide", PROMPTS[:1], SamplingParams(temperature=1.5, top_k=50, max_tokens=8, seed=1),
+                    mask="support")
+    eng.add_request("greedy", PROMPTS[1:], GREEDY, mask="support")
+    eng.add_request("plain", PROMPTS, SAMPLED)
+    outs = {o.request_id + str(o.prompt_index): o for o in _run(eng)}
+    failed = outs["wide0"]
+    assert failed.error and "bound" in failed.error and failed.finish_reason == "error"
+    assert failed.token_ids == [] and failed.support_ids is None
+    assert all(len(outs[f"greedy{i}"].token_ids) == 10 for i in (0, 1))
+    assert all(len(outs[f"plain{i}"].token_ids) == 10 for i in (0, 1, 2))
+    assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
+
+
+def test_requests_without_masks_run_no_capture_code(tiny_random_qwen3, random_drafters, monkeypatch):
+    calls = []
+    real = capture_mod.pack_supports
+    monkeypatch.setattr(capture_mod, "pack_supports", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eng = _engine(tiny_random_qwen3, "dflash", random_drafters["dflash"])
+    eng.add_request("a", PROMPTS, SAMPLED, n=2)
+    eng.add_request("b", PROMPTS, GREEDY)
+    _run(eng)
+    assert calls == [] and eng.capture.num_captures == 0
+    eng.add_request("c", PROMPTS, SAMPLED, mask="selected")
+    _run(eng)
+    assert len(calls) > 0 and eng.capture.num_captures == len(calls)
+
+
+def test_zz_write_ci_rollout():
+    """The suite's masked rollout, for `rollout validate` in `make test`."""
+    assert COLLECTED, "the mask matrix produced no support-mode samples"
+    out = REPO / ".ci-artifacts" / "rollout.arrow"
+    out.parent.mkdir(exist_ok=True)
+    schema = schema_with_metadata("tiny-random-qwen3", "random", "mixed", "support")
+    with pa.ipc.new_file(out, schema) as writer:
+        writer.write_batch(to_record_batch(COLLECTED, schema))
+    assert check_table(pa.ipc.open_file(out).read_all()).ok
