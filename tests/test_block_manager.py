@@ -255,3 +255,22 @@ def test_freeing_twice_is_caught():
     a.block_table = table
     with pytest.raises(AssertionError):
         bm.free(a)
+
+
+def test_decode_steps_do_not_rehash_the_prompt(monkeypatch):
+    """register_computed runs for every sequence every step: once the prompt is registered it
+    must cost nothing (hashing a long prompt per decode step is host time on the hot path)."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    seq = computed(bm, make_seq(range(100)), 100)
+    calls = []
+    real = BlockManager._hash
+    counted = staticmethod(lambda prev, toks: calls.append(1) or real(prev, toks))
+    monkeypatch.setattr(BlockManager, "_hash", counted)
+    seq.output_token_ids = [1]
+    computed(bm, seq, 101)
+    computed(bm, seq, 102)
+    assert calls == []
+    chunked = computed(bm, make_seq(range(200, 220)), 6)
+    calls.clear()
+    computed(bm, chunked, 9)  # block 1 became full: hashing is needed again
+    assert calls and bm.allocate_prompt(make_seq(range(200, 220))) == 8

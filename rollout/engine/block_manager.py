@@ -69,6 +69,8 @@ class BlockManager:
             return
         bs = self.block_size
         end = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
+        if end <= old_computed // bs:
+            return  # no prompt block became full (every decode step): skip rehashing the prompt
         prev = 0
         for i in range(end):
             h = self._hash(prev, seq.prompt_token_ids[i * bs : (i + 1) * bs])
