@@ -11,6 +11,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny-qwen3"
 DEFAULT_DRAFTS = {"dflash": ASSETS / "tiny-qwen3-dflash", "dspark": ASSETS / "tiny-qwen3-dspark"}
 SPEC_METHODS = ("none", "dflash", "dspark")
+# "random": only config.json is read and the weights are drawn at random on the device
+# (benchmarks of model shapes without a checkpoint, like other engines' `--load-format dummy`).
+LOAD_FORMATS = ("safetensors", "random")
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,7 @@ class EngineConfig:
     """Everything `rollout serve` can set. `model=None` / `draft=None` mean the embedded models."""
 
     model: str | None = None
+    load_format: str = "safetensors"
     draft: str | None = None
     spec: str = "none"
     spec_block_size: int | None = None
@@ -37,6 +41,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.spec not in SPEC_METHODS:
             raise InvalidArgument("spec", f"must be one of {SPEC_METHODS}, got {self.spec!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidArgument("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument("device", f"must be cpu or cuda, got {self.device!r}")
         if self.spec_block_size is not None and not 2 <= self.spec_block_size <= 64:

@@ -36,7 +36,7 @@ class LLMEngine:
         """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names."""
         self.config = config
         self.device = torch.device(config.device)
-        self.loaded = load_model(config.model_path, self.device)
+        self.loaded = load_model(config.model_path, self.device, load_format=config.load_format)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.config.vocab_size

@@ -203,17 +203,37 @@ def build_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
     return model.eval().requires_grad_(False)
 
 
+def init_random_(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Benchmark weights in place: norm weights 1, every other parameter N(0, std^2), drawn on
+    the model's device from a generator seeded with `seed` (same weights on every run)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=gen)
+
+
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    load_format: str = "safetensors",
 ) -> LoadedModel:
-    """Load an HF Qwen3 / Llama checkpoint directory. dtype defaults to float32 on CPU, bfloat16 on CUDA."""
+    """Load an HF Qwen3 / Llama checkpoint directory. dtype defaults to float32 on CPU, bfloat16 on CUDA.
+
+    `load_format="random"` reads config.json (and the tokenizer, if any) but no weights: they
+    are drawn by `init_random_`, for benchmarks of a model shape without its checkpoint."""
     root = _checkpoint_dir(path)
     raw_config = _read_json(root / "config.json")
     config = ModelConfig.from_hf(raw_config)
     tokenizer = _load_tokenizer(root, config.vocab_size)
     device = torch.device(device)
     model = build_model(config, device, dtype or _default_dtype(device))
-    load_state_into(model, read_state_dict(root))
+    if load_format == "random":
+        init_random_(model)
+    else:
+        load_state_into(model, read_state_dict(root))
     return LoadedModel(
         model=model,
         config=config,
