@@ -37,6 +37,7 @@ class EngineConfig:
     max_mask_tokens: int = 4096
     max_queued_samples: int = 4096
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # replay uniform decode / verify steps as CUDA graphs (CUDA only)
 
     def __post_init__(self):
         if self.spec not in SPEC_METHODS:

@@ -16,6 +16,7 @@ import torch
 from rollout.engine.batch import StepBatch, build_step
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.config import EngineConfig
+from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake
 from rollout.engine.kv import allocate_kv, size_kv_blocks
 from rollout.engine.loader import load_model
@@ -47,7 +48,8 @@ class LLMEngine:
         else:
             self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
         num_blocks = size_kv_blocks(config, self.loaded.config, self.drafter, self.device)
-        self.kv_caches = allocate_kv(self.loaded.config, num_blocks, config.block_size, self.device,
+        # one more block than the manager hands out: the scratch block of padded graph rows
+        self.kv_caches = allocate_kv(self.loaded.config, num_blocks + 1, config.block_size, self.device,
                                      self.model.embed_tokens.weight.dtype)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, config.block_size)
@@ -62,6 +64,9 @@ class LLMEngine:
         self.weights = WeightUpdater(self)
         self.committer = Committer(self)
         self.pending_copies: list[tuple[int, int]] = []
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
+        use_graphs = self.device.type == "cuda" and config.cuda_graphs
+        self.graphs = self.make_step_graphs(capture=True) if use_graphs else None
 
     # -- public API (see rollout.server) --------------------------------------------------
 
@@ -109,6 +114,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        self._copy_pending_blocks()  # forked samples' partial blocks, before anyone reads them
         drafts = self._draft(plan)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device)
         result, captured = self._run(step, drafts)
@@ -122,10 +128,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _run(self, step: StepBatch, drafts: Drafts):
-        self._copy_pending_blocks()
         input_ids = step.input_ids.index_put((step.draft_token_index,), drafts.tokens)
-        layer_ids = self.drafter.target_layer_ids if self.drafter else ()
-        hidden, aux = self.model(input_ids, step.meta, self.kv_caches, layer_ids)
+        hidden, aux = self._forward(input_ids, step.meta)
         if self.drafter is not None:
             self.drafter.update_context(aux, step.meta)
         if not step.entries:
@@ -138,6 +142,21 @@ class LLMEngine:
         result = verify(pol, drafts.tokens, drafts.q, step.num_draft, step.cu_rows, step.judge_row,
                         step.draft_of_row, seeds, step.row_position)
         return result, self.capture.capture(pol, step)
+
+    def _forward(self, input_ids: torch.Tensor, meta):
+        key = self.graphs.key(meta) if self.graphs is not None else None
+        if key is None:
+            return self.model(input_ids, meta, self.kv_caches, self.layer_ids)
+        return self.graphs.run(key, input_ids, meta)
+
+    def make_step_graphs(self, capture: bool) -> StepGraphs:
+        """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests)."""
+        forward = lambda ids, meta: self.model(ids, meta, self.kv_caches, self.layer_ids)  # noqa: E731
+        max_q = (self.drafter.num_spec + 1) if self.drafter else 1
+        return StepGraphs(forward, scratch_block=self.block_manager.num_blocks, block_size=self.config.block_size,
+                          max_blocks_per_seq=-(-self.max_model_len // self.config.block_size) + 1,
+                          max_q=max_q, device=self.device, capture=capture,
+                          max_batch=min(256, self.config.max_num_seqs))
 
     def _copy_pending_blocks(self) -> None:
         if not self.pending_copies:

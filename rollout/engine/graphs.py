@@ -1,0 +1,120 @@
+"""CUDA graphs for uniform decode and verify steps.
+
+A step where every sequence computes the same number of tokens q (1 for plain decode, K+1
+for a verify block) replays a graph captured for (batch bucket, q, context bucket). Inputs
+are copied into static buffers; rows past the real batch are padding that reads and writes a
+scratch KV block no sequence owns, so they can never touch real cache entries. Prefill and
+ragged steps run eagerly. With `capture=False` the same static-buffer path runs eagerly, which
+is how the padding is tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rollout.engine.attention import AttentionMetadata
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _bucket(n: int, buckets) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class StepGraphs:
+    def __init__(self, forward: Callable, scratch_block: int, block_size: int, max_blocks_per_seq: int,
+                 max_q: int, device: torch.device, capture: bool = True, max_batch: int = 256):
+        # forward(input_ids [T], meta) -> (hidden [T, H], aux [T, n*H] | None)
+        self.forward = forward
+        self.scratch_slot = scratch_block * block_size
+        self.scratch_block = scratch_block
+        self.block_size = block_size
+        self.capture = capture
+        self.buckets = tuple(b for b in BATCH_BUCKETS if b <= max_batch)
+        s, t = self.buckets[-1], self.buckets[-1] * max_q
+        kw = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(t, **kw)  # [T_max]
+        self.positions = torch.zeros(t, **kw)
+        self.slot_mapping = torch.full((t,), self.scratch_slot, **kw)
+        self.context_lens = torch.ones(s, **kw)  # [S_max]
+        self.block_tables = torch.full((s, max_blocks_per_seq), scratch_block, **kw)
+        self.max_q = max_q
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def key(self, meta: AttentionMetadata) -> tuple[int, int, int] | None:
+        """(batch bucket, q, context bucket) when the step is uniform and fits, else None."""
+        s, t = meta.num_seqs, meta.slot_mapping.shape[0]
+        q = meta.max_query_len
+        if q > self.max_q or s * q != t:
+            return None
+        bucket = _bucket(s, self.buckets)
+        ctx = max(256, 1 << (meta.max_context_len - 1).bit_length())
+        if bucket is None or -(-ctx // self.block_size) > self.block_tables.shape[1]:
+            return None
+        return bucket, q, ctx
+
+    @torch.inference_mode()
+    def run(self, key, input_ids: torch.Tensor, meta: AttentionMetadata):
+        s_pad, q, ctx = key
+        s, t = meta.num_seqs, input_ids.shape[0]
+        t_pad = s_pad * q
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(meta.positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.slot_mapping[t:t_pad].fill_(self.scratch_slot)
+        self.positions[t:t_pad].fill_(0)
+        self.context_lens[:s].copy_(meta.context_lens)
+        self.context_lens[s:s_pad].fill_(1)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:s, :width].copy_(meta.block_tables)
+        self.block_tables[s:s_pad].fill_(self.scratch_block)
+        if key not in self.graphs:
+            self.graphs[key] = self._build(key)
+        replay, hidden, aux = self.graphs[key]
+        replay()
+        self.num_replays += 1
+        return hidden[:t], (aux[:t] if aux is not None else None)
+
+    def _static_meta(self, key) -> AttentionMetadata:
+        s_pad, q, ctx = key
+        t_pad = s_pad * q
+        return AttentionMetadata(
+            positions=self.positions[:t_pad], slot_mapping=self.slot_mapping[:t_pad],
+            cu_seqlens_q=torch.arange(0, t_pad + 1, q, device=self.positions.device),
+            context_lens=self.context_lens[:s_pad], block_tables=self.block_tables[:s_pad],
+            max_query_len=q, max_context_len=ctx, block_size=self.block_size)
+
+    def _build(self, key):
+        t_pad = key[0] * key[1]
+        run = lambda: self.forward(self.input_ids[:t_pad], self._static_meta(key))  # noqa: E731
+        if not self.capture:
+            return _eager_replay(run)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # warm-up: lazily built tables (RoPE) exist before capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, aux = run()
+        self.pool = graph.pool()
+        return graph.replay, hidden, aux
+
+
+def _eager_replay(run: Callable):
+    """CPU stand-in for a captured graph: re-runs the forward into fixed output buffers."""
+    hidden, aux = run()
+    hidden = hidden.clone()
+    aux = aux.clone() if aux is not None else None
+
+    def replay():
+        h, a = run()
+        hidden.copy_(h)
+        if aux is not None:
+            aux.copy_(a)
+
+    return replay, hidden, aux
