@@ -15,6 +15,7 @@ import torch
 
 from rollout.engine.batch import StepBatch, build_step
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.commit import Committer
 from rollout.engine.config import EngineConfig
 from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake
@@ -25,7 +26,6 @@ from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Sequence
-from rollout.engine.commit import Committer
 from rollout.engine.weights import WeightUpdater
 from rollout.masks.capture import MaskCapture
 from rollout.spec.proposer import Drafter, Drafts
