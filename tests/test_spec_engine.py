@@ -109,7 +109,8 @@ def _row_params(n, vocab, histories):
         temperature=torch.full((n,), sp["temperature"]), top_k=torch.full((n,), sp["top_k"]),
         top_p=torch.full((n,), sp["top_p"]), min_p=torch.full((n,), sp["min_p"]),
         bias=(rows, toks, vals), counts=counts,
-        penalties=torch.tensor([[sp["repetition_penalty"], sp["frequency_penalty"], sp["presence_penalty"]]]).repeat(n, 1),
+        penalties=torch.tensor([[sp["repetition_penalty"], sp["frequency_penalty"],
+                                 sp["presence_penalty"]]]).repeat(n, 1),
     )
 
 

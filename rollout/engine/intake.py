@@ -73,7 +73,8 @@ class Intake:
             raise InvalidArgument(f"prompts[{i}]", "is empty")
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < eng.vocab_size]
         if bad:
-            raise InvalidArgument(f"prompts[{i}]", f"token id {bad[0]!r} is outside the vocabulary [0, {eng.vocab_size})")
+            raise InvalidArgument(f"prompts[{i}]",
+                                  f"token id {bad[0]!r} is outside the vocabulary [0, {eng.vocab_size})")
         if len(prompt) + params.max_tokens > eng.max_model_len:
             raise InvalidArgument(
                 f"prompts[{i}]", f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed "
