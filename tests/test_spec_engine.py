@@ -70,6 +70,24 @@ def test_greedy_with_often_accepted_drafts(tiny_random_qwen3, greedy_base, block
         assert sum(steps) / len(steps) > 1.3
 
 
+def test_dspark_confidence_threshold_shortens_drafts_losslessly(tiny_random_qwen3, random_drafters, greedy_base):
+    drafted = {}
+    for threshold in (0.0, 0.6):
+        cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dspark", draft=random_drafters["dspark"],
+                           spec_block_size=8, spec_confidence_threshold=threshold, block_size=4, num_kv_blocks=400)
+        eng = LLMEngine(cfg)
+        eng.add_request("r", PROMPTS, GREEDY)
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+        outs.sort(key=lambda o: o.prompt_index)
+        assert [o.token_ids for o in outs] == greedy_base[7]
+        drafted[threshold] = eng.drafter.num_drafted
+        if threshold == 0.0:
+            assert eng.drafter.num_drafted > 0
+    assert 0 < drafted[0.6] < drafted[0.0]  # ragged, shorter blocks, same output
+
+
 # ---- sampled exactness --------------------------------------------------------------------
 
 SAMPLED = dict(temperature=1.1, top_k=6, top_p=0.95, min_p=0.02, repetition_penalty=1.1,

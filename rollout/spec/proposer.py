@@ -65,7 +65,8 @@ class BlockDrafter(Drafter):
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.threshold = confidence_threshold if model.config.kind == "dspark" else 0.0
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.num_proposals = 0
+        self.num_proposals = 0  # batched propose calls
+        self.num_drafted = 0  # draft tokens proposed, after confidence shortening
 
     @property
     def device(self) -> torch.device:
@@ -122,6 +123,7 @@ class BlockDrafter(Drafter):
         drafts, keep = self._choose(logits, hidden, anchors)
         limit = [items[i].num_draft for i in rows]
         counts = self._lengths(keep, limit)
+        self.num_drafted += sum(counts)
         flat = torch.cat([drafts[j, :k] for j, k in enumerate(counts)])
         per_item = [0] * len(items)
         for j, i in enumerate(rows):
