@@ -207,3 +207,40 @@ def test_random_drafter_for_small_target(target, kind):
         conf = a.confidence(hidden[0, :2], emb)
         assert bias.shape == (2, 264) and emb.shape == (2, 32) and ((conf > 0) & (conf < 1)).all()
         assert torch.equal(a.lm_head.weight, target.model.lm_head.weight)
+
+
+SNIPPET = b'''def read_config(path, defaults=None):
+    """Read a JSON config file and merge it over the defaults."""
+    result = dict(defaults or {})
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    for key, value in data.items():
+        if key not in result:
+            raise KeyError(f"unknown key {key!r} in {path}")
+        result[key] = value
+    return result
+'''
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_embedded_drafters_predict_the_embedded_target(kind):
+    """The committed drafters load against the committed target, and their first draft token
+    matches the target's greedy token at most anchors of a fixed snippet (teacher-forced)."""
+    import transformers
+
+    from rollout.engine.config import DEFAULT_DRAFTS, DEFAULT_MODEL
+
+    target = load_model(DEFAULT_MODEL)
+    drafter = load_drafter(DEFAULT_DRAFTS[kind], target, kind=kind)
+    assert (drafter.config.block_size, drafter.config.mask_token_id) == (8, 258)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    ids = torch.tensor(list(SNIPPET))[None]  # ids: [1, L]
+    anchors = torch.arange(40, ids.shape[1] - 8, 12)[None]  # anchors: [1, A]
+    with torch.no_grad():
+        out = hf(input_ids=ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+        first = drafter.logits(drafter.train_hidden(aux, ids, anchors)[:, :, 0])  # [1, A, V]
+    if kind == "dspark":
+        first = first + drafter.markov_bias(ids[:, anchors[0]])[0]
+    agree = (first.argmax(-1) == out.logits[0, anchors[0]].argmax(-1)).float().mean()
+    assert agree >= 0.6, f"first-token agreement {agree:.2f}"
