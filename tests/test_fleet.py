@@ -1,0 +1,182 @@
+"""RolloutFleet on a local Ray cluster (CPU, node address 127.0.0.1), two replicas of the embedded
+tiny model: prompts spread over both replicas come back exactly once in the caller's order with
+valid masks; a weight broadcast reaches every replica and changes greedy outputs; a replica killed
+mid-generation loses no sample, is restarted with the current weights and serves again; a replica
+that cannot start is reported with its log; shutdown leaves no server process behind. The routing
+bookkeeping is also tested on its own, without Ray."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout.masks.check import check_table
+from trainer_client import RolloutClient
+from trainer_client.client import to_table
+from trainer_client.fleet_routing import Replica, WeightHistory, pick_replica, prompt_seed, to_caller_rows
+
+ray = pytest.importorskip("ray")
+from ray._private import ray_constants  # noqa: E402
+
+from trainer_client.fleet import RolloutFleet  # noqa: E402
+
+ASSET = Path(__file__).resolve().parents[1] / "rollout" / "assets" / "tiny-qwen3" / "model.safetensors"
+SERVE_ARGS = ["--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROBES = ["def main():\n", "import sys\n", "class A:\n"]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Ray maps 127.0.0.1 to the machine's routable address unless it runs "without clusters"."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        fleet = RolloutFleet(2, SERVE_ARGS, health_interval=0.5, server_env={"OMP_NUM_THREADS": "1"})
+        try:
+            yield fleet
+        finally:
+            fleet.shutdown()
+            ray.shutdown()
+
+
+def _pairs(table: pa.Table) -> list[tuple[int, int]]:
+    return list(zip(table.column("prompt_index").to_pylist(), table.column("sample_index").to_pylist()))
+
+
+def _wait_for(predicate, timeout: float = 90.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _perturbed(names_containing: str, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    state = {k: v.float() for k, v in load_file(ASSET).items() if names_containing in k}
+    return {k: v + scale * v.std() * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+
+
+def test_generate_spreads_prompts_and_keeps_caller_order(fleet):
+    assert [a.split(":")[0] for a in fleet.addresses] == ["127.0.0.1", "127.0.0.1"]
+    prompts = [f"def f{i}(x):\n" + " " * i for i in range(8)]
+    sampling = dict(temperature=1.0, top_k=8, max_tokens=8, seed=5)
+    before = [r["samples"] for r in fleet.replica_stats()]
+    table = fleet.generate(prompts, n=3, sampling=sampling, mask="support", request_id="spread")
+    assert _pairs(table) == [(p, s) for p in range(8) for s in range(3)]
+    assert table.column("prompt_token_ids").to_pylist() == [list(p.encode()) for p in prompts for _ in range(3)]
+    assert set(table.column("request_id").to_pylist()) == {"spread"}
+    assert set(table.column("policy_version").to_pylist()) == {fleet.policy_version}
+    assert table.column("support_logprobs").null_count == 0
+    report = check_table(table, max_width=8)
+    assert report.ok, report.violations[:3]
+    served = [r["samples"] - b for r, b in zip(fleet.replica_stats(), before)]
+    assert sum(served) == 24 and min(served) > 0
+
+    batches = list(fleet.stream(prompts[:4], n=2, sampling=sampling, mask="selected"))
+    assert sorted(b.column("prompt_index")[0].as_py() for b in batches) == [0, 1, 2, 3]
+    assert all(b.num_rows == 2 and len(set(b.column("prompt_index").to_pylist())) == 1 for b in batches)
+
+
+def test_weight_broadcast_reaches_every_replica(fleet):
+    before = fleet.generate(PROBES, sampling=GREEDY)
+    version = fleet.update_weights(_perturbed("", 0.2, seed=1))
+    assert version == fleet.policy_version
+    infos = fleet.server_info()
+    assert len(infos) == 2 and len({info["policy_version"] for info in infos}) == 1
+    after = fleet.generate(PROBES, sampling=GREEDY)
+    assert set(after.column("policy_version").to_pylist()) == {version}
+    assert after.column("token_ids").to_pylist() != before.column("token_ids").to_pylist()
+
+
+def test_killed_replica_loses_no_sample_and_rejoins_with_current_weights(fleet):
+    fleet.update_weights(_perturbed("model.norm", 0.3, seed=2))  # a partial update the restart must replay
+    prompts = [[65 + i, 66, 67] for i in range(10)]
+    sampling = dict(temperature=1.0, top_k=8, max_tokens=40, ignore_eos=True, seed=11)
+    stream = fleet.stream(prompts, n=2, sampling=sampling, request_id="survivor")
+    first = next(stream)
+    victim = max(fleet.replica_stats(), key=lambda r: r["outstanding"])
+    assert victim["outstanding"] > 0
+    ray.kill(fleet.actors[victim["index"]], no_restart=False)
+    table = to_table([first, *stream])
+    assert _pairs(table) == [(p, s) for p in range(10) for s in range(2)]
+    assert all(len(t) == 40 for t in table.column("token_ids").to_pylist())
+    assert set(table.column("policy_version").to_pylist()) == {fleet.policy_version}
+
+    def back() -> bool:
+        now = fleet.replica_stats()[victim["index"]]
+        return now["state"] == "healthy" and now["incarnation"] != victim["incarnation"]
+
+    _wait_for(back)
+    revived = fleet.replica_stats()[victim["index"]]
+    assert revived["restarts"] == victim["restarts"] + 1 and revived["lost_prompts"] > 0
+    assert not _pid_alive(victim["server_pid"])
+    greedy = [
+        RolloutClient(address, timeout=60).generate(PROBES, sampling=GREEDY).column("token_ids").to_pylist()
+        for address in fleet.addresses
+    ]
+    assert len(greedy) == 2 and greedy[0] == greedy[1]  # the restarted server has the fleet's weights
+    again = fleet.generate(prompts, n=2, sampling=sampling)
+    assert _pairs(again) == _pairs(table)
+    assert set(again.column("policy_version").to_pylist()) == {fleet.policy_version}
+    assert fleet.replica_stats()[victim["index"]]["samples_since_restart"] > 0
+
+
+def test_replica_that_cannot_start_is_reported_with_its_log(fleet):
+    with pytest.raises(RuntimeError, match="no-such-checkpoint"):
+        RolloutFleet(1, ["--model", "/no-such-checkpoint"], startup_timeout=60)
+
+
+def test_shutdown_leaves_no_server_behind(fleet):
+    pids = [r["server_pid"] for r in fleet.replica_stats()]
+    assert all(_pid_alive(pid) for pid in pids)
+    fleet.shutdown()
+    _wait_for(lambda: not any(_pid_alive(pid) for pid in pids), timeout=30)
+
+
+# ---- routing bookkeeping, no Ray --------------------------------------------------------------
+
+
+def test_pick_replica_takes_least_outstanding_healthy_within_window():
+    replicas = [Replica(i, None, f"h:{i}", "x", 0) for i in range(3)]
+    replicas[0].outstanding, replicas[1].outstanding, replicas[2].outstanding = 8, 4, 0
+    replicas[2].state = "recovering"
+    assert pick_replica(replicas, n=4, window=16).index == 1
+    assert pick_replica(replicas, n=4, window=7) is None
+    replicas[1].outstanding = 0
+    assert pick_replica(replicas, n=64, window=16).index == 1  # an idle replica takes any n
+
+
+def test_weight_history_drops_updates_a_later_one_covers():
+    history = WeightHistory()
+    history.add("full-1", {"a", "b"})
+    history.add("part", {"b"})
+    assert history.payloads() == ["full-1", "part"]
+    snapshot = history.snapshot()
+    history.add("full-2", {"a", "b"})
+    assert history.payloads() == ["full-2"]
+    history.restore(snapshot)
+    assert history.payloads() == ["full-1", "part"]
+
+
+def test_caller_rows_and_prompt_seeds():
+    table = pa.table({"request_id": ["sub/3/0"] * 2, "prompt_index": pa.array([0, 0], pa.int32()),
+                      "policy_version": pa.array([1, 1], pa.int64())})  # fmt: skip
+    out = to_caller_rows(table, "req", 7, version_offset=2)
+    assert out.to_pydict() == {"request_id": ["req"] * 2, "prompt_index": [7, 7], "policy_version": [3, 3]}
+    assert out.schema == table.schema
+    seeds = {prompt_seed(5, p) for p in range(100)}
+    assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds) and prompt_seed(5, 3) == prompt_seed(5, 3)

@@ -1,0 +1,362 @@
+"""`RolloutFleet`: many `rollout serve` replicas on a Ray cluster, driven like one `RolloutClient`.
+
+Each replica is a Ray actor (`fleet_replica.RolloutReplica`, one GPU each where the cluster has
+GPUs) running its own server on its node's address. The trainer talks gRPC to the servers
+directly: `generate` / `stream` spread prompts over the replicas by least outstanding work and
+return one table in the caller's prompt order (`fleet_requests`). `update_weights` puts the
+weights in the Ray object store once and each actor pushes them to its server.
+
+Faults. A replica whose stream fails and whose health check then fails, or which the health
+monitor (every `health_interval` s) finds unreachable, leaves the routing; its unfinished prompts
+go to live replicas. Ray restarts its actor (`max_restarts`), which starts a fresh server; the
+fleet replays the weight updates on it and puts it back in the routing.
+
+Versions. `policy_version` is the fleet's: the number of `update_weights` calls it has applied. A
+restarted server counts from 0 again, so each replica keeps an offset and the `policy_version`
+column of every returned table is rewritten to fleet versions. A fleet object that `attach`es to
+running actors starts from the highest server version and has no updates to replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import ray
+from safetensors.torch import load_file
+
+from rollout.errors import InvalidArgument
+from trainer_client.aio import AsyncRolloutClient
+from trainer_client.client import Prompt, Weights, sampling_to_proto, to_table
+from trainer_client.fleet_replica import RolloutReplica, health_ok
+from trainer_client.fleet_requests import FleetRequest
+from trainer_client.fleet_routing import Replica, WeightHistory
+from trainer_client.fleet_stream import FleetStream
+
+log = logging.getLogger("trainer_client.fleet")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """How the fleet starts and runs its replicas. `device="auto"` asks for GPUs (and passes
+    `--device cuda`) when the cluster has any; `name` makes the actors named (`{name}-{i}`), and
+    `detached` lets them outlive this process. `max_outstanding_samples` caps each replica's
+    in-flight samples from this fleet; `max_attempts` bounds how often one prompt is resubmitted."""
+
+    num_replicas: int
+    serve_args: tuple[str, ...] = ()
+    num_gpus_per_replica: float = 1
+    num_cpus_per_replica: float = 1
+    device: str = "auto"
+    max_restarts: int = -1
+    startup_timeout: float = 600.0
+    restart_timeout: float = 900.0
+    max_outstanding_samples: int = 1024
+    max_attempts: int = 3
+    health_interval: float = 2.0
+    server_env: Mapping[str, str] = field(default_factory=dict)
+    name: str | None = None
+    namespace: str | None = None
+    detached: bool = False
+
+    def __post_init__(self):
+        checks = {
+            "num_replicas": self.num_replicas >= 1, "num_gpus_per_replica": self.num_gpus_per_replica >= 0,
+            "num_cpus_per_replica": self.num_cpus_per_replica >= 0, "device": self.device in DEVICES,
+            "max_restarts": self.max_restarts >= -1, "startup_timeout": self.startup_timeout > 0,
+            "restart_timeout": self.restart_timeout > 0, "max_attempts": self.max_attempts >= 1,
+            "max_outstanding_samples": self.max_outstanding_samples >= 1,
+            "health_interval": self.health_interval > 0, "detached": self.name is not None or not self.detached,
+        }  # fmt: skip
+        for name, ok in checks.items():
+            if not ok:
+                raise InvalidArgument(name, f"invalid value {getattr(self, name)!r}")
+
+
+class RolloutFleet:
+    """`RolloutFleet(2, serve_args=["--spec", "dflash"])`: starts the replicas and waits until every
+    one is healthy and reachable from here; a replica that cannot start raises RuntimeError with
+    the tail of its server log. Connect to Ray (`ray.init(address=...)`) first."""
+
+    def __init__(self, num_replicas: int, serve_args: Sequence[str] = (), num_gpus_per_replica: float = 1,
+                 **options: Any):  # fmt: skip
+        config = FleetConfig(num_replicas, tuple(serve_args), num_gpus_per_replica, **options)
+        self._boot(config, _start_actors(config), version=0)
+
+    @classmethod
+    def attach(cls, name: str, namespace: str | None = None, **options: Any) -> RolloutFleet:
+        """A fleet object for the named actors `{name}-0..` someone started (deploy/launch_fleet.py)."""
+        actors = []
+        while True:
+            try:
+                actors.append(ray.get_actor(f"{name}-{len(actors)}", namespace=namespace))
+            except ValueError:
+                break
+        if not actors:
+            raise InvalidArgument("name", f"no actor named {name}-0 in namespace {namespace!r}")
+        fleet = cls.__new__(cls)
+        config = FleetConfig(len(actors), name=name, namespace=namespace, detached=True, **options)
+        fleet._boot(config, actors, version=None)
+        return fleet
+
+    def _boot(self, config: FleetConfig, actors: list, version: int | None) -> None:
+        self.config = config
+        self.window, self.max_attempts = config.max_outstanding_samples, config.max_attempts
+        self._closed = False
+        self._history = WeightHistory()
+        self._weights_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._requests: dict[str, tuple[FleetRequest, FleetStream]] = {}
+        self.replicas = self._started_replicas(actors)
+        servers = [ray.get(r.actor.server_info.remote())["policy_version"] for r in self.replicas]
+        self._version = max(servers) if version is None else version
+        for replica, server_version in zip(self.replicas, servers):
+            replica.offset = self._version - server_version
+        self._loop = asyncio.new_event_loop()
+        self._clients: dict[tuple[int, str], AsyncRolloutClient] = {}
+        self._change: asyncio.Future | None = None
+        threading.Thread(target=self._loop.run_forever, name="rollout-fleet", daemon=True).start()
+        self._monitor = asyncio.run_coroutine_threadsafe(self._watch_health(), self._loop)
+
+    def _started_replicas(self, actors: list) -> list[Replica]:
+        """Waits for every actor's server; on any failure stops them all and raises."""
+        replicas = []
+        try:
+            for index, actor in enumerate(actors):
+                try:
+                    info = ray.get(actor.info.remote(), timeout=self.config.startup_timeout + 60)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                    raise RuntimeError(f"replica {index} did not start: {exc}") from exc
+                if not health_ok(info["address"], timeout=10.0):
+                    raise RuntimeError(f"replica {index}'s server {info['address']} is not reachable from here")
+                replicas.append(Replica(index, actor, info["address"], info["incarnation"], info["server_pid"]))
+        except BaseException:
+            _stop_actors(actors)
+            raise
+        return replicas
+
+    # ---- what callers use -------------------------------------------------------------------
+
+    @property
+    def addresses(self) -> list[str]:
+        """Addresses of the replicas now in the routing."""
+        return [r.address for r in self.replicas if r.state == "healthy"]
+
+    @property
+    def actors(self) -> list:
+        return [r.actor for r in self.replicas]
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """Per replica: address, state, incarnation, server pid, outstanding and served samples."""
+        return [r.stats() for r in self.replicas]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], n: int = 1, sampling: Mapping[str, Any] | None = None,
+                 mask: str | None = None, grammar: Any = None, request_id: str | None = None,
+                 timeout: float | None = None) -> pa.Table:  # fmt: skip
+        """All samples as one table ordered by (prompt_index, sample_index) in the caller's order."""
+        with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout) as batches:
+            return to_table(list(batches))
+
+    def stream(self, prompts: Prompt | Sequence[Prompt], n: int = 1, sampling: Mapping[str, Any] | None = None,
+               mask: str | None = None, grammar: Any = None, request_id: str | None = None,
+               timeout: float | None = None) -> FleetStream:  # fmt: skip
+        """Record batches, each holding all n samples of one prompt, as prompts finish. `timeout` is
+        the deadline of each prompt's sub-request. Closing the stream cancels the request."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise InvalidArgument("prompts", "at least one prompt is required")
+        if not isinstance(n, int) or n < 1:
+            raise InvalidArgument("n", f"must be an integer >= 1, got {n!r}")
+        sampling_to_proto(dict(sampling or {}))  # unknown keys fail here, not on a replica
+        request_id = request_id or f"fleet-{uuid.uuid4().hex[:12]}"
+        stream = FleetStream()
+        request = FleetRequest(self, prompts, n, sampling, mask, grammar, request_id, timeout, stream.put)
+        future = asyncio.run_coroutine_threadsafe(request.run(), self._loop)
+        stream.attach(future, on_close=lambda: self._requests.pop(request_id, None))
+        self._requests[request_id] = (request, stream)
+        return stream
+
+    def abort(self, request_id: str) -> int:
+        """Cancels a running request; returns how many of its samples were not delivered."""
+        if request_id not in self._requests:
+            return 0
+        request, stream = self._requests.pop(request_id)
+        stream.close()
+        return len(request.prompts) * request.n - request.delivered
+
+    def server_info(self) -> list[dict[str, Any]]:
+        """Each routed replica's server_info."""
+        return ray.get([r.actor.server_info.remote() for r in self.replicas if r.state == "healthy"])
+
+    def update_weights(self, weights: Weights | None, draft: bool = False, *, draft_weights: Weights | None = None,
+                       timeout: float | None = None) -> int:  # fmt: skip
+        """Pushes a state dict or safetensors file(s) (read here) to every replica through the object
+        store; returns the new fleet policy_version once every routed replica reports it. A replica
+        that is restarting gets it before it rejoins. An update the servers refuse (wrong name,
+        shape or dtype) changes nothing and raises the server's error."""
+        payload = {"weights": _state(weights), "draft": draft, "draft_weights": _state(draft_weights)}
+        names = {(draft, k) for k in payload["weights"] or {}} | {(True, k) for k in payload["draft_weights"] or {}}
+        ref = ray.put(payload)
+        with self._weights_lock:
+            snapshot = self._history.snapshot()
+            self._history.add(ref, names)
+            self._version += 1
+            targets = [r for r in self.replicas if r.state == "healthy"]
+            calls = [r.actor.push_weights.remote(ref, timeout=timeout) for r in targets]
+            for replica, call in zip(targets, calls):
+                try:
+                    replica.offset = self._version - ray.get(call)
+                except ray.exceptions.RayActorError:
+                    self.replica_failed(replica)
+                except Exception:
+                    self._history.restore(snapshot)
+                    self._version -= 1
+                    raise
+        return self._version
+
+    def shutdown(self) -> None:
+        """Stops every server and actor (named and detached ones too) and this fleet's threads."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, stream in list(self._requests.values()):
+            stream.close()
+        self._monitor.cancel()
+        _stop_actors(self.actors)
+        asyncio.run_coroutine_threadsafe(self._close_clients(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def __enter__(self) -> RolloutFleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- FleetCore: called by requests on the event loop -----------------------------------------
+
+    def client(self, replica: Replica) -> AsyncRolloutClient:
+        key = (replica.index, replica.address)
+        if key not in self._clients:
+            self._clients[key] = AsyncRolloutClient(replica.address)
+        return self._clients[key]
+
+    async def alive(self, replica: Replica) -> bool:
+        if replica.state != "healthy":
+            return False
+        return await asyncio.to_thread(health_ok, replica.address)
+
+    def routing_changed(self) -> asyncio.Future:
+        if self._change is None or self._change.done():
+            self._change = self._loop.create_future()
+        return self._change
+
+    def notify(self) -> None:
+        if self._change is not None and not self._change.done():
+            self._change.set_result(None)
+
+    def replica_failed(self, replica: Replica) -> None:
+        """Takes the replica out of the routing and waits, on a thread, for it to come back."""
+        with self._state_lock:
+            if replica.state != "healthy" or self._closed:
+                return
+            replica.state = "recovering"
+        log.warning("replica %d at %s failed; waiting for Ray to restart it", replica.index, replica.address)
+        self._loop.call_soon_threadsafe(self.notify)
+        threading.Thread(target=self._recover, args=(replica,), name=f"recover-{replica.index}", daemon=True).start()
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            for replica in [r for r in self.replicas if r.state == "healthy"]:
+                if not await self.alive(replica):
+                    self.replica_failed(replica)
+
+    async def _close_clients(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+    # ---- recovery, on a thread per failed replica ------------------------------------------------
+
+    def _recover(self, replica: Replica) -> None:
+        deadline = time.monotonic() + self.config.restart_timeout
+        while not self._closed and time.monotonic() < deadline:
+            try:
+                info = ray.get(replica.actor.info.remote(), timeout=10)
+                if info["incarnation"] == replica.incarnation and not health_ok(info["address"]):
+                    time.sleep(0.5)  # the actor has not died yet: Ray will restart it
+                    continue
+                self._rejoin(replica, info)
+                return
+            except ray.exceptions.ActorDiedError as exc:
+                log.error("replica %d is dead for good: %s", replica.index, exc)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)
+            except Exception as exc:  # e.g. the restarted server refused the weight replay
+                log.error("replica %d cannot rejoin: %s", replica.index, exc)
+                break
+        replica.state = "dead"
+        self._loop.call_soon_threadsafe(self.notify)
+
+    def _rejoin(self, replica: Replica, info: dict[str, Any]) -> None:
+        """Brings a restarted server up to the fleet's weights, then routes to it again."""
+        with self._weights_lock:
+            if info["incarnation"] != replica.incarnation:
+                server_version = ray.get(replica.actor.push_weights.remote(*self._history.payloads()))
+                replica.restarted(info["address"], info["incarnation"], info["server_pid"])
+                replica.offset = self._version - server_version
+            replica.state = "healthy"
+        log.warning("replica %d is back at %s (restarts: %d)", replica.index, replica.address, replica.restarts)
+        self._loop.call_soon_threadsafe(self.notify)
+
+
+def _start_actors(config: FleetConfig) -> list:
+    """One RolloutReplica actor per replica, with a GPU each when the cluster has GPUs."""
+    gpus = ray.cluster_resources().get("GPU", 0) > 0 and config.num_gpus_per_replica > 0
+    use_gpu = config.device == "cuda" or (config.device == "auto" and gpus)
+    options: dict[str, Any] = dict(num_cpus=config.num_cpus_per_replica, max_restarts=config.max_restarts,
+                                   num_gpus=config.num_gpus_per_replica if use_gpu else 0, max_concurrency=4)
+    if config.detached:
+        options["lifetime"] = "detached"
+    args = (list(config.serve_args), "cuda" if use_gpu else "cpu", config.startup_timeout, dict(config.server_env))
+    actor_class = ray.remote(RolloutReplica)
+    if config.name is None:
+        return [actor_class.options(**options).remote(*args) for _ in range(config.num_replicas)]
+    return [actor_class.options(name=f"{config.name}-{i}", namespace=config.namespace, **options).remote(*args)
+            for i in range(config.num_replicas)]
+
+
+def _state(weights: Weights | None) -> Mapping | None:
+    """A state dict as is; a safetensors file or directory read into one (here, once)."""
+    if weights is None or isinstance(weights, Mapping):
+        return weights
+    path = Path(weights)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise InvalidArgument("weights", f"{path} is neither a .safetensors file nor a directory holding some")
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+
+
+def _stop_actors(actors: list) -> None:
+    """Stops each actor's server (it drains briefly) and kills the actor without restart."""
+    pending = [actor.shutdown.remote() for actor in actors]
+    for call in pending:
+        try:
+            ray.get(call, timeout=30)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # the actor is dead or stuck: killing it below kills its server (PDEATHSIG)
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
