@@ -1,0 +1,194 @@
+"""Shared pieces of the GPU benchmark scripts: Qwen3-shaped random model directories, device
+timing and copy bandwidth, held-out prompts from the stdlib corpus, the embedded drafters,
+running an engine to completion, and the table + JSON every script prints and writes.
+
+Random-weight models are directories holding only `config.json`, loaded with
+`EngineConfig(load_format="random")`. The model forward helpers (`metadata`, `kv_caches`,
+`random_model`, the 8B shape) come from `scripts/bench_target.py`, the corpus split from
+`scripts/corpus.py`; both are imported from `scripts/` here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_target  # noqa: E402  (scripts/bench_target.py)
+import corpus  # noqa: E402  (scripts/corpus.py)
+from bench_target import kv_caches, metadata, random_model  # noqa: E402, F401  (re-exported)
+
+from rollout.engine.config import DEFAULT_DRAFTS  # noqa: E402
+from rollout.engine.engine import LLMEngine  # noqa: E402
+
+QWEN3_0_6B = dict(
+    bench_target.QWEN3_8B, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True,
+)  # fmt: skip
+QWEN3_8B = bench_target.QWEN3_8B
+# --quick: a shape small enough for a CPU check of the scripts themselves.
+QWEN3_TINY = dict(
+    bench_target.QWEN3_8B, vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+)  # fmt: skip
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "tiny": QWEN3_TINY}
+
+
+def hf_config(shape: dict):
+    """transformers' Qwen3Config of a shape (the one config both engines read)."""
+    import transformers
+
+    fields = {k: v for k, v in shape.items() if k not in ("model_type", "rope_theta")}
+    rope = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
+    return transformers.Qwen3Config(**fields, rope_parameters=rope)
+
+
+def write_config_dir(shape: dict, root: Path) -> Path:
+    """A model directory with only config.json (for `load_format="random"`)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(hf_config(shape).to_json_string())
+    return root
+
+
+def model_dtype(device: str) -> torch.dtype:
+    """The engine's dtype on `device` (bfloat16 on CUDA, float32 on CPU)."""
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: str, iters: int = 20, warmup: int = 3) -> float:
+    """Mean milliseconds of `fn()` over `iters` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def graph_ms(fn, device: str, iters: int = 20) -> float | None:
+    """Mean milliseconds of replaying `fn` captured as one CUDA graph; None off CUDA. `fn` runs
+    once first, so lazy tables and attention plans are built outside the capture."""
+    if device != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, device, iters)
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes/s moved by a large device-to-device copy, counting the read and the write."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, iters=10)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (tied ones counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def heldout_prompts(count: int, num_bytes: int = 256) -> list[list[int]]:
+    """The first `num_bytes` bytes of held-out stdlib files as byte token ids, cycled to `count`."""
+    files = [p for p in corpus.heldout_files() if p.stat().st_size >= num_bytes]
+    return [list(files[i % len(files)].read_bytes()[:num_bytes]) for i in range(count)]
+
+
+def embedded_draft(kind: str) -> str | None:
+    """The embedded drafter directory of `kind`, or None while it is not in the repository."""
+    path = DEFAULT_DRAFTS[kind]
+    return str(path) if (path / "config.json").is_file() else None
+
+
+@dataclass
+class Run:
+    """One workload run to completion: its finished samples, engine steps and wall time."""
+
+    outputs: list
+    steps: int
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def mean_acceptance(self) -> float:
+        """Committed tokens per verify step, the first (prefill) step of each sample left out."""
+        steps = [n for o in self.outputs for n in o.accept_lengths[1:]]
+        return statistics.fmean(steps) if steps else float("nan")
+
+
+def run_engine(engine: LLMEngine, requests: list[tuple[list[int], object, dict]], tag: str,
+               device: str) -> Run:
+    """Add every (prompt, SamplingParams, add_request keywords) at once and step until done."""
+    sync(device)
+    start = time.perf_counter()
+    for i, (prompt, params, extra) in enumerate(requests):
+        engine.add_request(f"{tag}-{i}", [prompt], params, **extra)
+    outputs, steps = [], 0
+    while engine.has_unfinished():
+        outputs += engine.step()
+        steps += 1
+    sync(device)
+    seconds = time.perf_counter() - start
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} sample(s) failed, first: {errors[0]}")
+    return Run(outputs, steps, seconds)
+
+
+def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
+    """Rows as a fixed-width table; floats with 3 significant decimals."""
+    def cell(v) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
+    print(f"\n{title}")
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(cell(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write (or rewrite, as results come in) the script's JSON result."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def environment(device: str) -> dict:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
+           "python": sys.version.split()[0]}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
