@@ -221,6 +221,10 @@ def test_leaving_the_stream_early_frees_kv_blocks(client, server):
     assert client.server_info()["kv_blocks_free"] == free0 - 32
     stream.close()
     _wait_for(lambda: client.server_info()["kv_blocks_free"] == free0)
+    dropped = client.stream([[2]] * 4, sampling=dict(max_tokens=60), request_id="dropped")
+    _wait_for(lambda: server.engine_call(lambda e: any(k[0] == "dropped" for k in e.running)))
+    del dropped  # a stream abandoned unfinished (e.g. `break` out of its loop) cancels too
+    _wait_for(lambda: client.server_info()["kv_blocks_free"] == free0)
 
 
 def test_deadline_aborts_the_request(client):

@@ -44,7 +44,8 @@ class AsyncBatchStream:
         return decode_batch(await self._responses.__anext__())
 
     def close(self) -> None:
-        self._call.cancel()
+        if not self._call.done():
+            self._call.cancel()
 
     def __enter__(self) -> AsyncBatchStream:
         return self

@@ -160,7 +160,8 @@ class BatchStream:
         return decode_batch(next(self._call))
 
     def close(self) -> None:
-        self._call.cancel()
+        if not self._call.done():
+            self._call.cancel()
 
     def __enter__(self) -> BatchStream:
         return self
