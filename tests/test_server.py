@@ -138,9 +138,7 @@ def test_malformed_requests_name_the_field_and_the_server_keeps_serving(servers,
         assert client.server_info()["kv_blocks_free"] == client.server_info()["kv_blocks_total"]
 
 
-def test_update_weights_changes_outputs_never_mixes_versions_and_refuses_bad_shapes(
-    servers, tiny_random_qwen3
-):
+def test_update_weights_changes_outputs_never_mixes_versions_and_refuses_bad_shapes(servers, tiny_random_qwen3):
     server = servers("dflash", enable_prefix_caching=True, max_num_seqs=64)
     greedy = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
     original = load_file(str(tiny_random_qwen3 / "model.safetensors"))
@@ -154,14 +152,10 @@ def test_update_weights_changes_outputs_never_mixes_versions_and_refuses_bad_sha
             client.update_weights({name: torch.zeros(3, 3)})
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
         assert client.server_info()["policy_version"] == v0
-        assert client.generate(PROMPTS, n=4, sampling=greedy).column("token_ids") == before.column(
-            "token_ids"
-        )
+        assert client.generate(PROMPTS, n=4, sampling=greedy).column("token_ids") == before.column("token_ids")
 
         running = {}
-        worker = threading.Thread(
-            target=lambda: running.update(t=client.generate(PROMPTS, n=4, sampling=greedy))
-        )
+        worker = threading.Thread(target=lambda: running.update(t=client.generate(PROMPTS, n=4, sampling=greedy)))
         worker.start()
         _wait_for(lambda: client.server_info()["kv_blocks_free"] < client.server_info()["kv_blocks_total"])
         assert client.update_weights(perturbed) == v0 + 1
@@ -200,3 +194,23 @@ async def _until(get, ok, timeout: float = 30.0):
         assert time.monotonic() < end, f"last value {value}"
         await asyncio.sleep(0.05)
     return value
+
+
+def test_update_weights_replaces_the_drafter_in_the_same_call_losslessly(servers, drafters, tiny_random_qwen3):
+    server = servers("dflash", max_num_seqs=32)
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    target = load_file(str(tiny_random_qwen3 / "model.safetensors"))
+    draft = load_file(str(drafters / "dflash" / "model.safetensors"))
+    torch.manual_seed(1)
+    noisy_draft = {k: v + v.std() * torch.randn_like(v) for k, v in draft.items()}
+    with RolloutClient(server.address, timeout=120) as client:
+        v0 = client.server_info()["policy_version"]
+        before = client.generate(PROMPTS, n=2, sampling=greedy)
+        assert client.update_weights(target, draft_weights=noisy_draft) == v0 + 1
+        after = client.generate(PROMPTS, n=2, sampling=greedy)
+        assert after.column("token_ids") == before.column("token_ids")  # a drafter never changes outputs
+        assert after.column("policy_version").to_pylist() == [v0 + 1] * 4
+        with pytest.raises(grpc.RpcError) as err:
+            client.update_weights(target, draft_weights={"fc.weight": torch.zeros(2, 2)})
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fc.weight" in err.value.details()
+        assert client.server_info()["policy_version"] == v0 + 1
