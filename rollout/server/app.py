@@ -150,7 +150,7 @@ class BackgroundServer:
     def close(self, grace: float | None = 5.0) -> None:
         if self.running is not None:
             self.run(lambda running: running.stop(grace))
-            self.running = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+        self.running = None  # grpc.aio shuts down with the last server: only once its loop is idle
         self._loop.close()
