@@ -1,9 +1,9 @@
 """RolloutFleet on a local Ray cluster (CPU, node address 127.0.0.1), two replicas of the embedded
 tiny model: prompts spread over both replicas come back exactly once in the caller's order with
 valid masks; a weight broadcast reaches every replica and changes greedy outputs; a replica killed
-mid-generation loses no sample, is restarted with the current weights and serves again; a replica
-that cannot start is reported with its log; shutdown leaves no server process behind. The routing
-bookkeeping is also tested on its own, without Ray."""
+mid-generation loses no sample, is restarted with the current weights and serves again, and so is
+one whose server process crashes; a replica that cannot start is reported with its log; shutdown
+leaves no server process behind. The routing bookkeeping is also tested on its own, without Ray."""
 
 from __future__ import annotations
 
@@ -135,8 +135,18 @@ def test_killed_replica_loses_no_sample_and_rejoins_with_current_weights(fleet):
     assert fleet.replica_stats()[victim["index"]]["samples_since_restart"] > 0
 
 
+def test_crashed_server_takes_its_actor_down_and_comes_back(fleet):
+    before = fleet.replica_stats()[0]
+    ray.get(fleet.actors[0].kill_server.remote())
+    _wait_for(lambda: fleet.replica_stats()[0]["incarnation"] != before["incarnation"])
+    _wait_for(lambda: fleet.replica_stats()[0]["state"] == "healthy")
+    table = fleet.generate(PROBES * 2, n=2, sampling=dict(temperature=1.0, top_k=8, max_tokens=6, seed=1))
+    assert _pairs(table) == [(p, s) for p in range(6) for s in range(2)]
+    assert fleet.replica_stats()[0]["samples_since_restart"] > 0
+
+
 def test_replica_that_cannot_start_is_reported_with_its_log(fleet):
-    with pytest.raises(RuntimeError, match="no-such-checkpoint"):
+    with pytest.raises(RuntimeError, match=r"exited with status \d+; log tail:\n.*no-such-checkpoint"):
         RolloutFleet(1, ["--model", "/no-such-checkpoint"], startup_timeout=60)
 
 

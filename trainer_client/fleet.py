@@ -50,7 +50,8 @@ class FleetConfig:
     """How the fleet starts and runs its replicas. `device="auto"` asks for GPUs (and passes
     `--device cuda`) when the cluster has any; `name` makes the actors named (`{name}-{i}`), and
     `detached` lets them outlive this process. `max_outstanding_samples` caps each replica's
-    in-flight samples from this fleet; `max_attempts` bounds how often one prompt is resubmitted."""
+    in-flight samples from this fleet; `max_attempts` bounds how often one prompt is resubmitted. A
+    replica whose health check gets no SERVING answer within `health_timeout` s leaves the routing."""
 
     num_replicas: int
     serve_args: tuple[str, ...] = ()
@@ -63,6 +64,7 @@ class FleetConfig:
     max_outstanding_samples: int = 1024
     max_attempts: int = 3
     health_interval: float = 2.0
+    health_timeout: float = 5.0
     server_env: Mapping[str, str] = field(default_factory=dict)
     name: str | None = None
     namespace: str | None = None
@@ -75,7 +77,8 @@ class FleetConfig:
             "max_restarts": self.max_restarts >= -1, "startup_timeout": self.startup_timeout > 0,
             "restart_timeout": self.restart_timeout > 0, "max_attempts": self.max_attempts >= 1,
             "max_outstanding_samples": self.max_outstanding_samples >= 1,
-            "health_interval": self.health_interval > 0, "detached": self.name is not None or not self.detached,
+            "health_interval": self.health_interval > 0, "health_timeout": self.health_timeout > 0,
+            "detached": self.name is not None or not self.detached,
         }  # fmt: skip
         for name, ok in checks.items():
             if not ok:
@@ -90,25 +93,21 @@ class RolloutFleet:
     def __init__(self, num_replicas: int, serve_args: Sequence[str] = (), num_gpus_per_replica: float = 1,
                  **options: Any):  # fmt: skip
         config = FleetConfig(num_replicas, tuple(serve_args), num_gpus_per_replica, **options)
-        self._boot(config, _start_actors(config), version=0)
+        self._boot(config, _start_actors(config), owned=True)
 
     @classmethod
     def attach(cls, name: str, namespace: str | None = None, **options: Any) -> RolloutFleet:
-        """A fleet object for the named actors `{name}-0..` someone started (deploy/launch_fleet.py)."""
-        actors = []
-        while True:
-            try:
-                actors.append(ray.get_actor(f"{name}-{len(actors)}", namespace=namespace))
-            except ValueError:
-                break
+        """A fleet object for the named actors `{name}-0..` someone started (deploy/launch_fleet.py).
+        It does not stop them if it cannot reach them; `shutdown()` does stop them."""
+        actors = named_actors(name, namespace)
         if not actors:
             raise InvalidArgument("name", f"no actor named {name}-0 in namespace {namespace!r}")
         fleet = cls.__new__(cls)
         config = FleetConfig(len(actors), name=name, namespace=namespace, detached=True, **options)
-        fleet._boot(config, actors, version=None)
+        fleet._boot(config, actors, owned=False)
         return fleet
 
-    def _boot(self, config: FleetConfig, actors: list, version: int | None) -> None:
+    def _boot(self, config: FleetConfig, actors: list, owned: bool) -> None:
         self.config = config
         self.window, self.max_attempts = config.max_outstanding_samples, config.max_attempts
         self._closed = False
@@ -116,9 +115,9 @@ class RolloutFleet:
         self._weights_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._requests: dict[str, tuple[FleetRequest, FleetStream]] = {}
-        self.replicas = self._started_replicas(actors)
+        self.replicas = self._started_replicas(actors, owned)
         servers = [ray.get(r.actor.server_info.remote())["policy_version"] for r in self.replicas]
-        self._version = max(servers) if version is None else version
+        self._version = 0 if owned else max(servers)
         for replica, server_version in zip(self.replicas, servers):
             replica.offset = self._version - server_version
         self._loop = asyncio.new_event_loop()
@@ -127,8 +126,8 @@ class RolloutFleet:
         threading.Thread(target=self._loop.run_forever, name="rollout-fleet", daemon=True).start()
         self._monitor = asyncio.run_coroutine_threadsafe(self._watch_health(), self._loop)
 
-    def _started_replicas(self, actors: list) -> list[Replica]:
-        """Waits for every actor's server; on any failure stops them all and raises."""
+    def _started_replicas(self, actors: list, owned: bool) -> list[Replica]:
+        """Waits for every actor's server; on any failure stops them all (if `owned`) and raises."""
         replicas = []
         try:
             for index, actor in enumerate(actors):
@@ -140,7 +139,8 @@ class RolloutFleet:
                     raise RuntimeError(f"replica {index}'s server {info['address']} is not reachable from here")
                 replicas.append(Replica(index, actor, info["address"], info["incarnation"], info["server_pid"]))
         except BaseException:
-            _stop_actors(actors)
+            if owned:
+                stop_actors(actors)
             raise
         return replicas
 
@@ -175,6 +175,8 @@ class RolloutFleet:
                timeout: float | None = None) -> FleetStream:  # fmt: skip
         """Record batches, each holding all n samples of one prompt, as prompts finish. `timeout` is
         the deadline of each prompt's sub-request. Closing the stream cancels the request."""
+        if self._closed:
+            raise RuntimeError("the fleet is shut down")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise InvalidArgument("prompts", "at least one prompt is required")
@@ -184,9 +186,9 @@ class RolloutFleet:
         request_id = request_id or f"fleet-{uuid.uuid4().hex[:12]}"
         stream = FleetStream()
         request = FleetRequest(self, prompts, n, sampling, mask, grammar, request_id, timeout, stream.put)
+        self._requests[request_id] = (request, stream)
         future = asyncio.run_coroutine_threadsafe(request.run(), self._loop)
         stream.attach(future, on_close=lambda: self._requests.pop(request_id, None))
-        self._requests[request_id] = (request, stream)
         return stream
 
     def abort(self, request_id: str) -> int:
@@ -235,7 +237,7 @@ class RolloutFleet:
         for _, stream in list(self._requests.values()):
             stream.close()
         self._monitor.cancel()
-        _stop_actors(self.actors)
+        stop_actors(self.actors)
         asyncio.run_coroutine_threadsafe(self._close_clients(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -256,7 +258,7 @@ class RolloutFleet:
     async def alive(self, replica: Replica) -> bool:
         if replica.state != "healthy":
             return False
-        return await asyncio.to_thread(health_ok, replica.address)
+        return await asyncio.to_thread(health_ok, replica.address, self.config.health_timeout)
 
     def routing_changed(self) -> asyncio.Future:
         if self._change is None or self._change.done():
@@ -280,8 +282,9 @@ class RolloutFleet:
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval)
-            for replica in [r for r in self.replicas if r.state == "healthy"]:
-                if not await self.alive(replica):
+            routed = [r for r in self.replicas if r.state == "healthy"]
+            for replica, ok in zip(routed, await asyncio.gather(*(self.alive(r) for r in routed))):
+                if not ok:
                     self.replica_failed(replica)
 
     async def _close_clients(self) -> None:
@@ -295,7 +298,8 @@ class RolloutFleet:
         while not self._closed and time.monotonic() < deadline:
             try:
                 info = ray.get(replica.actor.info.remote(), timeout=10)
-                if info["incarnation"] == replica.incarnation and not health_ok(info["address"]):
+                same_server = info["incarnation"] == replica.incarnation
+                if same_server and not health_ok(info["address"], self.config.health_timeout):
                     time.sleep(0.5)  # the actor has not died yet: Ray will restart it
                     continue
                 self._rejoin(replica, info)
@@ -340,9 +344,11 @@ def _start_actors(config: FleetConfig) -> list:
 
 
 def _state(weights: Weights | None) -> Mapping | None:
-    """A state dict as is; a safetensors file or directory read into one (here, once)."""
-    if weights is None or isinstance(weights, Mapping):
-        return weights
+    """A state dict on the host; a safetensors file or directory read into one (here, once)."""
+    if weights is None:
+        return None
+    if isinstance(weights, Mapping):
+        return {name: tensor.detach().cpu() for name, tensor in weights.items()}
     path = Path(weights)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
@@ -350,7 +356,17 @@ def _state(weights: Weights | None) -> Mapping | None:
     return {name: tensor for file in files for name, tensor in load_file(file).items()}
 
 
-def _stop_actors(actors: list) -> None:
+def named_actors(name: str, namespace: str | None = None) -> list:
+    """The handles of the actors `{name}-0`, `{name}-1`, ... that exist, in order."""
+    actors = []
+    while True:
+        try:
+            actors.append(ray.get_actor(f"{name}-{len(actors)}", namespace=namespace))
+        except ValueError:
+            return actors
+
+
+def stop_actors(actors: list) -> None:
     """Stops each actor's server (it drains briefly) and kills the actor without restart."""
     pending = [actor.shutdown.remote() for actor in actors]
     for call in pending:

@@ -81,12 +81,14 @@ class ServerChild:
     def wait_ready(self, timeout: float) -> str:
         """The server's address once it printed its ready line; RuntimeError with the log tail if it
         exits or stays silent for `timeout` seconds."""
-        if not self._ready.wait(timeout) or not self.address:
-            status = self.proc.poll()
-            self.kill()
-            state = f"exited with status {status}" if status is not None else f"not ready after {timeout:.0f} s"
-            raise RuntimeError(f"rollout serve {state}; log tail:\n{self.log_tail()}")
-        return self.address
+        if self._ready.wait(timeout) and self.address:
+            return self.address
+        try:
+            state = f"exited with status {self.proc.wait(10 if self._ready.is_set() else 0)}"
+        except subprocess.TimeoutExpired:
+            state = f"printed no address in {timeout:.0f} s"
+        self.kill()
+        raise RuntimeError(f"rollout serve {state}; log tail:\n{self.log_tail()}")
 
     def terminate(self, grace: float) -> None:
         """SIGTERM (the server drains), SIGKILL after `grace` seconds."""
