@@ -7,9 +7,11 @@ leaves no server process behind. The routing bookkeeping is also tested on its o
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
+import grpc
 import pyarrow as pa
 import pytest
 import torch
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 from rollout.masks.check import check_table
 from trainer_client import RolloutClient
 from trainer_client.client import to_table
+from trainer_client.fleet_requests import FleetRequest
 from trainer_client.fleet_routing import Replica, WeightHistory, pick_replica, prompt_seed, to_caller_rows
 
 ray = pytest.importorskip("ray")
@@ -100,20 +103,23 @@ def test_weight_broadcast_reaches_every_replica(fleet):
     after = fleet.generate(PROBES, sampling=GREEDY)
     assert set(after.column("policy_version").to_pylist()) == {version}
     assert after.column("token_ids").to_pylist() != before.column("token_ids").to_pylist()
+    assert fleet.update_weights(ASSET) == version + 1  # a safetensors path: the original weights again
+    restored = fleet.generate(PROBES, sampling=GREEDY)
+    assert restored.column("token_ids").to_pylist() == before.column("token_ids").to_pylist()
 
 
 def test_killed_replica_loses_no_sample_and_rejoins_with_current_weights(fleet):
     fleet.update_weights(_perturbed("model.norm", 0.3, seed=2))  # a partial update the restart must replay
     prompts = [[65 + i, 66, 67] for i in range(10)]
-    sampling = dict(temperature=1.0, top_k=8, max_tokens=40, ignore_eos=True, seed=11)
+    sampling = dict(temperature=1.0, top_k=8, max_tokens=64, ignore_eos=True, seed=11)
+    victim = fleet.replica_stats()[1]
+    watcher = RolloutClient(victim["address"], timeout=30)
     stream = fleet.stream(prompts, n=2, sampling=sampling, request_id="survivor")
-    first = next(stream)
-    victim = max(fleet.replica_stats(), key=lambda r: r["outstanding"])
-    assert victim["outstanding"] > 0
-    ray.kill(fleet.actors[victim["index"]], no_restart=False)
-    table = to_table([first, *stream])
+    _wait_for(lambda: (lambda i: i["kv_blocks_free"] < i["kv_blocks_total"])(watcher.server_info()))
+    ray.kill(fleet.actors[victim["index"]], no_restart=False)  # its server is generating now
+    table = to_table(list(stream))
     assert _pairs(table) == [(p, s) for p in range(10) for s in range(2)]
-    assert all(len(t) == 40 for t in table.column("token_ids").to_pylist())
+    assert all(len(t) == 64 for t in table.column("token_ids").to_pylist())
     assert set(table.column("policy_version").to_pylist()) == {fleet.policy_version}
 
     def back() -> bool:
@@ -158,6 +164,91 @@ def test_shutdown_leaves_no_server_behind(fleet):
 
 
 # ---- routing bookkeeping, no Ray --------------------------------------------------------------
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def _row(replica: int, sample: int) -> pa.RecordBatch:
+    columns = {"request_id": ["sub"], "prompt_index": pa.array([0], pa.int32()),
+               "sample_index": pa.array([sample], pa.int32()), "replica": [replica],
+               "policy_version": pa.array([0], pa.int64())}  # fmt: skip
+    return pa.RecordBatch.from_pydict(columns)
+
+
+class _FakeStream:
+    """One sub-request's batches (one sample each); `fail` raises after the first, as a dying server."""
+
+    def __init__(self, replica: int, n: int, fail: bool):
+        self.batches = [_row(replica, s) for s in range(n)]
+        self.fail = fail
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> pa.RecordBatch:
+        await asyncio.sleep(0)
+        if self.fail and len(self.batches) < 3:
+            raise _Unavailable()
+        if not self.batches:
+            raise StopAsyncIteration
+        return self.batches.pop(0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class _FakeCore:
+    """Two replicas; replica 0 dies under every sub-request after sending one sample."""
+
+    def __init__(self):
+        self.replicas = [Replica(i, None, f"fake:{i}", "x", 0) for i in range(2)]
+        self.window, self.max_attempts = 100, 3
+        self.calls: list[tuple[int, int, int]] = []  # (replica, prompt's first token, seed)
+        self._change = None
+
+    def client(self, replica: Replica):
+        core = self
+
+        class Client:
+            def stream(self, prompts, n, sampling, mask, grammar, request_id, timeout):
+                core.calls.append((replica.index, prompts[0][0], sampling["seed"]))
+                return _FakeStream(replica.index, n, fail=replica.index == 0)
+
+        return Client()
+
+    async def alive(self, replica: Replica) -> bool:
+        return replica.index != 0
+
+    def replica_failed(self, replica: Replica) -> None:
+        replica.state = "recovering"
+
+    def routing_changed(self) -> asyncio.Future:
+        if self._change is None or self._change.done():
+            self._change = asyncio.get_running_loop().create_future()
+        return self._change
+
+    def notify(self) -> None:
+        if self._change is not None and not self._change.done():
+            self._change.set_result(None)
+
+
+def test_dead_replicas_partial_samples_are_dropped_and_its_prompts_resubmitted():
+    core, out = _FakeCore(), []
+    request = FleetRequest(core, [[p] for p in range(4)], 3, dict(seed=9), None, None, "req", None, out.append)
+    asyncio.run(request.run())
+    table = pa.Table.from_batches(out).sort_by([("prompt_index", "ascending"), ("sample_index", "ascending")])
+    assert _pairs(table) == [(p, s) for p in range(4) for s in range(3)]
+    assert set(table.column("replica").to_pylist()) == {1}
+    assert core.replicas[0].lost_prompts == 2 and core.replicas[0].dropped_samples == 2
+    seeds = {}
+    for _, prompt, seed in core.calls:
+        assert seeds.setdefault(prompt, seed) == seed == prompt_seed(9, prompt)  # a resubmission keeps its seed
 
 
 def test_pick_replica_takes_least_outstanding_healthy_within_window():

@@ -35,9 +35,10 @@ REQUEST_ERRORS = frozenset({
 class ReplicaLost(Exception):
     """A replica failed under a sub-request; its prompt goes to another replica."""
 
-    def __init__(self, replica: Replica, cause: BaseException):
+    def __init__(self, replica: Replica, cause: BaseException, dropped: int):
         super().__init__(f"replica {replica.index} at {replica.address} failed: {cause}")
         self.replica = replica
+        self.dropped = dropped  # samples of the prompt it had already sent
 
 
 class FleetCore(Protocol):
@@ -107,6 +108,7 @@ class FleetRequest:
             table = task.result()
         except (ReplicaLost, asyncio.CancelledError) as exc:
             replica.lost_prompts += 1
+            replica.dropped_samples += exc.dropped if isinstance(exc, ReplicaLost) else 0
             self.core.replica_failed(replica)
             if failures + 1 >= self.core.max_attempts:
                 raise RuntimeError(f"prompt {prompt} of {self.request_id} lost {failures + 1} times") from exc
@@ -123,15 +125,18 @@ class FleetRequest:
         if sampling.get("seed") is not None:
             sampling["seed"] = prompt_seed(sampling["seed"], prompt)
         sub_id = f"{self.request_id}/{prompt}/{failures}"
+        batches: list[pa.RecordBatch] = []
         try:
             client = self.core.client(replica)
             stream = client.stream([self.prompts[prompt]], self.n, sampling, self.mask, self.grammar, sub_id,
                                    self.timeout)  # fmt: skip
             with stream:
-                table = to_table([batch async for batch in stream])
+                async for batch in stream:
+                    batches.append(batch)
         except grpc.RpcError as exc:
             if exc.code() in REQUEST_ERRORS or await self.core.alive(replica):
                 raise
-            raise ReplicaLost(replica, exc) from exc
+            raise ReplicaLost(replica, exc, sum(b.num_rows for b in batches)) from exc
+        table = to_table(batches)
         replica.served(table.num_rows)
         return to_caller_rows(table.combine_chunks(), self.request_id, prompt, offset)

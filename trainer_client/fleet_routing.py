@@ -39,6 +39,7 @@ class Replica:
     samples: int = 0
     samples_since_restart: int = 0
     lost_prompts: int = 0
+    dropped_samples: int = 0
 
     def __post_init__(self):
         if self.state not in REPLICA_STATES:
@@ -55,7 +56,7 @@ class Replica:
 
     def stats(self) -> dict[str, Any]:
         names = ("index", "address", "state", "incarnation", "server_pid", "outstanding", "restarts",
-                 "samples", "samples_since_restart", "lost_prompts", "offset")  # fmt: skip
+                 "samples", "samples_since_restart", "lost_prompts", "dropped_samples", "offset")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 
