@@ -9,6 +9,7 @@ host synchronisation. The engine is single-threaded: the server calls it from on
 
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
@@ -30,6 +31,8 @@ from rollout.engine.weights import WeightUpdater
 from rollout.masks.capture import MaskCapture
 from rollout.spec.proposer import Drafter, Drafts
 from rollout.spec.verify import VerifyResult, verify
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -145,9 +148,13 @@ class LLMEngine:
 
     def _forward(self, input_ids: torch.Tensor, meta):
         key = self.graphs.key(meta) if self.graphs is not None else None
-        if key is None:
-            return self.model(input_ids, meta, self.kv_caches, self.layer_ids)
-        return self.graphs.run(key, input_ids, meta)
+        if key is not None:
+            try:
+                return self.graphs.run(key, input_ids, meta)
+            except RuntimeError as e:  # a capture the backend refuses: stay correct, run eagerly
+                log.warning("CUDA graph capture failed (%s); running eagerly from now on", e)
+                self.graphs = None
+        return self.model(input_ids, meta, self.kv_caches, self.layer_ids)
 
     def make_step_graphs(self, capture: bool) -> StepGraphs:
         """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests)."""
