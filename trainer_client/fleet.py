@@ -121,7 +121,8 @@ class RolloutFleet:
         for replica, server_version in zip(self.replicas, servers):
             replica.offset = self._version - server_version
         self._loop = asyncio.new_event_loop()
-        self._clients: dict[tuple[int, str], AsyncRolloutClient] = {}
+        self._clients: dict[int, AsyncRolloutClient] = {}
+        self._closing: set[asyncio.Task] = set()
         self._change: asyncio.Future | None = None
         threading.Thread(target=self._loop.run_forever, name="rollout-fleet", daemon=True).start()
         self._monitor = asyncio.run_coroutine_threadsafe(self._watch_health(), self._loop)
@@ -250,10 +251,15 @@ class RolloutFleet:
     # ---- FleetCore: called by requests on the event loop -----------------------------------------
 
     def client(self, replica: Replica) -> AsyncRolloutClient:
-        key = (replica.index, replica.address)
-        if key not in self._clients:
-            self._clients[key] = AsyncRolloutClient(replica.address)
-        return self._clients[key]
+        """The replica's client; a restarted replica's new address gets a new channel."""
+        old = self._clients.get(replica.index)
+        if old is None or old.address != replica.address:
+            if old is not None:
+                closing = asyncio.ensure_future(old.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+            self._clients[replica.index] = AsyncRolloutClient(replica.address)
+        return self._clients[replica.index]
 
     async def alive(self, replica: Replica) -> bool:
         if replica.state != "healthy":
