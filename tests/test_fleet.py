@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollout.errors import InvalidArgument
 from rollout.masks.check import check_table
 from trainer_client import RolloutClient
 from trainer_client.client import to_table
@@ -26,7 +27,7 @@ from trainer_client.fleet_routing import Replica, WeightHistory, pick_replica, p
 ray = pytest.importorskip("ray")
 from ray._private import ray_constants  # noqa: E402
 
-from trainer_client.fleet import RolloutFleet  # noqa: E402
+from trainer_client.fleet import FleetConfig, RolloutFleet  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[1] / "rollout" / "assets" / "tiny-qwen3" / "model.safetensors"
 SERVE_ARGS = ["--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
@@ -281,3 +282,11 @@ def test_caller_rows_and_prompt_seeds():
     assert out.schema == table.schema
     seeds = {prompt_seed(5, p) for p in range(100)}
     assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds) and prompt_seed(5, 3) == prompt_seed(5, 3)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("num_replicas", 0), ("device", "tpu"), ("max_attempts", 0), ("detached", True)]
+)
+def test_fleet_config_names_the_bad_field(field, value):
+    with pytest.raises(InvalidArgument, match=f"^{field}: must be"):
+        FleetConfig(**{"num_replicas": 1, field: value})

@@ -71,18 +71,23 @@ class FleetConfig:
     detached: bool = False
 
     def __post_init__(self):
-        checks = {
-            "num_replicas": self.num_replicas >= 1, "num_gpus_per_replica": self.num_gpus_per_replica >= 0,
-            "num_cpus_per_replica": self.num_cpus_per_replica >= 0, "device": self.device in DEVICES,
-            "max_restarts": self.max_restarts >= -1, "startup_timeout": self.startup_timeout > 0,
-            "restart_timeout": self.restart_timeout > 0, "max_attempts": self.max_attempts >= 1,
-            "max_outstanding_samples": self.max_outstanding_samples >= 1,
-            "health_interval": self.health_interval > 0, "health_timeout": self.health_timeout > 0,
-            "detached": self.name is not None or not self.detached,
-        }  # fmt: skip
-        for name, ok in checks.items():
+        checks = {  # field: (valid, what is allowed)
+            "num_replicas": (self.num_replicas >= 1, ">= 1"),
+            "num_gpus_per_replica": (self.num_gpus_per_replica >= 0, ">= 0"),
+            "num_cpus_per_replica": (self.num_cpus_per_replica >= 0, ">= 0"),
+            "device": (self.device in DEVICES, f"one of {DEVICES}"),
+            "max_restarts": (self.max_restarts >= -1, ">= -1 (-1 = no limit)"),
+            "startup_timeout": (self.startup_timeout > 0, "> 0 seconds"),
+            "restart_timeout": (self.restart_timeout > 0, "> 0 seconds"),
+            "max_outstanding_samples": (self.max_outstanding_samples >= 1, ">= 1"),
+            "max_attempts": (self.max_attempts >= 1, ">= 1"),
+            "health_interval": (self.health_interval > 0, "> 0 seconds"),
+            "health_timeout": (self.health_timeout > 0, "> 0 seconds"),
+            "detached": (self.name is not None or not self.detached, "False unless a name is given"),
+        }
+        for name, (ok, allowed) in checks.items():
             if not ok:
-                raise InvalidArgument(name, f"invalid value {getattr(self, name)!r}")
+                raise InvalidArgument(name, f"must be {allowed}, got {getattr(self, name)!r}")
 
 
 class RolloutFleet:
