@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
-    p.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one at a time at batch 1")
+    p.add_argument("--batch1-prompts", type=int, default=3, help="prompts run one at a time at batch 1")
     p.add_argument("--verify-shape", default="qwen3-8b", choices=list(SHAPES))
     p.add_argument("--verify-batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--context", type=int, default=1024)
@@ -79,20 +79,26 @@ def build_engine(spec: str, draft: str | None, args: argparse.Namespace) -> LLME
     ))  # fmt: skip
 
 
+def requests(prompts: list[list[int]], sampling: dict, max_tokens: int) -> list:
+    return [(p, SamplingParams(**sampling, max_tokens=max_tokens, ignore_eos=True, seed=i), {})
+            for i, p in enumerate(prompts)]  # fmt: skip
+
+
 def measure(engine: LLMEngine, prompts: list[list[int]], sampling: dict, batch: int, args) -> dict:
-    """Tokens/s and acceptance of `prompts` run in groups of `batch` (seeded, EOS ignored). The
-    first group also runs once untimed before, so the CUDA graphs of its shapes are captured."""
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    runs = []
-    for n, group in enumerate([groups[0], *groups]):
-        requests = [(p, SamplingParams(**sampling, max_tokens=args.output_len, ignore_eos=True, seed=i), {})
-                    for i, p in enumerate(group)]  # fmt: skip
-        runs.append(run_engine(engine, requests, f"b{batch}-{n}", args.device))
-    runs = runs[1:]
+    """Tokens/s and acceptance of `prompts` run in groups of `batch` (seeded, EOS ignored)."""
+    runs = [run_engine(engine, requests(prompts[i : i + batch], sampling, args.output_len), f"b{batch}-{i}",
+                       args.device) for i in range(0, len(prompts), batch)]  # fmt: skip
     tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
     accepts = [n for run in runs for o in run.outputs for n in o.accept_lengths[1:]]
     return dict(tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds,
                 mean_acceptance=sum(accepts) / max(len(accepts), 1), verify_steps=len(accepts))
+
+
+def warm_up(engine: LLMEngine, prompts: list[list[int]], args) -> None:
+    """One full-length run per batch size, so the CUDA graphs of every step shape are captured
+    before anything is timed."""
+    for batch in args.batches:
+        run_engine(engine, requests(prompts[:batch], SAMPLING["t1"], args.output_len), f"warm{batch}", args.device)
 
 
 def bench_acceptance(args: argparse.Namespace, result: dict) -> None:
@@ -105,8 +111,7 @@ def bench_acceptance(args: argparse.Namespace, result: dict) -> None:
             print(f"{spec}: embedded drafter not in the repository yet, skipped", flush=True)
             continue
         engine = build_engine(spec, dirs.get(spec), args)
-        warm = [(p, SamplingParams(temperature=1.0, top_k=64, max_tokens=16, seed=0), {}) for p in prompts]
-        run_engine(engine, warm[: max(args.batches)], "warm", args.device)
+        warm_up(engine, prompts, args)
         for mode, sampling in SAMPLING.items():
             for batch in args.batches:
                 chosen = prompts[: args.batch1_prompts] if batch == 1 else prompts[:batch]
@@ -115,6 +120,7 @@ def bench_acceptance(args: argparse.Namespace, result: dict) -> None:
                     base[mode, batch] = row["tokens_per_s"]
                 row["speedup"] = row["tokens_per_s"] / base[mode, batch]
                 result["acceptance"].append(row)
+                write_json(args.out, result)
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         del engine
         free_memory()
@@ -149,6 +155,7 @@ def bench_verify_cost(args: argparse.Namespace, result: dict) -> None:
             row[f"{name}_eager_ms"], row[f"{name}_graph_ms"] = eager, graph
         row["verify_over_decode"] = row[f"verify_{kind}_ms"] / row[f"decode_{kind}_ms"]
         result["verify_cost"].append(row)
+        write_json(args.out, result)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     model, caches = None, None
     free_memory()
@@ -159,9 +166,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     result = dict(args=vars(args), env=environment(args.device), acceptance=[], verify_cost=[])
     bench_acceptance(args, result)
-    write_json(args.out, result)
     bench_verify_cost(args, result)
-    write_json(args.out, result)
     print_table(
         f"speculative decoding, block {args.block}, {args.output_len} tokens, held-out stdlib prompts "
         f"(goals: DFlash greedy acceptance >= 3, speedup >= 2x at batch 1)", result["acceptance"],
