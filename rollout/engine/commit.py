@@ -31,11 +31,15 @@ class Committer:
         for i in set(step.entry_item):  # a prompt still mid-prefill keeps its samples to fork
             step.items[i].seq.children = []
         outputs = []
+        masks_of = {}
+        if mask_host is not None:
+            counts = {e: num_accepted[e] + 1 for e, s in enumerate(step.entries) if s.mask}
+            masks_of = committed_masks(eng.capture.last, mask_host, counts)
         for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1
             masks = None
             if seq.mask:
-                masks = committed_masks(eng.capture.last, mask_host, e, count, seq.mask == "support")
+                masks = masks_of[e]
                 if masks is None:
                     bound = eng.capture.last.width
                     outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout.engine.sampler import Policy
@@ -56,12 +57,21 @@ class MaskCapture:
         return self.last
 
 
-def committed_masks(cap: Captured, host: list, e: int, count: int, with_logprobs: bool):
-    """Host side: the masks of entry e's first `count` committed tokens, or None when one of
-    them overflowed its bound (the sample then fails as a whole)."""
-    ids, logp, lens = host
-    r0 = cap.first_row[e]
-    lens_e = lens[r0 : r0 + count]
-    if bool((lens_e > cap.width).any()):
-        return None
-    return unpack_supports(ids[r0 : r0 + count], logp[r0 : r0 + count], lens_e, with_logprobs)
+def committed_masks(cap: Captured, host: list, counts: dict[int, int]) -> dict[int, tuple | None]:
+    """Host side, once per step: for every masked entry e, the (support_ids, support_logprobs)
+    lists of its first counts[e] committed tokens, or None when one of them overflowed its
+    bound (the sample then fails as a whole). One unpack for the whole step."""
+    ids, logp, lens = (np.asarray(h) for h in host)
+    spans, rows = {}, []
+    for e, count in counts.items():
+        spans[e] = len(rows)
+        rows.extend(range(cap.first_row[e], cap.first_row[e] + count))
+    rows = np.asarray(rows, dtype=np.int64)
+    lens = lens[rows]
+    over = lens > cap.width
+    sup_ids, sup_logp = unpack_supports(ids[rows], logp[rows], lens, with_logprobs=True)
+    out = {}
+    for e, start in spans.items():
+        end = start + counts[e]
+        out[e] = None if over[start:end].any() else (sup_ids[start:end], sup_logp[start:end])
+    return out
