@@ -94,7 +94,7 @@ def _checkpoint_names(path: str, param_name: str, module: nn.Module) -> list[tup
     return names
 
 
-def _param_slots(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, slice | None]], set[str]]:
+def param_slots(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, slice | None]], set[str]]:
     """Checkpoint name -> (parameter, rows) for every parameter, and the names of tied aliases
     (e.g. `lm_head.weight` of a tied model), which a checkpoint may carry or omit."""
     slots: dict[str, tuple[nn.Parameter, slice | None]] = {}
@@ -118,7 +118,7 @@ def load_state_into(model: nn.Module, state: dict[str, Tensor], strict: bool = T
     requires every parameter to be filled and no tensor to be left over. Raises LoadError naming
     the missing / unexpected / mis-shaped tensor; nothing is copied if validation fails.
     """
-    slots, aliases = _param_slots(model)
+    slots, aliases = param_slots(model)
     full_name = getattr(model, "checkpoint_name", lambda name: name)
     by_name = {name.removeprefix("model."): name for name in state}
     if strict:

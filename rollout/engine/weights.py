@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine.loader import _param_slots, load_state_into
-from rollout.errors import InvalidArgument
+from rollout.engine.loader import load_state_into, param_slots
+from rollout.errors import FailedPrecondition, InvalidArgument
 
 
 def validate_state(model: torch.nn.Module, state: dict[str, torch.Tensor], field: str) -> None:
     """Every tensor must name a parameter of `model` and match its shape; floating dtypes only."""
-    slots, aliases = _param_slots(model)
-    if not state:
-        raise InvalidArgument(field, "no tensors given")
+    slots, aliases = param_slots(model)
     for name, tensor in state.items():
         key = name.removeprefix("model.")
         if key not in slots and key not in aliases:
@@ -47,13 +45,16 @@ class WeightUpdater:
 
     def submit(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
         eng = self.engine
-        validate_state(eng.model, state, "weights")
+        if not state and not draft_state:
+            raise InvalidArgument("weights", "no tensors given")
+        if state:
+            validate_state(eng.model, state, "weights")
         if draft_state:
-            if eng.drafter is None:
-                raise InvalidArgument("draft_weights", "this server runs no drafter (--spec none)")
+            if eng.drafter is None or not hasattr(eng.drafter, "model"):
+                raise InvalidArgument("draft_weights", "this server runs no loadable drafter (--spec none)")
             validate_state(eng.drafter.model, draft_state, "draft_weights")
         if self._pending is not None:
-            raise InvalidArgument("weights", "another weight update is still draining")
+            raise FailedPrecondition("another weight update is still draining; retry when it has applied")
         self._pending = (state, draft_state)
         eng.scheduler.admission_paused = True
 
@@ -62,7 +63,8 @@ class WeightUpdater:
         if self._pending is None or eng.scheduler.has_started_work():
             return False
         state, draft_state = self._pending
-        load_state_into(eng.model, state, strict=False)
+        if state:
+            load_state_into(eng.model, state, strict=False)
         if draft_state:
             load_state_into(eng.drafter.model, draft_state, strict=False)
         eng.block_manager.reset_prefix_cache()
