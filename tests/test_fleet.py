@@ -37,11 +37,13 @@ PROBES = ["def main():\n", "import sys\n", "class A:\n"]
 
 @pytest.fixture(scope="module")
 def fleet():
-    """Ray maps 127.0.0.1 to the machine's routable address unless it runs "without clusters"."""
+    """A fresh local Ray cluster whose node address is 127.0.0.1 (Ray 2.x on Linux maps 127.0.0.1 to
+    the machine's routable address unless told it runs without clusters), and a 2-replica fleet."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False)
         fleet = RolloutFleet(2, SERVE_ARGS, health_interval=0.5, server_env={"OMP_NUM_THREADS": "1"})
         try:
             yield fleet
