@@ -19,6 +19,7 @@ from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from trainer_client.client import (
     CHANNEL_OPTIONS,
+    CancellingCall,
     Prompt,
     Weights,
     build_request,
@@ -29,7 +30,7 @@ from trainer_client.client import (
 )
 
 
-class AsyncBatchStream:
+class AsyncBatchStream(CancellingCall):
     """The record batches of one Generate call (async iterator). `close()` (also on leaving a
     `with` block or when dropped unfinished) cancels the call and so aborts the request."""
 
@@ -42,19 +43,6 @@ class AsyncBatchStream:
 
     async def __anext__(self) -> pa.RecordBatch:
         return decode_batch(await self._responses.__anext__())
-
-    def close(self) -> None:
-        if not self._call.done():
-            self._call.cancel()
-
-    def __enter__(self) -> AsyncBatchStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class AsyncRolloutClient:

@@ -145,7 +145,27 @@ def _tensor_chunks(name: str, tensor: torch.Tensor, draft: bool) -> Iterator[pb.
         yield pb.WeightChunk(draft=draft, tensor=piece)
 
 
-class BatchStream:
+class CancellingCall:
+    """Base of the sync and async streams: closing (explicitly, on leaving a `with` block, or
+    when dropped unfinished) cancels the gRPC call."""
+
+    _call: grpc.Call
+
+    def close(self) -> None:
+        if not self._call.done():
+            self._call.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class BatchStream(CancellingCall):
     """The record batches of one Generate call, as they arrive. `close()` (also on leaving a
     `with` block or when the stream is dropped unfinished) cancels the call; the server then
     aborts the request and frees its KV blocks."""
@@ -159,18 +179,6 @@ class BatchStream:
     def __next__(self) -> pa.RecordBatch:
         return decode_batch(next(self._call))
 
-    def close(self) -> None:
-        if not self._call.done():
-            self._call.cancel()
-
-    def __enter__(self) -> BatchStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class RolloutClient:
