@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -29,6 +30,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
+    p.add_argument("--cpu-kv-bytes", type=int, default=256 << 20, help="KV budget on --device cpu")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode / verify steps eagerly on CUDA")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of identical prompt prefixes across requests")
+    p.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
+                   help="random: seeded random weights from config.json alone (benchmarks)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -41,11 +49,7 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
     from rollout.engine.config import EngineConfig
     from rollout.engine.engine import LLMEngine
 
-    names = (
-        "model", "draft", "spec", "spec_block_size", "spec_confidence_threshold", "device", "block_size",
-        "num_kv_blocks", "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-        "max_mask_tokens", "max_queued_samples",
-    )  # fmt: skip
+    names = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)]
     config = EngineConfig(**{name: getattr(args, name) for name in names})
     return lambda: LLMEngine(config)
 
