@@ -124,15 +124,24 @@ def _reference_row(z, history, sp, eos_ids, out_index):
     return [i for i, _ in keep], [torch.log(torch.tensor(pi / total)).item() for _, pi in keep]
 
 
-@pytest.mark.parametrize("spec", ["none", "dflash"])
+@pytest.mark.parametrize("spec", ["none", "dflash", "repeat"])
 def test_masks_equal_fresh_transformers_recomputation(tiny_random_qwen3, random_drafters, spec):
+    """With accepted drafts ("repeat"), rows inside a verify block count the earlier drafts in
+    their penalties: the recomputation over prompt + output checks exactly that."""
     import transformers
+    from spec_helpers import RepeatDrafter
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
-    eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
+    if spec == "repeat":
+        eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300),
+                        drafter=RepeatDrafter(4))
+    else:
+        eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
     eng.add_request("p", PROMPTS, PENALISED, n=2, mask="support")
     outs = _run(eng)
     assert len(outs) == 6
+    if spec == "repeat":
+        assert any(max(o.accept_lengths) > 1 for o in outs)
     for o in outs:
         seq = o.prompt_token_ids + o.token_ids
         with torch.no_grad():

@@ -26,7 +26,6 @@ from rollout.engine.outputs import SampleOutput
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
-from rollout.engine.sequence import Sequence
 from rollout.engine.weights import WeightUpdater
 from rollout.masks.capture import MaskCapture
 from rollout.spec.proposer import Drafter, Drafts
@@ -176,9 +175,6 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.copy_blocks(self.pending_copies)
         self.pending_copies = []
-
-    def new_sequence(self, **kw) -> Sequence:
-        return self.intake.new_sequence(**kw)
 
 
 def _to_host(result: VerifyResult | None, captured):

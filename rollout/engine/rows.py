@@ -57,30 +57,31 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int, eos
 def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tensor, vocab_size: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """counts [R, V]: prompt + output tokens of the row's sample plus the drafts before the
-    row; penalties [R, 3] (rows of samples without penalties stay neutral)."""
+    row; penalties [R, 3] (rows of samples without penalties stay neutral). Each sample's
+    history is counted once and shared by its rows."""
     num_rows = step.cu_rows[-1]
     pen = torch.tensor([[1.0, 0.0, 0.0]]).repeat(num_rows, 1)
-    tok_rows, toks, draft_rows, draft_idx = [], [], [], []
+    hist_of, toks, rows, row_hist, draft_rows, draft_idx = [], [], [], [], [], []
     draft_base = _draft_offsets(step)
-    for e in pen_entries:
-        seq = step.entries[e]
-        sp = seq.params
+    for h, e in enumerate(pen_entries):
+        seq, sp = step.entries[e], step.entries[e].params
+        history = seq.prompt_token_ids + seq.output_token_ids
+        hist_of += [h] * len(history)
+        toks += history
         r0, r1 = step.cu_rows[e], step.cu_rows[e + 1]
         pen[r0:r1] = torch.tensor([sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty])
-        history = seq.prompt_token_ids + seq.output_token_ids
-        for r in range(r0, r1):
-            tok_rows += [r] * len(history)
-            toks += history
-            for j in range(r - r0):  # drafts d_1 .. d_{r-r0} precede row r
-                draft_rows.append(r)
-                draft_idx.append(draft_base[e] + j)
+        rows += range(r0, r1)
+        row_hist += [h] * (r1 - r0)
+        for r in range(r0 + 1, r1):  # drafts d_1 .. d_{r-r0} precede row r
+            draft_rows += [r] * (r - r0)
+            draft_idx += range(draft_base[e], draft_base[e] + r - r0)
+    as_i = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    history_counts = torch.zeros(len(pen_entries), vocab_size, device=device)  # [P, V]
+    history_counts.index_put_((as_i(hist_of), as_i(toks)), torch.ones(len(toks), device=device), accumulate=True)
     counts = torch.zeros(num_rows, vocab_size, device=device)
-    ones = torch.ones(len(toks), device=device)
-    counts.index_put_((torch.tensor(tok_rows, device=device), torch.tensor(toks, device=device)), ones,
-                      accumulate=True)
+    counts[as_i(rows)] = history_counts[as_i(row_hist)]
     if draft_rows:
-        dr = torch.tensor(draft_rows, device=device)
-        counts.index_put_((dr, drafts[torch.tensor(draft_idx, device=device)]),
+        counts.index_put_((as_i(draft_rows), drafts[as_i(draft_idx)]),
                           torch.ones(len(draft_rows), device=device), accumulate=True)
     return counts, pen.to(device)
 

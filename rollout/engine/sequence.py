@@ -67,10 +67,6 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:
