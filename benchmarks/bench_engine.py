@@ -126,7 +126,7 @@ def hf_rates(hf, prompts: list[list[int]], output_len: int, device: str) -> dict
     return rates(len(prompts), output_len, seconds[1], seconds[output_len])
 
 
-def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, rows: list[dict]) -> None:
+def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: dict) -> None:
     shape = SHAPES[name]
     start = time.perf_counter()
     hf = None if args.no_hf else build_hf(shape, args.device)
@@ -148,7 +148,8 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, rows: lis
             row["engine_over_hf"] = ours["decode"] / theirs["decode"]
         if batch == 1:
             row["fraction_of_floor"] = ours["decode"] / floor
-        rows.append(row)
+        result["rows"].append(row)
+        write_json(args.out, result)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     del engine, hf
     free_memory()
@@ -161,8 +162,7 @@ def main() -> None:
     print(f"device copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)", flush=True)
     result = dict(args=vars(args), env=environment(args.device), copy_bandwidth_bytes_per_s=bandwidth, rows=[])
     for name in args.shapes:
-        bench_shape(name, args, bandwidth, result["rows"])
-        write_json(args.out, result)
+        bench_shape(name, args, bandwidth, result)
     columns = ["shape", "batch", "engine_tokens_per_s", "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
                "fraction_of_floor", "engine_e2e_tokens_per_s", "hf_e2e_tokens_per_s"]  # fmt: skip
     print_table(

@@ -103,20 +103,13 @@ def alternate(engine: LLMEngine, prompts, sampling: dict, max_tokens: int, round
                 median_ratio=statistics.median(ratios), ratios=ratios, rates=rates)  # fmt: skip
 
 
-def bench_embedded(args: argparse.Namespace, draft: str, result: dict) -> None:
-    engine = engine_for(None, draft, args, max_len=256 + args.output_len + 2 * args.block)
-    prompts = heldout_prompts(args.requests)
-    cases = [("top_k 64, top_p 0.95", MASKED, args.rounds),
-             (f"top_k {engine.vocab_size} (whole vocab)", dict(temperature=1.0, top_k=engine.vocab_size), 1)]
-    for n, (name, sampling, rounds) in enumerate(cases):
-        row = dict(model="embedded", case=name, **alternate(engine, prompts, sampling, args.output_len, rounds,
-                                                             args.device, warm=n == 0))  # fmt: skip
-        result["masks"].append(row)
-        print({k: v for k, v in row.items() if k != "rates"}, flush=True)
-        write_json(args.out, result)
-    result["grammar"] = bench_grammar(engine, prompts, args)
-    del engine
-    free_memory()
+def bench_case(engine: LLMEngine, prompts, name: str, sampling: dict, rounds: int, args, result: dict,
+               warm: bool = True) -> None:
+    row = dict(model="embedded", case=name,
+               **alternate(engine, prompts, sampling, args.output_len, rounds, args.device, warm))  # fmt: skip
+    result["masks"].append(row)
+    print({k: v for k, v in row.items() if k != "rates"}, flush=True)
+    write_json(args.out, result)
 
 
 def bench_grammar(engine: LLMEngine, prompts, args: argparse.Namespace) -> list[dict]:
@@ -164,16 +157,25 @@ def bench_worst_case(args: argparse.Namespace, result: dict) -> None:
 
 
 def main() -> None:
+    """Cases in order of importance (a time limit may cut the run; results are written as they come):
+    top_k 64 ratio, grammar cost, top_k 4096 worst case, then the embedded whole-vocabulary case."""
     args = parse_args()
     result = dict(args=vars(args), env=environment(args.device), masks=[], grammar=[])
     draft = args.dflash or embedded_draft("dflash")
     result["dflash"] = draft
     if draft is None:
         print("embedded DFlash drafter not in the repository yet: embedded-model cases skipped", flush=True)
+        bench_worst_case(args, result)
     else:
-        bench_embedded(args, draft, result)
+        engine = engine_for(None, draft, args, max_len=256 + args.output_len + 2 * args.block)
+        prompts = heldout_prompts(args.requests)
+        bench_case(engine, prompts, "top_k 64, top_p 0.95", MASKED, args.rounds, args, result)
+        result["grammar"] = bench_grammar(engine, prompts, args)
         write_json(args.out, result)
-    bench_worst_case(args, result)
+        bench_worst_case(args, result)
+        whole = dict(temperature=1.0, top_k=engine.vocab_size)
+        bench_case(engine, prompts, f"top_k {engine.vocab_size} (whole vocab)", whole, 1, args, result, warm=False)
+        del engine
     write_json(args.out, result)
     print_table(
         f"support masks vs none, {args.requests} requests, DFlash block {args.block}, median of alternating "
