@@ -44,8 +44,10 @@ class StepBatch:
 
 def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int,
                device: torch.device) -> StepBatch:
-    """Flatten the scheduled sequences. num_drafts[i]: drafts item i carries this step."""
-    ids, pos, slots, cu_q, ctx, tables = [], [], [], [0], [], []
+    """Flatten the scheduled sequences. num_drafts[i]: drafts item i carries this step.
+    Host work is a few int-list appends per sequence; positions, slots and the block table
+    are built as whole tensors."""
+    ids, starts, q_lens, tables = [], [], [], []
     draft_tok, logits_index, row_entry, row_pos = [], [], [], []
     entries, entry_item, entry_draft, cu_rows = [], [], [], [0]
     judge_row, draft_of_row = [], []
@@ -55,15 +57,11 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
         start = seq.num_computed_tokens
         n = item.num_new_tokens + k
         t0 = len(ids)
-        ids.extend(seq.tokens(start, start + item.num_new_tokens))
-        ids.extend([0] * k)
-        draft_tok.extend(range(t0 + item.num_new_tokens, t0 + n))
-        p = torch.arange(start, start + n)
-        bt = torch.tensor(seq.block_table)
-        pos.append(p)
-        slots.append(bt[p // block_size] * block_size + p % block_size)
-        cu_q.append(cu_q[-1] + n)
-        ctx.append(start + n)
+        ids += seq.tokens(start, start + item.num_new_tokens)
+        ids += [0] * k
+        draft_tok += range(t0 + item.num_new_tokens, t0 + n)
+        starts.append(start)
+        q_lens.append(n)
         tables.append(seq.block_table)
         if not item.samples:
             continue
@@ -75,31 +73,39 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
             entry_item.append(i)
             entry_draft.append(kk)
             r0 = len(logits_index)
-            logits_index.extend(range(first, first + kk + 1))
-            row_entry.extend([e] * (kk + 1))
-            row_pos.extend(range(start + n - k, start + n - k + kk + 1))
-            judge_row.extend(range(r0, r0 + kk))
-            draft_of_row.extend(range(n_draft_total, n_draft_total + kk))
+            logits_index += range(first, first + kk + 1)
+            row_entry += [e] * (kk + 1)
+            row_pos += range(start + n - k, start + n - k + kk + 1)
+            judge_row += range(r0, r0 + kk)
+            draft_of_row += range(n_draft_total, n_draft_total + kk)
             cu_rows.append(len(logits_index))
         n_draft_total += k
-    width = max(len(t) for t in tables)
-    table = torch.zeros(len(tables), width, dtype=torch.int64)
-    for j, t in enumerate(tables):
-        table[j, : len(t)] = torch.tensor(t, dtype=torch.int64)
-    as_dev = lambda x: torch.as_tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-    meta = AttentionMetadata(
-        positions=torch.cat(pos).to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        cu_seqlens_q=as_dev(cu_q),
-        context_lens=as_dev(ctx),
-        block_tables=table.to(device),
-        max_query_len=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-        max_context_len=max(ctx),
-        block_size=block_size,
-    )
+    meta = _attention_metadata(starts, q_lens, tables, len(ids), block_size, device)
+    as_dev = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
     return StepBatch(
         items=items, input_ids=as_dev(ids), meta=meta, draft_token_index=as_dev(draft_tok),
         entries=entries, entry_item=entry_item, num_draft=entry_draft, cu_rows=cu_rows,
         logits_index=as_dev(logits_index), row_entry=as_dev(row_entry), row_position=as_dev(row_pos),
         draft_of_row=as_dev(draft_of_row), judge_row=as_dev(judge_row),
+    )
+
+
+def _attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], num_tokens: int,
+                        block_size: int, device: torch.device) -> AttentionMetadata:
+    """Positions, slots and the padded block table of the step, as whole-batch tensor ops."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # [S, W]
+    q = torch.tensor(q_lens, dtype=torch.int64)  # [S]
+    cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    torch.cumsum(q, 0, out=cu_q[1:])
+    seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), q, output_size=num_tokens)  # [T]
+    start = torch.tensor(starts, dtype=torch.int64)
+    positions = start[seq_of] + torch.arange(num_tokens) - cu_q[seq_of]  # [T]
+    slots = table[seq_of, positions // block_size] * block_size + positions % block_size  # [T]
+    ctx = start + q
+    to = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+    return AttentionMetadata(
+        positions=to(positions), slot_mapping=to(slots), cu_seqlens_q=to(cu_q), context_lens=to(ctx),
+        block_tables=to(table), max_query_len=max(q_lens), max_context_len=max(s + n for s, n in zip(starts, q_lens)),
+        block_size=block_size,
     )

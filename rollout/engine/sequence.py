@@ -68,10 +68,13 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output, without copying both."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def is_finished(self) -> bool:
