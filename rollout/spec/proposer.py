@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
+from rollout.engine.sampler import PURPOSE_DRAFT, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.spec.draft_model import DraftModel
 
@@ -120,30 +121,51 @@ class BlockDrafter(Drafter):
         positions = anchor_pos[:, None] + torch.arange(self.block, device=dev)  # [S, B]
         hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
         logits = self.model.logits(hidden)  # [S, B-1, V]
-        drafts, keep = self._choose(logits, hidden, anchors)
+        temps = [s.params.temperature for s in seqs]
+        drafts, q, keep = self._choose(logits, hidden, anchors, temps, seqs, anchor_pos + 1)
         limit = [items[i].num_draft for i in rows]
         counts = self._lengths(keep, limit)
         self.num_drafted += sum(counts)
         flat = torch.cat([drafts[j, :k] for j, k in enumerate(counts)])
+        flat_q = torch.cat([q[j, :k] for j, k in enumerate(counts)]) if q is not None else None
         per_item = [0] * len(items)
         for j, i in enumerate(rows):
             per_item[i] = counts[j]
-        return Drafts(flat, per_item)
+        return Drafts(flat, per_item, flat_q)
 
-    def _choose(self, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor):
-        """Greedy drafts; DSpark walks the block left to right adding its Markov bias and
-        scores each position's confidence. Returns drafts [S, B-1] and keep [S, B-1] or None."""
-        if self.model.config.kind != "dspark":
-            return logits.argmax(dim=-1), None
-        prev, drafts, conf = anchors, [], []
+    def _choose(self, logits, hidden, anchors, temps, seqs, first_pos):
+        """Walk the block left to right. Greedy samples draft the argmax (one-hot q); sampled
+        ones draw from q = softmax(logits / temperature) with their own seeded uniforms.
+        DSpark adds its Markov bias from the previous token and scores each position's
+        confidence. Returns drafts [S, B-1], q [S, B-1, V] or None (all one-hot), keep or None."""
+        # logits: [S, B-1, V]; hidden: [S, B-1, H]; anchors, first_pos: [S]
+        dev = logits.device
+        sampled = any(t > 0 for t in temps)
+        if sampled:
+            temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None]  # [S, 1]
+            greedy = torch.tensor([t == 0 for t in temps], device=dev)[:, None]
+            seeds = torch.tensor([s.seed for s in seqs], device=dev)
+        dspark = self.model.config.kind == "dspark"
+        prev, drafts, qs, conf = anchors, [], [], []
         for i in range(logits.shape[1]):
-            bias, emb = self.model.markov_bias(prev)
-            prev = (logits[:, i] + bias).argmax(dim=-1)
+            z = logits[:, i]
+            if dspark:
+                bias, emb = self.model.markov_bias(prev)
+                z = z + bias
+                if self.threshold > 0:
+                    conf.append(self.model.confidence(hidden[:, i], emb))
+            if not sampled:
+                prev = z.argmax(dim=-1)
+            else:
+                q = torch.softmax(z / temp, dim=-1)  # [S, V]
+                u = uniform(seeds, first_pos + i, PURPOSE_DRAFT)
+                drawn = ((q.cumsum(dim=-1) <= (u[:, None] * q.sum(dim=-1, keepdim=True))).sum(dim=-1))
+                prev = torch.where(greedy[:, 0], z.argmax(dim=-1), drawn.clamp(max=z.shape[-1] - 1))
+                one_hot = torch.nn.functional.one_hot(prev, z.shape[-1]).to(q.dtype)
+                qs.append(torch.where(greedy, one_hot, q))
             drafts.append(prev)
-            if self.threshold > 0:
-                conf.append(self.model.confidence(hidden[:, i], emb))
         keep = torch.stack(conf, dim=1) >= self.threshold if conf else None
-        return torch.stack(drafts, dim=1), keep
+        return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if qs else None), keep
 
     @staticmethod
     def _lengths(keep: torch.Tensor | None, limit: list[int]) -> list[int]:
