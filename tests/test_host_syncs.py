@@ -1,0 +1,55 @@
+"""The hot path reads nothing back from the device except the step's one copy (DESIGN.md:
+at most one host synchronisation per step). On CPU there is no real synchronisation, so the
+test counts the calls that would be one on CUDA (item, tolist, bool, numpy, .cpu()) while the
+engine drafts, builds, runs, verifies and captures a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.params import SamplingParams
+
+READBACKS = ("item", "tolist", "__bool__", "numpy", "cpu", "__int__", "__float__")
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
+def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_drafters, spec, monkeypatch):
+    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), spec=spec, draft=random_drafters.get(spec),
+                                 block_size=4, num_kv_blocks=300))
+    eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12), mask="support")
+    eng.add_request("s", [[11, 12, 13]], SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.05,
+                                                        repetition_penalty=1.2, logit_bias={5: 1.0},
+                                                        max_tokens=12, seed=1), n=3, mask="selected")
+    calls = []
+    real_draft, real_run = eng._draft, eng._run
+
+    def counting(fn):
+        def wrapped(*args, **kw):
+            saved = {name: getattr(torch.Tensor, name) for name in READBACKS}
+            for name, method in saved.items():
+                monkeypatch.setattr(torch.Tensor, name, _counted(name, method, calls))
+            try:
+                return fn(*args, **kw)
+            finally:
+                for name, method in saved.items():
+                    monkeypatch.setattr(torch.Tensor, name, method)
+        return wrapped
+
+    monkeypatch.setattr(eng, "_draft", counting(real_draft))
+    monkeypatch.setattr(eng, "_run", counting(real_run))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert steps > 3
+    assert calls == [], f"device read-backs inside a step: {sorted(set(calls))}"
+
+
+def _counted(name, method, calls):
+    def wrapper(self, *args, **kw):
+        calls.append(name)
+        return method(self, *args, **kw)
+    return wrapper
