@@ -1,7 +1,7 @@
 """The hot path reads nothing back from the device except the step's one copy (DESIGN.md:
 at most one host synchronisation per step). On CPU there is no real synchronisation, so the
 test counts the calls that would be one on CUDA (item, tolist, bool, numpy, .cpu()) while the
-engine drafts, builds, runs, verifies and captures a step."""
+engine drafts, runs the forward, verifies and captures a step."""
 
 from __future__ import annotations
 
