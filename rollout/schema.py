@@ -29,12 +29,19 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 
 METADATA_KEYS = ("model", "drafter", "spec_method", "mask_mode")
+MASK_TOP_K_KEY = "mask_top_k"  # the widest support a masked row of this batch may have
 
 
-def schema_with_metadata(model: str, drafter: str, spec_method: str, mask_mode: str) -> pa.Schema:
-    """The rollout schema carrying the names DESIGN.md asks for in its metadata."""
+def schema_with_metadata(model: str, drafter: str, spec_method: str, mask_mode: str,
+                         mask_top_k: int | None = None) -> pa.Schema:
+    """The rollout schema carrying the names DESIGN.md asks for in its metadata, plus the
+    request's support bound (top_k, 1 for greedy) when it asked for masks, so a validator can
+    check widths without knowing the request."""
     values = (model, drafter, spec_method, mask_mode)
-    return ROLLOUT_SCHEMA.with_metadata({k: str(v) for k, v in zip(METADATA_KEYS, values)})
+    meta = {k: str(v) for k, v in zip(METADATA_KEYS, values)}
+    if mask_top_k is not None:
+        meta[MASK_TOP_K_KEY] = str(mask_top_k)
+    return ROLLOUT_SCHEMA.with_metadata(meta)
 
 
 def to_record_batch(samples: Sequence[SampleOutput], schema: pa.Schema = ROLLOUT_SCHEMA) -> pa.RecordBatch:

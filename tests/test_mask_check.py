@@ -125,6 +125,8 @@ def test_width_bound_from_argument_and_metadata(rng):
     report = check_table(_table([s], max_mask_tokens=3))
     assert report.num_violations == 6 and {v.rule for v in report.violations} == {"support width"}
     assert check_table(_table([s], max_mask_tokens=5)).ok
+    assert not check_table(_table([s], mask_top_k=4)).ok  # the server writes the request's top_k
+    assert check_table(_table([s], mask_top_k=5)).ok
 
 
 def test_mode_requires_masks(rng):

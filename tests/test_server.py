@@ -63,6 +63,7 @@ def test_round_trip_every_mask_mode(servers, spec):
             assert table.schema.remove_metadata() == ROLLOUT_SCHEMA
             meta = table.schema.metadata
             assert meta[b"spec_method"] == spec.encode() and meta[b"mask_mode"] == (mask or "none").encode()
+            assert meta.get(b"mask_top_k") == (str(SAMPLING["top_k"]).encode() if mask else None)
             assert table.num_rows == 6 and set(table.column("request_id").to_pylist()) == {f"{spec}-{mask}"}
             assert table.column("prompt_token_ids").to_pylist()[0] == list(b"import os\n")
             assert all(1 <= len(t) <= 12 for t in table.column("token_ids").to_pylist())

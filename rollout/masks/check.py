@@ -18,10 +18,10 @@ import numpy as np
 import pyarrow as pa
 
 from rollout.engine.params import MASK_MODES
-from rollout.schema import ROLLOUT_SCHEMA
+from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA
 
 FINISH_REASONS = ("stop", "length", "abort")
-MAX_WIDTH_KEY = b"max_mask_tokens"
+WIDTH_KEYS = (b"max_mask_tokens", MASK_TOP_K_KEY.encode())
 MASK_MODE_KEY = b"mask_mode"
 
 
@@ -99,7 +99,8 @@ def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None
     """Check every sample of `table` against Contract 3 (see the module docstring).
 
     max_width bounds the support width (the requests' top_k); the schema metadata key
-    "max_mask_tokens", when present, is a bound too; the smaller one applies.
+    "max_mask_tokens" or "mask_top_k" (the server writes the request's top_k), when present, is
+    a bound too; the smallest one applies.
     """
     report = CheckReport()
     if not table.schema.equals(ROLLOUT_SCHEMA, check_metadata=False):
@@ -122,7 +123,7 @@ def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None
 
 
 def _width_bound(max_width: int | None, meta: dict[bytes, bytes]) -> int | None:
-    bounds = [b for b in (max_width, int(meta[MAX_WIDTH_KEY]) if MAX_WIDTH_KEY in meta else None) if b]
+    bounds = [b for b in (max_width, *(int(meta[k]) for k in WIDTH_KEYS if k in meta)) if b]
     return min(bounds) if bounds else None
 
 

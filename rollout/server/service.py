@@ -23,7 +23,7 @@ from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import schema_with_metadata
-from rollout.server.convert import encode_samples, parse_generate, server_info_message
+from rollout.server.convert import GenerateCall, encode_samples, parse_generate, server_info_message
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop
 from rollout.server.status import to_status
@@ -81,9 +81,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.identity = identity
         self.flush = flush
 
-    def schema(self, mask: str | None):
+    def schema(self, call: GenerateCall):
         ident = self.identity
-        return schema_with_metadata(ident.model, ident.drafter, ident.spec_method, mask or "none")
+        bound = None
+        if call.mask:
+            bound = 1 if call.params.greedy else call.params.top_k
+        return schema_with_metadata(ident.model, ident.drafter, ident.spec_method, call.mask or "none", bound)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         async with status_on_error(context, "Generate", request.request_id):
@@ -105,7 +108,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             max_tokens=call.params.max_tokens,
             peer=context.peer(),
         )
-        schema, delivered = self.schema(call.mask), False
+        schema, delivered = self.schema(call), False
         try:
             async with status_on_error(context, "Generate", call.request_id):
                 async for samples in self._flushes(inbox):
