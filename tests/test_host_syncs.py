@@ -1,6 +1,7 @@
 """The hot path reads nothing back from the device except the step's one copy (DESIGN.md:
 at most one host synchronisation per step). On CPU there is no real synchronisation, so the
-test counts the calls that would be one on CUDA (item, tolist, bool, numpy, .cpu()) while the
+test counts the calls that would be one on CUDA (item, tolist, bool, numpy, .cpu(), indexing
+with a boolean tensor, repeat_interleave without a host-known output size) while the
 engine drafts, runs the forward, verifies and captures a step."""
 
 from __future__ import annotations
@@ -28,14 +29,19 @@ def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_draf
 
     def counting(fn):
         def wrapped(*args, **kw):
-            saved = {name: getattr(torch.Tensor, name) for name in READBACKS}
-            for name, method in saved.items():
-                monkeypatch.setattr(torch.Tensor, name, _counted(name, method, calls))
+            saved = {name: getattr(torch.Tensor, name) for name in (*READBACKS, "__getitem__", "__setitem__")}
+            for name in READBACKS:
+                monkeypatch.setattr(torch.Tensor, name, _counted(name, saved[name], calls))
+            for name in ("__getitem__", "__setitem__"):
+                monkeypatch.setattr(torch.Tensor, name, _bool_index_checked(name, saved[name], calls))
+            real_repeat = torch.repeat_interleave
+            monkeypatch.setattr(torch, "repeat_interleave", _sized_repeat_checked(real_repeat, calls))
             try:
                 return fn(*args, **kw)
             finally:
                 for name, method in saved.items():
                     monkeypatch.setattr(torch.Tensor, name, method)
+                monkeypatch.setattr(torch, "repeat_interleave", real_repeat)
         return wrapped
 
     monkeypatch.setattr(eng, "_draft", counting(real_draft))
@@ -52,4 +58,21 @@ def _counted(name, method, calls):
     def wrapper(self, *args, **kw):
         calls.append(name)
         return method(self, *args, **kw)
+    return wrapper
+
+
+def _bool_index_checked(name, method, calls):
+    def wrapper(self, index, *args):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+            calls.append(f"{name} with a boolean index")
+        return method(self, index, *args)
+    return wrapper
+
+
+def _sized_repeat_checked(real, calls):
+    def wrapper(input, repeats=None, *args, **kw):
+        if isinstance(repeats, torch.Tensor) and kw.get("output_size") is None:
+            calls.append("repeat_interleave without output_size")
+        return real(input, repeats, *args, **kw)
     return wrapper

@@ -45,8 +45,8 @@ def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_
     ok = u * q_d < p_d.exp()  # [D']
 
     cu = torch.tensor(cu_rows[:-1], device=device)  # [E]
-    entry_of = torch.repeat_interleave(torch.arange(num_e, device=device),
-                                       torch.tensor(num_draft, device=device))
+    entry_of = torch.repeat_interleave(torch.arange(num_e, device=device), torch.tensor(num_draft, device=device),
+                                       output_size=len(judge_row))  # [D'], sized on the host: no sync
     slot = judge_row - cu[entry_of]  # position of each judged draft inside its block
     table = torch.zeros(num_e, k_max + 1, dtype=torch.bool, device=device)
     table[entry_of, slot] = ok
@@ -57,9 +57,9 @@ def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_
                                        row_seed, row_position)
     tokens = torch.full((num_e, k_max + 1), -1, dtype=torch.int64, device=device)
     logprobs = torch.zeros(num_e, k_max + 1, dtype=torch.float32, device=device)
-    keep = slot < num_accepted[entry_of]
-    tokens[entry_of[keep], slot[keep]] = d_tok[keep]
-    logprobs[entry_of[keep], slot[keep]] = p_d[keep]
+    keep = slot < num_accepted[entry_of]  # masked writes, not boolean indexing (which would sync)
+    tokens[entry_of, slot] = torch.where(keep, d_tok, -1)
+    logprobs[entry_of, slot] = torch.where(keep, p_d, 0.0)
     rows = torch.arange(num_e, device=device)
     tokens[rows, num_accepted] = final_tok
     logprobs[rows, num_accepted] = final_lp
