@@ -215,3 +215,20 @@ def test_update_weights_replaces_the_drafter_in_the_same_call_losslessly(servers
             client.update_weights(target, draft_weights={"fc.weight": torch.zeros(2, 2)})
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fc.weight" in err.value.details()
         assert client.server_info()["policy_version"] == v0 + 1
+
+
+def test_mask_overflow_during_generation_is_failed_precondition(servers, monkeypatch):
+    """A support that exceeds its bound fails that request with FAILED_PRECONDITION (no partial
+    masks); a concurrent request on the same engine finishes normally."""
+    import rollout.masks.capture as capture_mod
+
+    server = servers("none", num_kv_blocks=512)
+    monkeypatch.setattr(capture_mod, "mask_width", lambda entries: 2)  # pretend the bound is 2
+    wide = dict(temperature=1.5, top_k=64, max_tokens=8, seed=1)
+    with RolloutClient(server.address, timeout=120) as client:
+        stream = client.stream([[40, 41, 42]], sampling=wide, mask="support", request_id="wide")
+        plain = client.generate([[40, 41, 42]], n=2, sampling=SAMPLING, request_id="plain")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "bound" in err.value.details()
+        assert plain.num_rows == 2
