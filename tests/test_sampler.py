@@ -375,7 +375,7 @@ def _top_p_before_top_k(logits: torch.Tensor, rows: RowParams) -> Policy:
     keep &= torch.arange(z.shape[1])[None] < rows.top_k[:, None]
     keep &= probs >= rows.min_p[:, None] * probs[:, :1]
     logp = torch.log_softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=1)
-    return Policy(ids, logp, keep.sum(dim=1))
+    return Policy(ids, logp, keep.sum(dim=1), z.shape[1])
 
 
 def _wrong_temperature(logits: torch.Tensor, rows: RowParams) -> Policy:
@@ -387,3 +387,21 @@ def _wrong_temperature(logits: torch.Tensor, rows: RowParams) -> Policy:
 def test_negative_control_a_wrong_distribution_is_detected(wrong):
     stat, df = _chi2(_draws(wrong, "seeds"), _expected())
     assert stat > 3 * _critical(df), f"{wrong.__name__} not detected: chi2 {stat:.1f} with {df} dof"
+
+
+def test_all_greedy_fast_path_equals_the_full_policy():
+    """A batch of greedy rows takes the argmax path (one column); it must pick the same token
+    (lowest id among ties) with log-prob 0, after the same processors."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(-3, 4, (64, 40), generator=g).float()  # integer logits: many ties
+    n = logits.shape[0]
+    base = dict(temperature=torch.ones(n), top_k=torch.ones(n, dtype=torch.int64), top_p=torch.ones(n),
+                min_p=torch.zeros(n), bias=(torch.arange(n), torch.full((n,), 7), torch.full((n,), 2.0)))
+    full = policy(logits.clone(), RowParams(**base))
+    fast = policy(logits.clone(), RowParams(**base, all_greedy=True))
+    assert fast.sorted_ids.shape == (n, 1)
+    assert torch.equal(fast.sorted_ids[:, 0], full.sorted_ids[:, 0])
+    assert torch.equal(fast.support_len, full.support_len) and torch.all(fast.sorted_logp == 0)
+    assert torch.equal(fast.probs(), full.probs())
+    rows, toks = torch.arange(n), full.sorted_ids[:, 0]
+    assert torch.equal(fast.logprob_of(rows, toks), full.logprob_of(rows, toks))

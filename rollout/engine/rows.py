@@ -43,7 +43,8 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int, eos
             pen_entries.append(e)
     as_f = lambda x: torch.tensor(x, dtype=torch.float32).to(device, non_blocking=True)  # noqa: E731
     as_i = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-    params = RowParams(temperature=as_f(temp), top_k=as_i(top_k), top_p=as_f(top_p), min_p=as_f(min_p))
+    params = RowParams(temperature=as_f(temp), top_k=as_i(top_k), top_p=as_f(top_p), min_p=as_f(min_p),
+                       all_greedy=all(s.params.greedy for s in step.entries))
     if bias_r:
         params.bias = (as_i(bias_r), as_i(bias_t), as_f(bias_v))
     if ban_r:

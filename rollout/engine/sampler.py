@@ -63,24 +63,27 @@ class RowParams:
     penalties: torch.Tensor | None = None  # [N, 3] repetition, frequency, presence
     bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 grammar bitmask, -1 = all allowed
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids: min_tokens EOS / stop ids
+    all_greedy: bool = False  # host flag: every row is greedy, so p is the argmax alone
 
 
 @dataclass
 class Policy:
-    """p_j for every row, in sorted layout."""
+    """p_j for every row, in sorted layout. The first `support_len` columns are the support; a
+    batch of greedy rows only carries that one column (V' = 1), any other batch all V."""
 
-    sorted_ids: torch.Tensor  # [N, V] int64, by probability desc, ties by id
-    sorted_logp: torch.Tensor  # [N, V] float32, -inf outside the support
+    sorted_ids: torch.Tensor  # [N, V'] int64, by probability desc, ties by id
+    sorted_logp: torch.Tensor  # [N, V'] float32, -inf outside the support
     support_len: torch.Tensor  # [N] int64, the support is the first support_len entries
+    vocab_size: int
 
     def probs(self) -> torch.Tensor:
         """p in vocabulary layout: [N, V] float32."""
-        out = torch.zeros_like(self.sorted_logp)
+        out = self.sorted_logp.new_zeros(self.sorted_logp.shape[0], self.vocab_size)
         return out.scatter_(1, self.sorted_ids, self.sorted_logp.exp())
 
     def logprob_of(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """log p_row(token): rows, tokens [M] -> [M] float32 (-inf outside the support)."""
-        hit = self.sorted_ids[rows] == tokens[:, None]  # [M, V]
+        hit = self.sorted_ids[rows] == tokens[:, None]  # [M, V']
         return torch.where(hit, self.sorted_logp[rows], float("-inf")).amax(dim=1)
 
 
@@ -106,6 +109,9 @@ def apply_processors(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
 def policy(logits: torch.Tensor, rows: RowParams) -> Policy:
     """Contract 1: raw logits [N, V] float32 -> p_j in sorted layout."""
     z = apply_processors(logits.float().clone(), rows)
+    if rows.all_greedy:  # {argmax z} with probability 1; argmax takes the lowest id among ties
+        ids = z.argmax(dim=1, keepdim=True)  # [N, 1]
+        return Policy(ids, torch.zeros(ids.shape, device=z.device), torch.ones_like(ids[:, 0]), z.shape[1])
     z = z / rows.temperature[:, None]
     sorted_z, sorted_ids = torch.sort(z, dim=1, descending=True, stable=True)
     rank = torch.arange(z.shape[1], device=z.device)
@@ -115,7 +121,7 @@ def policy(logits: torch.Tensor, rows: RowParams) -> Policy:
     keep &= ((probs.cumsum(dim=1) - probs) < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
     keep &= probs >= rows.min_p[:, None] * probs[:, :1]
     sorted_logp = torch.log_softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=1)
-    return Policy(sorted_ids, sorted_logp, keep.sum(dim=1))
+    return Policy(sorted_ids, sorted_logp, keep.sum(dim=1), z.shape[1])
 
 
 def sample_sorted(sorted_probs: torch.Tensor, support_len: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
