@@ -60,15 +60,6 @@ def assert_same_outputs(got: dict, want: dict) -> None:
         assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-4), key
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run several times faster on one thread (and do not fight other processes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def hf_model(tiny_random_qwen3):
     from transformers import AutoModelForCausalLM

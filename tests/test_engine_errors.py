@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
@@ -22,11 +21,8 @@ MAX_MODEL_LEN = (NUM_BLOCKS - 1) * BLOCK_SIZE  # the KV cache bounds the context
 
 @pytest.fixture(scope="module")
 def engine(tiny_random_qwen3):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=BLOCK_SIZE,
-                                 num_kv_blocks=NUM_BLOCKS, max_queued_samples=6, max_mask_tokens=16))
-    torch.set_num_threads(before)
+    return LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=BLOCK_SIZE,
+                                  num_kv_blocks=NUM_BLOCKS, max_queued_samples=6, max_mask_tokens=16))
 
 
 def assert_nothing_queued(eng: LLMEngine) -> None:

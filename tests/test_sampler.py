@@ -33,15 +33,6 @@ EOS = V - 1
 HISTORY = [3, 3, 3, 7, 12, 12, 0, 25, 40, 41]  # prompt + output tokens, with repeats
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors run faster on one thread (and do not fight other processes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def row_params(specs: list[dict], vocab: int = V) -> RowParams:
     """RowParams for one row per spec (keywords of contract1_ref.reference_policy), built the
     way the engine's rows.py encodes them: greedy = temperature 1 and top-k 1, top-k off = V."""
