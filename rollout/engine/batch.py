@@ -93,8 +93,7 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
 def _attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], num_tokens: int,
                         block_size: int, device: torch.device) -> AttentionMetadata:
     """Positions, slots and the padded block table of the step, as whole-batch tensor ops."""
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)  # [S, W]
+    table = padded_block_table(tables)  # [S, W]
     q = torch.tensor(q_lens, dtype=torch.int64)  # [S]
     cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
     torch.cumsum(q, 0, out=cu_q[1:])
@@ -109,3 +108,9 @@ def _attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[
         block_tables=to(table), max_query_len=max(q_lens), max_context_len=max(s + n for s, n in zip(starts, q_lens)),
         block_size=block_size,
     )
+
+
+def padded_block_table(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables of several sequences as one [S, max_blocks] int64 CPU tensor, 0-padded."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)

@@ -20,7 +20,7 @@ from rollout.engine.commit import Committer
 from rollout.engine.config import EngineConfig
 from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake
-from rollout.engine.kv import allocate_kv, size_kv_blocks
+from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
 from rollout.engine.loader import load_model
 from rollout.engine.outputs import SampleOutput
 from rollout.engine.rows import build_row_params
@@ -167,11 +167,7 @@ class LLMEngine:
     def _copy_pending_blocks(self) -> None:
         if not self.pending_copies:
             return
-        src = torch.tensor([s for s, _ in self.pending_copies], device=self.device)
-        dst = torch.tensor([d for _, d in self.pending_copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        copy_blocks(self.kv_caches, self.pending_copies)
         if self.drafter is not None:
             self.drafter.copy_blocks(self.pending_copies)
         self.pending_copies = []

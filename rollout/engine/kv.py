@@ -38,3 +38,14 @@ def allocate_kv(mcfg: ModelConfig, num_blocks: int, block_size: int, device: tor
     shape = (num_blocks, block_size, mcfg.num_key_value_heads, mcfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(mcfg.num_hidden_layers)]
+
+
+def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """KV copy of whole blocks (src -> dst) in every layer's caches, e.g. a forked sample's
+    partially filled last block."""
+    device = caches[0][0].device
+    src = torch.tensor([s for s, _ in pairs], device=device)
+    dst = torch.tensor([d for _, d in pairs], device=device)
+    for k_cache, v_cache in caches:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
+from rollout.engine.batch import padded_block_table
+from rollout.engine.kv import copy_blocks
 from rollout.engine.sampler import PURPOSE_DRAFT, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.spec.draft_model import DraftModel
@@ -92,11 +94,7 @@ class BlockDrafter(Drafter):
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for k_cache, v_cache in self.caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        copy_blocks(self.caches, pairs)
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq], block_tables: list[list[int]]) -> Drafts:
@@ -108,11 +106,7 @@ class BlockDrafter(Drafter):
         seqs = [items[i].seq for i in rows]
         anchor_pos = torch.tensor([s.num_computed_tokens for s in seqs], device=dev)  # [S]
         anchors = torch.tensor([s.last_token for s in seqs], device=dev)  # [S]
-        width = max(len(block_tables[i]) for i in rows)
-        table = torch.zeros(len(rows), width, dtype=torch.int64)
-        for j, i in enumerate(rows):
-            table[j, : len(block_tables[i])] = torch.tensor(block_tables[i])
-        table = table.to(dev)
+        table = padded_block_table([block_tables[i] for i in rows]).to(dev)  # [S, W]
         ctx_len = max(s.num_computed_tokens for s in seqs)
         ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
         ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
