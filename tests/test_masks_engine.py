@@ -57,9 +57,12 @@ def _check_sample(o, params, mode):
 
 
 @pytest.mark.parametrize("mode", ["selected", "support"])
-@pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
+@pytest.mark.parametrize("spec", ["none", "dflash", "dspark", "dspark-ragged"])
 def test_mask_matrix(tiny_random_qwen3, random_drafters, spec, mode):
-    eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
+    """dspark-ragged: a confidence threshold cuts each sample's block at its own length."""
+    kw = {"spec_confidence_threshold": 0.5} if spec == "dspark-ragged" else {}
+    spec = spec.removesuffix("-ragged")
+    eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec), **kw)
     eng.add_request("greedy", PROMPTS, GREEDY, mask=mode)
     eng.add_request("sampled", PROMPTS, SAMPLED, n=2, mask=mode)
     eng.add_request("mixed-unmasked", PROMPTS[:2], SAMPLED)  # same batch, no masks
