@@ -230,6 +230,19 @@ def test_forked_groups_under_block_pressure_all_finish():
     assert sched.bm.num_free_blocks == 12
 
 
+def test_forks_respect_max_num_seqs():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=3)
+    group = make_seq(6, max_tokens=4, n=5)
+    sched.add(group)
+    samples = [group, *group.children]
+    driver = Driver(sched)
+    while sched.has_unfinished():
+        driver.step()
+        assert len(sched.running) <= 3
+    check_outputs(samples)
+    assert sched.bm.num_free_blocks == 64
+
+
 def test_admission_pause_lets_started_samples_continue():
     sched = make_scheduler(num_blocks=4, block_size=2)
     a, b = make_seq(3, max_tokens=4), make_seq(3, max_tokens=4)

@@ -85,10 +85,12 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Start a sample forked from its prompt's first sample once the prompt is computed:
         it shares the prompt's blocks and runs. Returns the (src, dst) partial-block copy the
-        device must make, if any. When no block is free for that copy the sample waits and
-        recomputes its prompt later, like a preempted one (prefix caching still shares it)."""
+        device must make, if any. When no block is free for that copy, or max_num_seqs are
+        already running, the sample waits and recomputes its prompt later, like a preempted one
+        (prefix caching still shares the prompt's full blocks)."""
         child.started = True
-        if parent.num_computed_tokens % self.bm.block_size and self.bm.num_free_blocks == 0:
+        no_copy_block = parent.num_computed_tokens % self.bm.block_size and self.bm.num_free_blocks == 0
+        if no_copy_block or len(self.running) >= self.max_num_seqs:
             child.status = SeqStatus.WAITING
             self.waiting.appendleft(child)
             return None
