@@ -196,3 +196,18 @@ def test_mismatched_drafter_is_refused(tiny_random_qwen3, tmp_path):
                                num_kv_blocks=64))
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg  # the drafter itself was saved fine; only the pairing is refused
+
+
+def test_generation_up_to_the_context_limit_with_a_drafter(tiny_random_qwen3, random_drafters):
+    """The drafter's block reaches block - 1 positions past its anchor: the engine's context
+    limit leaves room for it, and a request that fills the context runs to the end."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"],
+                                 block_size=4, num_kv_blocks=400))
+    assert eng.max_model_len == 512 - 4 + 2  # max_position_embeddings 512, drafter block 4
+    prompt = [7] * 500
+    eng.add_request("edge", [prompt], SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - 500,
+                                                      ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert len(outs[0].token_ids) == eng.max_model_len - 500

@@ -56,8 +56,9 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.max_model_len = min(config.max_model_len or self.loaded.config.max_position_embeddings,
-                                 (num_blocks - 1) * config.block_size)
+        limits = [config.max_model_len or self.loaded.config.max_position_embeddings,
+                  (num_blocks - 1) * config.block_size, self.drafter and self.drafter.max_model_len()]
+        self.max_model_len = min(x for x in limits if x)
         num_spec = self.drafter.num_spec if self.drafter else 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_spec)

@@ -45,6 +45,10 @@ class Drafter(ABC):
     @abstractmethod
     def bytes_per_block(self, block_size: int) -> int: ...
 
+    def max_model_len(self) -> int | None:
+        """The longest sequence this drafter can draft for (None = no limit of its own)."""
+        return None
+
     @abstractmethod
     def allocate(self, num_blocks: int, block_size: int) -> None: ...
 
@@ -74,6 +78,10 @@ class BlockDrafter(Drafter):
     @property
     def device(self) -> torch.device:
         return self.model.fc.weight.device
+
+    def max_model_len(self) -> int:
+        # the last anchor sits at max_model_len - 2 and its block reaches block - 1 further
+        return self.model.rotary.max_positions - self.block + 2
 
     def bytes_per_block(self, block_size: int) -> int:
         bb = self.model.config.backbone
