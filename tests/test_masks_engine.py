@@ -237,3 +237,19 @@ def test_zz_write_ci_rollout():
     with pa.ipc.new_file(out, schema) as writer:
         writer.write_batch(to_record_batch(COLLECTED, schema))
     assert check_table(pa.ipc.open_file(out).read_all()).ok
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constraints_that_exclude_every_token_fail_that_sample_only(temperature):
+    """A regex that must end after one byte, with min_tokens banning EOS: no token is allowed at
+    position 1. That sample fails with a clear error; the engine and the other request go on."""
+    eng = LLMEngine(EngineConfig(num_kv_blocks=300))
+    params = SamplingParams(temperature=temperature, top_k=5, max_tokens=8, min_tokens=3, seed=1)
+    eng.add_request("conflict", [[97, 98]], params, grammar=GrammarSpec("regex", "a"), mask="support")
+    eng.add_request("fine", [[97, 98]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outs = {o.request_id: o for o in _run(eng)}
+    bad = outs["conflict"]
+    assert bad.finish_reason == "error" and "no token is allowed at output position 1" in bad.error
+    assert bad.token_ids == [] and bad.support_ids is None
+    assert len(outs["fine"].token_ids) == 8 and outs["fine"].error is None
+    assert eng.kv_blocks()[0] == eng.kv_blocks()[1]

@@ -16,8 +16,8 @@ class Committer:
 
     def commit(self, step: StepBatch, host) -> list[SampleOutput]:
         eng = self.engine
-        tokens, logprobs, num_accepted = (h.tolist() for h in host[:3]) if host else ([], [], [])
-        mask_host = host[3:] if host and len(host) > 3 else None
+        tokens, logprobs, num_accepted, has_support = (h.tolist() for h in host[:4]) if host else ([],) * 4
+        mask_host = host[4:] if host and len(host) > 4 else None
         accepted = {step.entry_item[e]: num_accepted[e] for e, s in enumerate(step.entries)
                     if s is step.items[step.entry_item[e]].seq}
         for i, item in enumerate(step.items):
@@ -37,6 +37,11 @@ class Committer:
             masks_of = committed_masks(eng.capture.last, mask_host, counts)
         for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1
+            if not has_support[e]:
+                position = seq.num_output_tokens + num_accepted[e]
+                outputs.append(self.fail(seq, f"no token is allowed at output position {position}: the grammar and "
+                                              f"min_tokens / stop_token_ids exclude every token"))
+                continue
             masks = None
             if seq.mask:
                 masks = masks_of[e]

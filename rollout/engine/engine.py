@@ -179,7 +179,7 @@ def _to_host(result: VerifyResult | None, captured):
     acceptance counts, plus the packed masks when the batch has mask requests."""
     if result is None:
         return None
-    tensors = [result.tokens, result.logprobs, result.num_accepted]
+    tensors = [result.tokens, result.logprobs, result.num_accepted, result.has_support]
     if captured is not None:
         tensors += list(captured.tensors())
     host = [t.to("cpu", non_blocking=True) for t in tensors]

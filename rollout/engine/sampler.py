@@ -111,7 +111,9 @@ def policy(logits: torch.Tensor, rows: RowParams) -> Policy:
     z = apply_processors(logits.float().clone(), rows)
     if rows.all_greedy:  # {argmax z} with probability 1; argmax takes the lowest id among ties
         ids = z.argmax(dim=1, keepdim=True)  # [N, 1]
-        return Policy(ids, torch.zeros(ids.shape, device=z.device), torch.ones_like(ids[:, 0]), z.shape[1])
+        allowed = z.gather(1, ids) > float("-inf")  # [N, 1]; False: the processors left no token
+        logp = torch.zeros(ids.shape, device=z.device).masked_fill_(~allowed, float("-inf"))
+        return Policy(ids, logp, allowed[:, 0].long(), z.shape[1])
     z = z / rows.temperature[:, None]
     sorted_z, sorted_ids = torch.sort(z, dim=1, descending=True, stable=True)
     rank = torch.arange(z.shape[1], device=z.device)

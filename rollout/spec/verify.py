@@ -27,6 +27,7 @@ class VerifyResult:
     logprobs: torch.Tensor  # [E, Kmax+1] float32 log p_j(t_j) of each committed token
     num_accepted: torch.Tensor  # [E] int64 accepted drafts a_e (commits a_e + 1 tokens)
     final_rows: torch.Tensor  # [E] int64 row of the recovered / bonus token
+    has_support: torch.Tensor  # [E] bool: False when constraints left the final row no token at all
 
 
 def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_draft: list[int],
@@ -63,7 +64,7 @@ def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_
     rows = torch.arange(num_e, device=device)
     tokens[rows, num_accepted] = final_tok
     logprobs[rows, num_accepted] = final_lp
-    return VerifyResult(tokens, logprobs, num_accepted, final_rows)
+    return VerifyResult(tokens, logprobs, num_accepted, final_rows, pol.support_len[final_rows] > 0)
 
 
 def _final_token(pol: Policy, final_rows, num_accepted, num_draft, drafts, draft_q, row_seed, row_position):
