@@ -20,6 +20,7 @@ from rollout.engine.params import SamplingParams
 from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform
 from rollout.errors import LoadError
 from rollout.spec.draft_loader import random_drafter, save_drafter
+from rollout.spec.proposer import Drafts
 
 PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42],
            [1, 2, 3, 4, 5, 6], [200, 201], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17], [77, 78, 79, 80]]
@@ -211,3 +212,30 @@ def test_generation_up_to_the_context_limit_with_a_drafter(tiny_random_qwen3, ra
     while eng.has_unfinished():
         outs += eng.step()
     assert len(outs[0].token_ids) == eng.max_model_len - 500
+
+
+def test_group_whose_prompt_is_cached_forks_before_drafting(tiny_random_qwen3):
+    """A prompt cached but for its last token is caught up in one decode-sized step; its n
+    samples must fork from the prompt alone, not from a first sample that already accepted
+    drafts (drafts here are the exact greedy continuation, so they are accepted)."""
+    prompt = [120, 50, 7, 120, 33, 9, 9, 9, 11]  # 9 tokens: two full blocks are cacheable
+    expected = _generate(tiny_random_qwen3, [prompt], GREEDY)[0][0].token_ids
+
+    class OracleDrafter(RepeatDrafter):
+        def propose(self, items, block_tables):
+            counts = [it.num_draft for it in items]
+            flat = [(expected + [0] * 64)[it.seq.num_output_tokens + j] for it in items for j in range(it.num_draft)]
+            return Drafts(torch.tensor(flat, dtype=torch.int64), counts)
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=200),
+                    drafter=OracleDrafter(4))
+    eng.add_request("warm", [prompt], GREEDY)
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request("group", [prompt], GREEDY, n=3)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [o.token_ids for o in outs] == [expected] * 3
+    assert max(outs[0].accept_lengths) == 4  # whole blocks were accepted
+    assert eng.kv_blocks()[0] == eng.kv_blocks()[1]

@@ -105,7 +105,10 @@ class Scheduler:
         behind = seq.num_tokens - seq.num_computed_tokens
         if behind > 1:
             return ScheduledSeq(seq, min(behind, budget))
-        num_draft = max(0, min(self.num_spec, seq.remaining_tokens - 1, budget - 1))
+        # a prompt whose samples are still to be forked samples plainly: its forks share exactly
+        # the prompt's KV (drafts of the first sample would not be theirs)
+        spec = 0 if seq.children else self.num_spec
+        num_draft = max(0, min(spec, seq.remaining_tokens - 1, budget - 1))
         return ScheduledSeq(seq, 1, num_draft)
 
     def _reserve(self, item: ScheduledSeq) -> bool:

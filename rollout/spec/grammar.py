@@ -171,7 +171,8 @@ class GrammarState:
         for i, token in enumerate(draft_tokens):
             row = first_row + i
             self._fill_row(bitmask, row)
-            if not (self._allows(bitmask[row], token) and self._matcher.accept_token(token)):
+            ended = self._matcher.is_terminated()  # nothing follows a stop token
+            if ended or not (self._allows(bitmask[row], token) and self._matcher.accept_token(token)):
                 bitmask[row + 1 : last + 1] = bitmask[row]
                 break
             accepted += 1
