@@ -82,16 +82,18 @@ class BlockManager:
             prev = h
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Give `child` parent's blocks (shared). A partially filled last block is copied
-        instead, since both will write into it: returns (src, dst) for the KV copy, or None.
-        The caller must have checked that one free block is available when needed."""
-        n_full = parent.num_computed_tokens // self.block_size
-        shared = parent.block_table[: min(n_full, len(parent.block_table))]
+        """Give `child` the KV of parent's prompt: full blocks shared, a partially filled last
+        block copied instead, since both will write into it: returns (src, dst) for the KV
+        copy, or None. Only the prompt is the child's (the parent may already have accepted
+        drafts of its own). The caller must have checked that a free block is available."""
+        prompt = parent.num_prompt_tokens  # the parent has computed at least its prompt
+        n_full = prompt // self.block_size
+        shared = parent.block_table[:n_full]
         for b in shared:
             self._ref(b)
         child.block_table = list(shared)
-        child.num_computed_tokens = parent.num_computed_tokens
-        if parent.num_computed_tokens % self.block_size == 0:
+        child.num_computed_tokens = prompt
+        if prompt % self.block_size == 0:
             return None
         dst = self._take_free()
         child.block_table.append(dst)

@@ -89,7 +89,7 @@ class Scheduler:
         already running, the sample waits and recomputes its prompt later, like a preempted one
         (prefix caching still shares the prompt's full blocks)."""
         child.started = True
-        no_copy_block = parent.num_computed_tokens % self.bm.block_size and self.bm.num_free_blocks == 0
+        no_copy_block = parent.num_prompt_tokens % self.bm.block_size and self.bm.num_free_blocks == 0
         if no_copy_block or len(self.running) >= self.max_num_seqs:
             child.status = SeqStatus.WAITING
             self.waiting.appendleft(child)
@@ -105,10 +105,7 @@ class Scheduler:
         behind = seq.num_tokens - seq.num_computed_tokens
         if behind > 1:
             return ScheduledSeq(seq, min(behind, budget))
-        # a prompt whose samples are still to be forked samples plainly: its forks share exactly
-        # the prompt's KV (drafts of the first sample would not be theirs)
-        spec = 0 if seq.children else self.num_spec
-        num_draft = max(0, min(spec, seq.remaining_tokens - 1, budget - 1))
+        num_draft = max(0, min(self.num_spec, seq.remaining_tokens - 1, budget - 1))
         return ScheduledSeq(seq, 1, num_draft)
 
     def _reserve(self, item: ScheduledSeq) -> bool:
