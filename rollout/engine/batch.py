@@ -11,6 +11,8 @@ Two views of the step:
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,11 @@ class StepBatch:
     @property
     def num_entries(self) -> int:
         return len(self.entries)
+
+    @functools.cached_property
+    def first_draft(self) -> list[int]:
+        """Flat index of each entry's first draft (entries without drafts: the running total)."""
+        return list(itertools.accumulate(self.num_draft[:-1], initial=0)) if self.num_draft else []
 
 
 def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int,

@@ -15,47 +15,48 @@ class Committer:
         self.engine = engine
 
     def commit(self, step: StepBatch, host) -> list[SampleOutput]:
-        eng = self.engine
-        tokens, logprobs, num_accepted, has_support = (h.tolist() for h in host[:4]) if host else ([],) * 4
-        mask_host = host[4:] if host and len(host) > 4 else None
-        accepted = {step.entry_item[e]: num_accepted[e] for e, s in enumerate(step.entries)
-                    if s is step.items[step.entry_item[e]].seq}
-        for i, item in enumerate(step.items):
-            seq, old = item.seq, item.seq.num_computed_tokens
-            seq.num_computed_tokens = old + item.num_new_tokens + accepted.get(i, 0)
-            eng.block_manager.register_computed(seq, old)
-        for e, seq in enumerate(step.entries):  # fork first: the parent may finish below
-            parent = step.items[step.entry_item[e]].seq
-            if seq is not parent:
-                self._fork(parent, seq)
-        for i in set(step.entry_item):  # a prompt still mid-prefill keeps its samples to fork
-            step.items[i].seq.children = []
-        outputs = []
+        if not host:
+            self._advance(step, [])
+            return []
+        tokens, logprobs, num_accepted, has_support = (h.tolist() for h in host[:4])
+        self._advance(step, num_accepted)
         masks_of = {}
-        if mask_host is not None:
+        if len(host) > 4:
             counts = {e: num_accepted[e] + 1 for e, s in enumerate(step.entries) if s.mask}
-            masks_of = committed_masks(eng.capture.last, mask_host, counts)
+            masks_of = committed_masks(self.engine.capture.last, host[4:], counts)
+        outputs = []
         for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1
             if not has_support[e]:
                 position = seq.num_output_tokens + num_accepted[e]
                 outputs.append(self.fail(seq, f"no token is allowed at output position {position}: the grammar and "
                                               f"min_tokens / stop_token_ids exclude every token"))
-                continue
-            masks = None
-            if seq.mask:
-                masks = masks_of[e]
-                if masks is None:
-                    bound = eng.capture.last.width
-                    outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
-                    continue
-            reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks)
-            if reason:
+            elif seq.mask and masks_of[e] is None:
+                bound = self.engine.capture.last.width
+                outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
+            elif reason := self._append(seq, tokens[e][:count], logprobs[e][:count], masks_of.get(e)):
                 outputs.append(self.finish(seq, reason))
         for item in step.items:
             if not item.seq.is_finished:
-                eng.block_manager.truncate(item.seq, item.seq.num_tokens)
+                self.engine.block_manager.truncate(item.seq, item.seq.num_tokens)
         return outputs
+
+    def _advance(self, step: StepBatch, num_accepted: list[int]) -> None:
+        """Computed counts (the tokens fed plus the accepted drafts), prefix-cache registration,
+        and the forks of prompts whose last token was computed (before anyone may finish)."""
+        bm = self.engine.block_manager
+        accepted = {step.entry_item[e]: num_accepted[e] for e, s in enumerate(step.entries)
+                    if s is step.items[step.entry_item[e]].seq}
+        for i, item in enumerate(step.items):
+            seq, old = item.seq, item.seq.num_computed_tokens
+            seq.num_computed_tokens = old + item.num_new_tokens + accepted.get(i, 0)
+            bm.register_computed(seq, old)
+        for e, seq in enumerate(step.entries):
+            parent = step.items[step.entry_item[e]].seq
+            if seq is not parent:
+                self._fork(parent, seq)
+        for i in set(step.entry_item):  # a prompt still mid-prefill keeps its samples to fork
+            step.items[i].seq.children = []
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         copy = self.engine.scheduler.fork(parent, child)
@@ -65,7 +66,6 @@ class Committer:
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks) -> str | None:
         """Append committed tokens up to the finish; returns the finish reason or None."""
         sp = seq.params
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.engine.eos_token_ids))
         reason, n = None, 0
         for j, tok in enumerate(tokens):
             seq.output_token_ids.append(tok)
@@ -75,7 +75,7 @@ class Committer:
                 if seq.support_logprobs is not None:
                     seq.support_logprobs.append(masks[1][j])
             n += 1
-            if tok in stops:
+            if tok in seq.stop_ids:
                 reason = "stop"
             elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.engine.max_model_len:
                 reason = "length"

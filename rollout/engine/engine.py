@@ -68,6 +68,7 @@ class LLMEngine:
         self.committer = Committer(self)
         self.pending_copies: list[tuple[int, int]] = []
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
+        self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
         use_graphs = self.device.type == "cuda" and config.cuda_graphs
         self.graphs = self.make_step_graphs(capture=True) if use_graphs else None
 
@@ -126,7 +127,7 @@ class LLMEngine:
 
     def _draft(self, plan) -> Drafts:
         if self.drafter is None:
-            return Drafts(torch.zeros(0, dtype=torch.int64, device=self.device), [0] * len(plan))
+            return Drafts(self._no_drafts, [0] * len(plan))
         return self.drafter.propose(plan, [it.seq.block_table for it in plan])
 
     @torch.inference_mode()
@@ -139,7 +140,7 @@ class LLMEngine:
             return None, None
         logits = self.model.compute_logits(hidden[step.logits_index])  # [R, V]
         bitmask = self.intake.grammar_bitmask(step, drafts)
-        rows = build_row_params(step, drafts.tokens, self.vocab_size, self.eos_token_ids, bitmask, self.device)
+        rows = build_row_params(step, drafts.tokens, self.vocab_size, bitmask, self.device)
         pol = policy(logits, rows)
         seeds = torch.tensor([s.seed for s in step.entries], device=self.device)[step.row_entry]
         result = verify(pol, drafts.tokens, drafts.q, step.num_draft, step.cu_rows, step.judge_row,

@@ -59,8 +59,11 @@ class Intake:
             group = [self.new_sequence(request_id=request_id, prompt_index=p, sample_index=s,
                                        prompt_token_ids=list(prompt), params=params,
                                        seed=sample_seed(base, p, s), mask=mask or None,
-                                       grammar=self._grammar_state(grammar, params) if grammar else None)
+                                       grammar=None)
                      for s in range(n)]
+            if grammar is not None:
+                for seq in group:
+                    seq.grammar = self.grammars().new_state(grammar, seq.end_ids)
             group[0].children = group[1:]
             eng.scheduler.add(group[0])
             seqs += group
@@ -82,7 +85,11 @@ class Intake:
 
     def new_sequence(self, **kw) -> Sequence:
         self._next_id += 1
-        return Sequence(seq_id=self._next_id, **kw)
+        seq = Sequence(seq_id=self._next_id, **kw)
+        sp, eos = seq.params, self.engine.eos_token_ids
+        seq.end_ids = tuple(dict.fromkeys([*eos, *sp.stop_token_ids]))
+        seq.stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos))
+        return seq
 
     def done(self, seq: Sequence) -> None:
         seqs = self.requests.get(seq.request_id)
@@ -104,10 +111,6 @@ class Intake:
             self._grammars = GrammarCompilerCache(eng.tokenizer, eng.vocab_size, eng.eos_token_ids)
         return self._grammars
 
-    def _grammar_state(self, grammar, params: SamplingParams):
-        stops = list(dict.fromkeys([*self.engine.eos_token_ids, *params.stop_token_ids]))
-        return self.grammars().new_state(grammar, stops)
-
     def grammar_bitmask(self, step, drafts) -> torch.Tensor | None:
         """One bitmask row per verify row of grammar samples (state after the earlier drafts);
         None when no sample in the step has a grammar. Reads the drafts on the host."""
@@ -117,9 +120,7 @@ class Intake:
         from rollout.spec.grammar import allocate_bitmask, upload_bitmask
 
         draft_list = drafts.tokens.tolist()
-        offsets = [0]
-        for k in step.num_draft:
-            offsets.append(offsets[-1] + k)
+        offsets = step.first_draft
         bitmask = allocate_bitmask(step.cu_rows[-1], self.engine.vocab_size)
         for e in with_grammar:
             own = draft_list[offsets[e] : offsets[e] + step.num_draft[e]]

@@ -14,7 +14,7 @@ from rollout.engine.batch import StepBatch
 from rollout.engine.sampler import RowParams
 
 
-def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int, eos_ids: list[int],
+def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
                      bitmask: torch.Tensor | None, device: torch.device) -> RowParams:
     """drafts: [D] int64 flattened draft tokens on the device."""
     temp, top_k, top_p, min_p = [], [], [], []
@@ -34,11 +34,10 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int, eos
             bias_t += [tok] * n
             bias_v += [float(b)] * n
         if sp.min_tokens:
-            stops = list(dict.fromkeys([*eos_ids, *sp.stop_token_ids]))
             for j, r in enumerate(rows):
                 if seq.num_output_tokens + j < sp.min_tokens:
-                    ban_r += [r] * len(stops)
-                    ban_t += stops
+                    ban_r += [r] * len(seq.end_ids)
+                    ban_t += seq.end_ids
         if sp.has_penalties:
             pen_entries.append(e)
     as_f = lambda x: torch.tensor(x, dtype=torch.float32).to(device, non_blocking=True)  # noqa: E731
@@ -63,7 +62,7 @@ def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tenso
     num_rows = step.cu_rows[-1]
     pen = torch.tensor([[1.0, 0.0, 0.0]]).repeat(num_rows, 1)
     hist_of, toks, rows, row_hist, draft_rows, draft_idx = [], [], [], [], [], []
-    draft_base = _draft_offsets(step)
+    draft_base = step.first_draft
     for h, e in enumerate(pen_entries):
         seq, sp = step.entries[e], step.entries[e].params
         history = seq.prompt_token_ids + seq.output_token_ids
@@ -85,12 +84,3 @@ def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tenso
         counts.index_put_((as_i(draft_rows), drafts[as_i(draft_idx)]),
                           torch.ones(len(draft_rows), device=device), accumulate=True)
     return counts, pen.to(device)
-
-
-def _draft_offsets(step: StepBatch) -> list[int]:
-    """Flat index of each entry's first draft (entries without drafts get the running total)."""
-    out, total = [], 0
-    for k in step.num_draft:
-        out.append(total)
-        total += k
-    return out
