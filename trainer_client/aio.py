@@ -9,17 +9,16 @@ or many servers concurrently.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
 import pyarrow as pa
 
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
-from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from trainer_client.client import (
-    CHANNEL_OPTIONS,
     CancellingCall,
+    ClientBase,
     Prompt,
     Weights,
     build_request,
@@ -45,15 +44,11 @@ class AsyncBatchStream(CancellingCall):
         return decode_batch(await self._responses.__anext__())
 
 
-class AsyncRolloutClient:
+class AsyncRolloutClient(ClientBase):
     """Asyncio client. `timeout` (seconds) is the default deadline of every call; None = none.
     Create it inside the event loop that will use it."""
 
-    def __init__(self, address: str, timeout: float | None = None, options: Iterable[tuple] = ()):
-        self.address = address
-        self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
-        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+    _open_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def generate(
         self,
@@ -107,9 +102,6 @@ class AsyncRolloutClient:
         chunks = weight_chunks(weights, draft, draft_weights)
         reply = await self._stub.UpdateWeights(chunks, timeout=self._deadline(timeout))
         return reply.policy_version
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
 
     async def close(self) -> None:
         await self._channel.close()

@@ -181,14 +181,23 @@ class BatchStream(CancellingCall):
 
 
 
-class RolloutClient:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; None = none."""
+class ClientBase:
+    """What the blocking and asyncio clients share: the channel, the stub, default deadlines."""
+
+    _open_channel: Callable = staticmethod(grpc.insecure_channel)
 
     def __init__(self, address: str, timeout: float | None = None, options: Iterable[tuple] = ()):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
+        self._channel = self._open_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+class RolloutClient(ClientBase):
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; None = none."""
 
     def generate(
         self,
@@ -240,9 +249,6 @@ class RolloutClient:
         policy_version, once the server applied it."""
         chunks = weight_chunks(weights, draft, draft_weights)
         return self._stub.UpdateWeights(chunks, timeout=self._deadline(timeout)).policy_version
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
 
     def close(self) -> None:
         self._channel.close()
