@@ -143,11 +143,13 @@ class BlockDrafter(Drafter):
         # logits: [S, B-1, V]; hidden: [S, B-1, H]; anchors, first_pos: [S]
         dev = logits.device
         sampled = any(t > 0 for t in temps)
+        dspark = self.model.config.kind == "dspark"
+        if not sampled and not dspark:  # positions are independent: one argmax for the block
+            return logits.argmax(dim=-1), None, None
         if sampled:
             temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None]  # [S, 1]
             greedy = torch.tensor([t == 0 for t in temps], device=dev)[:, None]
             seeds = torch.tensor([s.seed for s in seqs], device=dev)
-        dspark = self.model.config.kind == "dspark"
         prev, drafts, qs, conf = anchors, [], [], []
         for i in range(logits.shape[1]):
             z = logits[:, i]
