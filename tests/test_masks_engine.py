@@ -7,12 +7,14 @@ zero capture work for requests without masks. Writes the suite's rollout to
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 import torch
+from contract1_ref import reference_policy
 
 import rollout.masks.capture as capture_mod
 from rollout.engine.config import EngineConfig
@@ -101,30 +103,15 @@ PENALISED = SamplingParams(temperature=0.8, top_k=10, top_p=0.92, min_p=0.05, re
                            min_tokens=3, max_tokens=12, seed=9)
 
 
-def _reference_row(z, history, sp, eos_ids, out_index):
-    """Contract 1 for one row, written out directly (float64)."""
-    z = z.double().clone()
-    for t, b in sp.logit_bias.items():
-        z[t] += b
-    counts = torch.bincount(torch.tensor(history), minlength=z.numel()).double()
-    seen = counts > 0
-    z = torch.where(seen, torch.where(z > 0, z / sp.repetition_penalty, z * sp.repetition_penalty), z)
-    z = z - sp.frequency_penalty * counts - sp.presence_penalty * seen.double()
-    if out_index < sp.min_tokens:
-        z[eos_ids + sp.stop_token_ids] = float("-inf")
-    z = z / sp.temperature
-    order = sorted(range(z.numel()), key=lambda i: (-z[i].item(), i))[: sp.top_k]
-    p = torch.softmax(z[order], 0)
-    keep, mass = [], 0.0
-    for i, pi in zip(order, p.tolist()):
-        if mass >= sp.top_p:
-            break
-        keep.append((i, pi))
-        mass += pi
-    top = keep[0][1]
-    keep = [(i, pi) for i, pi in keep if pi >= sp.min_p * top]
-    total = sum(pi for _, pi in keep)
-    return [i for i, _ in keep], [torch.log(torch.tensor(pi / total)).item() for _, pi in keep]
+def _reference_row(z, history, sp, end_ids, out_index):
+    """Contract 1 for one row from tests/contract1_ref.py: (support ids by prob desc / id, logprobs)."""
+    p = reference_policy(
+        z.tolist(), temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+        logit_bias=sp.logit_bias, history=history, repetition_penalty=sp.repetition_penalty,
+        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+        banned=end_ids if out_index < sp.min_tokens else ())
+    ids = sorted(p, key=lambda t: (-p[t], t))
+    return ids, [math.log(p[t]) for t in ids]
 
 
 @pytest.mark.parametrize("spec", ["none", "dflash", "repeat"])
