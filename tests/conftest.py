@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Without a GPU, Triton kernels (rollout/engine/triton_attention.py) run on CPU tensors through
+# Triton's interpreter, which must be chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tests' models are tiny: one thread runs them several times faster than two (no fork/join
 # per op) and keeps the suite's timing stable on CI's 2 cores.

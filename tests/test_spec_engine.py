@@ -27,9 +27,10 @@ PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [
 
 
 def _generate(model, prompts, params, n=1, spec="none", draft=None, block=None, num_kv_blocks=400,
-              drafter=None, max_num_seqs=256, budget=32):
+              drafter=None, max_num_seqs=256, budget=32, **config):
     cfg = EngineConfig(model=str(model), spec=spec, draft=draft, spec_block_size=block, block_size=4,
-                       num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+                       num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                       **config)
     eng = LLMEngine(cfg, drafter=drafter)
     eng.add_request("r", prompts, params, n=n)
     outs = []

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollout.engine.attention import AttentionMetadata, paged_attention
+from rollout.engine.attention import BACKENDS, AttentionMetadata, paged_attention
 from rollout.engine.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 from rollout.errors import LoadError
 
@@ -208,6 +208,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
+        self.backend = "torch"  # paged attention backend (attention.BACKENDS); see TransformerLM.set_attention_backend
 
     def _cos_sin(self, hidden: Tensor, positions: Tensor, cos_sin: tuple[Tensor, Tensor] | None):
         return cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, hidden.dtype)
@@ -248,7 +249,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         # hidden: [T, H] -> [T, H]
         q, k, v = self.project_qkv(hidden, meta.positions, cos_sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)  # [T, Hq, D]
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -295,6 +296,13 @@ class TransformerLM(nn.Module):
         """Share the embedding matrix with the LM head when the config ties them (re-run after to_empty)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Paged attention through `backend` in every layer ("torch" or "triton", see attention.py)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+        for layer in self.layers:
+            layer.self_attn.backend = backend
 
     def checkpoint_name(self, name: str) -> str:
         """HF checkpoint name of a module-relative parameter name (all but lm_head live under `model.`)."""

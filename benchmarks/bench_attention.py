@@ -1,0 +1,109 @@
+"""Paged attention alone: the Triton kernel against the torch reference path, Qwen3-8B heads
+(32 query heads, 8 KV heads, head_dim 128), block size 16, bfloat16: decode (1 query token per
+sequence) and verify (9 tokens per sequence) at batch 1 to 64 and contexts 1k and 4k. For each
+shape: the largest absolute difference between the two outputs (the fast path checked against
+the simple one) and the time of each, from CUDA graphs of 20 calls. Prints a table, writes JSON.
+
+    python benchmarks/bench_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import environment, print_table, write_json
+
+from rollout.engine.attention import AttentionMetadata, paged_attention, write_kv
+from rollout.engine.triton_attention import paged_attention_triton, plan_grid
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
+    p.add_argument("--queries", nargs="+", type=int, default=[1, 9])
+    p.add_argument("--out", default="benchmarks/results/bench_attention.json")
+    return p.parse_args()
+
+
+def case(batch: int, q_len: int, ctx: int, dtype=torch.bfloat16):
+    """Contexts spread over [ctx/2, ctx], blocks handed out in a scrambled order."""
+    gen = torch.Generator().manual_seed(batch * 7919 + ctx + q_len)
+    ctx_lens = [ctx // 2 + (ctx // 2) * (i + 1) // batch for i in range(batch)]
+    per_seq = -(-ctx // BLOCK)
+    num_blocks = batch * per_seq + 1
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = order[: batch * per_seq].view(batch, per_seq)
+    positions = torch.cat([torch.arange(c - q_len, c) for c in ctx_lens])
+    seq = torch.arange(batch).repeat_interleave(q_len)
+    slots = tables[seq, positions // BLOCK] * BLOCK + positions % BLOCK
+    dev = "cuda"
+    meta = AttentionMetadata(positions=positions.to(dev), slot_mapping=slots.to(dev),
+                             cu_seqlens_q=torch.arange(0, batch * q_len + 1, q_len, device=dev),
+                             context_lens=torch.tensor(ctx_lens, device=dev), block_tables=tables.to(dev),
+                             max_query_len=q_len, max_context_len=ctx, block_size=BLOCK)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=dev, dtype=dtype)
+    v_cache = torch.randn(shape, device=dev, dtype=dtype)
+    t = batch * q_len
+    q = torch.randn(t, HEADS, HEAD_DIM, device=dev, dtype=dtype)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def graph_ms(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    args = parse_args()
+    scale = HEAD_DIM**-0.5
+    result = dict(args=vars(args), env=environment("cuda"), rows=[])
+    for ctx in args.contexts:
+        for q_len in args.queries:
+            for batch in args.batches:
+                q, k, v, k_cache, v_cache, meta = case(batch, q_len, ctx)
+                want = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # also writes k/v
+                triton_fn = lambda: paged_attention_triton(  # noqa: E731
+                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                    meta.max_query_len, meta.max_context_len, scale)
+                got = triton_fn()
+                ref32 = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta,
+                                        scale)
+                write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                torch_fn = lambda: paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # noqa: E731
+                row = dict(context=ctx, q_len=q_len, batch=batch,
+                           plan=str(plan_grid(batch, KV_HEADS, HEADS // KV_HEADS, q_len, ctx)),
+                           torch_ms=graph_ms(torch_fn), triton_ms=graph_ms(triton_fn),
+                           max_diff_triton_fp32=(got.float() - ref32).abs().max().item(),
+                           max_diff_torch_fp32=(want.float() - ref32).abs().max().item())
+                row["speedup"] = row["torch_ms"] / row["triton_ms"]
+                result["rows"].append(row)
+                print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+                del q, k, v, k_cache, v_cache, meta, want, got, ref32
+                torch.cuda.empty_cache()
+    print_table("paged attention per layer call, ms (bf16; diffs against a float32 torch reference)",
+                result["rows"], ["context", "q_len", "batch", "plan", "torch_ms", "triton_ms", "speedup",
+                                 "max_diff_triton_fp32", "max_diff_torch_fp32"])
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
