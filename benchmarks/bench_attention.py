@@ -14,7 +14,7 @@ import argparse
 import torch
 from common import environment, print_table, write_json
 
-from rollout.engine.attention import AttentionMetadata, paged_attention, write_kv
+from rollout.engine.attention import AttentionMetadata, paged_attention
 from rollout.engine.triton_attention import paged_attention_triton, plan_grid
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -72,6 +72,28 @@ def graph_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
+def measure(batch: int, q_len: int, ctx: int, scale: float) -> dict:
+    q, k, v, k_cache, v_cache, meta = case(batch, q_len, ctx)
+    ref32 = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale)
+    want = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # also writes k/v into the caches
+
+    def triton_fn():
+        return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                      meta.cu_seqlens_q, meta.max_query_len, meta.max_context_len, scale)
+
+    def torch_fn():
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+    got = triton_fn()
+    row = dict(context=ctx, q_len=q_len, batch=batch,
+               plan=str(plan_grid(batch, KV_HEADS, HEADS // KV_HEADS, q_len, ctx)),
+               torch_ms=graph_ms(torch_fn), triton_ms=graph_ms(triton_fn),
+               max_diff_triton_fp32=(got.float() - ref32).abs().max().item(),
+               max_diff_torch_fp32=(want.float() - ref32).abs().max().item())
+    row["speedup"] = row["torch_ms"] / row["triton_ms"]
+    return row
+
+
 def main() -> None:
     args = parse_args()
     scale = HEAD_DIM**-0.5
@@ -79,25 +101,9 @@ def main() -> None:
     for ctx in args.contexts:
         for q_len in args.queries:
             for batch in args.batches:
-                q, k, v, k_cache, v_cache, meta = case(batch, q_len, ctx)
-                want = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # also writes k/v
-                triton_fn = lambda: paged_attention_triton(  # noqa: E731
-                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                    meta.max_query_len, meta.max_context_len, scale)
-                got = triton_fn()
-                ref32 = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta,
-                                        scale)
-                write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-                torch_fn = lambda: paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # noqa: E731
-                row = dict(context=ctx, q_len=q_len, batch=batch,
-                           plan=str(plan_grid(batch, KV_HEADS, HEADS // KV_HEADS, q_len, ctx)),
-                           torch_ms=graph_ms(torch_fn), triton_ms=graph_ms(triton_fn),
-                           max_diff_triton_fp32=(got.float() - ref32).abs().max().item(),
-                           max_diff_torch_fp32=(want.float() - ref32).abs().max().item())
-                row["speedup"] = row["torch_ms"] / row["triton_ms"]
+                row = measure(batch, q_len, ctx, scale)
                 result["rows"].append(row)
                 print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-                del q, k, v, k_cache, v_cache, meta, want, got, ref32
                 torch.cuda.empty_cache()
     print_table("paged attention per layer call, ms (bf16; diffs against a float32 torch reference)",
                 result["rows"], ["context", "q_len", "batch", "plan", "torch_ms", "triton_ms", "speedup",

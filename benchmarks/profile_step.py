@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
 
 import rollout.engine.engine as engine_mod

@@ -1,0 +1,217 @@
+"""Host time of one engine step, phase by phase: the Python/CPU work between CUDA-graph
+forwards (the gap between a ~7 ms 8B decode forward and the 9.9 ms step on an H200).
+
+Builds an engine on CPU with a tiny random Qwen3 (hidden 64, 2 layers, vocabulary 264: the
+forward and the Contract-1 sort are small, so the numbers are mostly host cost) and, with
+`--spec dflash`, an untrained one-layer DFlash drafter (block 8). B samples (32-token prompts,
+EOS ignored) are prefilled, a few decode steps warm up, then every phase of `LLMEngine.step()`
+is wrapped with a perf_counter timer for the timed decode steps: schedule, draft (the
+drafter's propose), build_step, forward, ctx (the drafter's update_context), logits,
+grammar, rows (build_row_params), policy, verify, capture, sync (_to_host), commit; `other`
+is the step's time outside them. One torch thread. Reports the median milliseconds per step of
+the step and of every phase (medians resist a busy machine).
+`--embedded` uses the embedded tiny-qwen3 and its trained DFlash drafter instead (a realistic
+acceptance length, a larger forward). On CUDA the phases are host time (launches are
+asynchronous) and `sync` absorbs the wait for the device.
+
+    python benchmarks/bench_host.py                        # batches 1 8 64 256, greedy + t1, none + dflash
+    python benchmarks/bench_host.py --quick                # a short check of the script
+    python benchmarks/bench_host.py --batches 64 --profile # plus the top cProfile entries
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
+
+import rollout.engine.engine as engine_module
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.loader import load_model
+from rollout.engine.params import SamplingParams
+from rollout.spec.draft_loader import random_drafter, save_drafter
+
+TINY = dict(SHAPES["tiny"], vocab_size=264, hidden_size=64, intermediate_size=128, head_dim=16,
+            max_position_embeddings=4096)  # fmt: skip
+SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0, top_k=64)}
+PROMPT_LEN = 32
+KV_BLOCK = 16
+# (phase, where the callable lives, its attribute): engine attributes are wrapped on the instance,
+# module functions in rollout.engine.engine's namespace (where step() looks them up).
+PHASES = (
+    ("schedule", "scheduler", "schedule"),
+    ("draft", "drafter", "propose"),
+    ("build_step", "module", "build_step"),
+    ("forward", "engine", "_forward"),
+    ("ctx", "drafter", "update_context"),
+    ("logits", "model", "compute_logits"),
+    ("grammar", "intake", "grammar_bitmask"),
+    ("rows", "module", "build_row_params"),
+    ("policy", "module", "policy"),
+    ("verify", "module", "verify"),
+    ("capture", "capture", "capture"),
+    ("sync", "module", "_to_host"),
+    ("commit", "committer", "commit"),
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="small batches, few steps (script check)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    p.add_argument("--sampling", nargs="+", default=list(SAMPLING), choices=list(SAMPLING))
+    p.add_argument("--specs", nargs="+", default=["none", "dflash"], choices=["none", "dflash"])
+    p.add_argument("--mask", default=None, choices=("selected", "support"), help="every request asks for masks")
+    p.add_argument("--block", type=int, default=8, help="drafter block size")
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per case")
+    p.add_argument("--warmup", type=int, default=5, help="decode steps before timing")
+    p.add_argument("--embedded", action="store_true", help="embedded tiny-qwen3 + its trained DFlash drafter")
+    p.add_argument("--profile", action="store_true", help="print the top cProfile entries of the timed steps")
+    p.add_argument("--out", default="benchmarks/results/bench_host.json")
+    args = p.parse_args()
+    if args.quick:
+        args.batches, args.steps, args.warmup = [1, 8], 5, 2
+    return args
+
+
+class PhaseTimer:
+    """Wraps the phase callables of one engine with perf_counter timers (see PHASES)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.totals: dict[str, float] = {}  # phase -> seconds in the current step
+        self.active = False
+        self._restore: list = []
+        for name, owner, attr in PHASES:
+            target = self._owner(owner)
+            if target is not None and hasattr(target, attr):
+                self._wrap(name, target, attr)
+
+    def _owner(self, owner: str):
+        eng = self.engine
+        return {"module": engine_module, "engine": eng, "model": eng.model}.get(owner, getattr(eng, owner, None))
+
+    def _wrap(self, name: str, target, attr: str) -> None:
+        real = getattr(target, attr)
+        in_dict = attr in vars(target)  # an instance attribute (or module global) to put back as it was
+
+        def timed(*args, **kw):
+            start = time.perf_counter()
+            try:
+                return real(*args, **kw)
+            finally:
+                if self.active:
+                    self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+        setattr(target, attr, timed)
+        self._restore.append((target, attr, real if in_dict else None))
+
+    def close(self) -> None:
+        for target, attr, real in reversed(self._restore):
+            if real is None:
+                delattr(target, attr)
+            else:
+                setattr(target, attr, real)
+
+
+def tiny_dirs(root: Path, block: int) -> tuple[str, str]:
+    """A config-only tiny target (random weights at load) and an untrained DFlash drafter for it."""
+    model = write_config_dir(TINY, root / "target")
+    target = load_model(model, torch.device("cpu"), load_format="random")
+    draft = root / "dflash"
+    save_drafter(random_drafter(target, "dflash", block_size=block, num_layers=1), draft)
+    return str(model), str(draft)
+
+
+def build_engine(spec: str, dirs: tuple[str, str] | None, args: argparse.Namespace, max_tokens: int) -> LLMEngine:
+    batch = max(args.batches)
+    per_seq = -(-(PROMPT_LEN + max_tokens + 2 * args.block) // KV_BLOCK) + 1
+    model, draft = dirs if dirs else (None, None)
+    return LLMEngine(EngineConfig(
+        model=model, load_format="safetensors" if args.embedded else "random", spec=spec,
+        draft=draft if spec != "none" else None, spec_block_size=args.block if spec != "none" else None,
+        device=args.device, block_size=KV_BLOCK, num_kv_blocks=batch * per_seq + 8, max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * PROMPT_LEN), enable_prefix_caching=False,
+    ))  # fmt: skip
+
+
+def measure(engine: LLMEngine, batch: int, sampling: dict, tag: str, args, max_tokens: int,
+            profile: cProfile.Profile | None) -> dict:
+    """Median ms per timed decode step, per phase, for `batch` samples decoding together."""
+    vocab = engine.vocab_size
+    for i in range(batch):
+        prompt = [(7 * i + 3 * j) % (vocab - 8) for j in range(PROMPT_LEN)]
+        params = SamplingParams(**sampling, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        engine.add_request(f"{tag}-{i}", [prompt], params, mask=args.mask)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill
+    for _ in range(args.warmup):
+        engine.step()
+    timer = PhaseTimer(engine)
+    committed = sum(s.num_output_tokens for s in engine.scheduler.running)
+    timer.active = True
+    steps: list[dict[str, float]] = []
+    for _ in range(args.steps):
+        timer.totals = {}
+        sync(args.device)
+        start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        assert len(engine.step()) == 0, "a sample finished while timing: raise max_tokens"
+        if profile is not None:
+            profile.disable()
+        sync(args.device)
+        steps.append(dict(timer.totals, step=time.perf_counter() - start))
+    timer.active = False
+    timer.close()
+    assert len(engine.scheduler.running) == batch, "not every sample decoded in every timed step"
+    committed = sum(s.num_output_tokens for s in engine.scheduler.running) - committed
+    for request_id in list(engine.intake.requests):
+        engine.abort(request_id)
+    for t in steps:
+        t["other"] = t["step"] - sum(t.get(name, 0.0) for name, _, _ in PHASES)
+    row = {name: statistics.median(t.get(name, 0.0) for t in steps) * 1e3
+           for name in ("step", *(name for name, _, _ in PHASES), "other")}
+    row["step_ms"] = row.pop("step")
+    row["tokens_per_step"] = committed / args.steps / batch
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    result = dict(args=vars(args), env=environment(args.device), rows=[])
+    max_tokens = (args.warmup + args.steps + 4) * args.block + 8
+    profile = cProfile.Profile() if args.profile else None
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = None if args.embedded else tiny_dirs(Path(tmp), args.block)
+        for spec in args.specs:
+            engine = build_engine(spec, dirs, args, max_tokens)
+            for mode in args.sampling:
+                for batch in args.batches:
+                    row = dict(spec=spec, sampling=mode, batch=batch)
+                    row.update(measure(engine, batch, SAMPLING[mode], f"{spec}-{mode}-{batch}", args, max_tokens,
+                                       profile))
+                    result["rows"].append(row)
+                    write_json(args.out, result)
+                    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    columns = ["spec", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other", "tokens_per_step"]
+    print_table(f"ms per decode step by phase ({args.device}, one thread, "
+                f"{'embedded tiny-qwen3' if args.embedded else 'tiny random Qwen3'}, masks {args.mask})",
+                result["rows"], columns)
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
