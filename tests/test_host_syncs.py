@@ -1,8 +1,10 @@
 """The hot path reads nothing back from the device except the step's one copy (DESIGN.md:
 at most one host synchronisation per step). On CPU there is no real synchronisation, so the
 test counts the calls that would be one on CUDA (item, tolist, bool, numpy, .cpu(), indexing
-with a boolean tensor, repeat_interleave without a host-known output size) while the
-engine drafts, runs the forward, verifies and captures a step."""
+with a boolean tensor, repeat_interleave without a host-known output size, and blocking
+uploads: `torch.tensor(..., device=...)` or a host tensor's `.to(device)` without
+non_blocking, which synchronise the stream before copying) while the engine drafts, runs the
+forward, verifies and captures a step."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_draf
                                                         max_tokens=12, seed=1), n=3, mask="selected")
     calls = []
     real_draft, real_run = eng._draft, eng._run
+    saved_to = torch.Tensor.to
 
     def counting(fn):
         def wrapped(*args, **kw):
@@ -34,14 +37,18 @@ def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_draf
                 monkeypatch.setattr(torch.Tensor, name, _counted(name, saved[name], calls))
             for name in ("__getitem__", "__setitem__"):
                 monkeypatch.setattr(torch.Tensor, name, _bool_index_checked(name, saved[name], calls))
-            real_repeat = torch.repeat_interleave
+            real_repeat, real_tensor = torch.repeat_interleave, torch.tensor
             monkeypatch.setattr(torch, "repeat_interleave", _sized_repeat_checked(real_repeat, calls))
+            monkeypatch.setattr(torch, "tensor", _upload_checked(real_tensor, calls))
+            monkeypatch.setattr(torch.Tensor, "to", _to_checked(saved_to, calls))
             try:
                 return fn(*args, **kw)
             finally:
                 for name, method in saved.items():
                     monkeypatch.setattr(torch.Tensor, name, method)
                 monkeypatch.setattr(torch, "repeat_interleave", real_repeat)
+                monkeypatch.setattr(torch, "tensor", real_tensor)
+                monkeypatch.setattr(torch.Tensor, "to", saved_to)
         return wrapped
 
     monkeypatch.setattr(eng, "_draft", counting(real_draft))
@@ -76,3 +83,28 @@ def _sized_repeat_checked(real, calls):
             calls.append("repeat_interleave without output_size")
         return real(input, repeats, *args, **kw)
     return wrapper
+
+
+def _upload_checked(real, calls):
+    def wrapper(data, *args, **kw):
+        if kw.get("device") is not None:
+            calls.append("torch.tensor(..., device=...): a blocking upload" + _caller())
+        return real(data, *args, **kw)
+    return wrapper
+
+
+def _to_checked(real, calls):
+    def wrapper(self, *args, **kw):
+        target = kw.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if target is not None and self.device.type == "cpu" and not kw.get("non_blocking", False):
+            calls.append(".to(device) of a host tensor without non_blocking: a blocking upload" + _caller())
+        return real(self, *args, **kw)
+    return wrapper
+
+
+def _caller() -> str:
+    """ at file:line of the rollout code that made the call."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-2] if "/rollout/" in f.filename]
+    return f" at {frames[-1].filename.split('/rollout/')[-1]}:{frames[-1].lineno}" if frames else ""

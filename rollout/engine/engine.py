@@ -26,6 +26,7 @@ from rollout.engine.outputs import SampleOutput
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
+from rollout.engine.transfer import upload
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import InvalidArgument
 from rollout.masks.capture import MaskCapture
@@ -145,7 +146,7 @@ class LLMEngine:
         bitmask = self.intake.grammar_bitmask(step, drafts)
         rows = build_row_params(step, drafts.tokens, self.vocab_size, bitmask, self.device)
         pol = policy(logits, rows)
-        seeds = torch.tensor([s.seed for s in step.entries], device=self.device)[step.row_entry]
+        seeds = upload([s.seed for s in step.entries], torch.int64, self.device)[step.row_entry]
         result = verify(pol, drafts.tokens, drafts.q, step.num_draft, step.cu_rows, step.judge_row,
                         step.draft_of_row, seeds, step.row_position)
         return result, self.capture.capture(pol, step)

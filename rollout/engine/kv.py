@@ -6,6 +6,7 @@ import torch
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.model import ModelConfig
+from rollout.engine.transfer import upload
 
 
 def bytes_per_block(mcfg: ModelConfig, block_size: int, elem: int) -> int:
@@ -44,8 +45,8 @@ def copy_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tup
     """KV copy of whole blocks (src -> dst) in every layer's caches, e.g. a forked sample's
     partially filled last block."""
     device = caches[0][0].device
-    src = torch.tensor([s for s, _ in pairs], device=device)
-    dst = torch.tensor([d for _, d in pairs], device=device)
+    src = upload([s for s, _ in pairs], torch.int64, device)
+    dst = upload([d for _, d in pairs], torch.int64, device)
     for k_cache, v_cache in caches:
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]

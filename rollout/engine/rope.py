@@ -57,7 +57,7 @@ class RotaryEmbedding(nn.Module):
         """[max_positions, 2 * D]: per position `[c, c, -s, s]` (c, s: cos, sin of the D/2 angles)."""
         key = (torch.device(device), dtype)
         if key not in self._tables:
-            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)  # [D/2]
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device, non_blocking=True)  # [D/2]
             freqs = torch.outer(torch.arange(self.max_positions, device=device).float(), inv_freq)
             cos, sin = freqs.cos(), freqs.sin()
             self._tables[key] = torch.cat([cos, cos, -sin, sin], dim=-1).to(dtype)

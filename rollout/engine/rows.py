@@ -12,6 +12,7 @@ import torch
 
 from rollout.engine.batch import StepBatch
 from rollout.engine.sampler import RowParams
+from rollout.engine.transfer import upload
 
 
 def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
@@ -40,8 +41,8 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
                     ban_t += seq.end_ids
         if sp.has_penalties:
             pen_entries.append(e)
-    as_f = lambda x: torch.tensor(x, dtype=torch.float32).to(device, non_blocking=True)  # noqa: E731
-    as_i = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+    as_f = lambda x: upload(x, torch.float32, device)  # noqa: E731
+    as_i = lambda x: upload(x, torch.int64, device)  # noqa: E731
     params = RowParams(temperature=as_f(temp), top_k=as_i(top_k), top_p=as_f(top_p), min_p=as_f(min_p),
                        all_greedy=all(s.params.greedy for s in step.entries))
     if bias_r:
@@ -75,7 +76,7 @@ def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tenso
         for r in range(r0 + 1, r1):  # drafts d_1 .. d_{r-r0} precede row r
             draft_rows += [r] * (r - r0)
             draft_idx += range(draft_base[e], draft_base[e] + r - r0)
-    as_i = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    as_i = lambda x: upload(x, torch.int64, device)  # noqa: E731
     history_counts = torch.zeros(len(pen_entries), vocab_size, device=device)  # [P, V]
     history_counts.index_put_((as_i(hist_of), as_i(toks)), torch.ones(len(toks), device=device), accumulate=True)
     counts = torch.zeros(num_rows, vocab_size, device=device)
@@ -83,4 +84,4 @@ def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tenso
     if draft_rows:
         counts.index_put_((as_i(draft_rows), drafts[as_i(draft_idx)]),
                           torch.ones(len(draft_rows), device=device), accumulate=True)
-    return counts, pen.to(device)
+    return counts, upload(pen, torch.float32, device)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rollout.engine.sampler import Policy
+from rollout.engine.transfer import upload
 from rollout.masks.pack import pack_supports, unpack_supports
 
 
@@ -50,7 +51,7 @@ class MaskCapture:
             first_row[e] = len(rows)
             rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
         width = mask_width([step.entries[e] for e in entries])
-        index = torch.tensor(rows, device=pol.sorted_ids.device)
+        index = upload(rows, torch.int64, pol.sorted_ids.device)
         cols = min(width + 1, pol.sorted_ids.shape[1])
         ids, logp, lens = pack_supports(pol.sorted_ids[:, :cols][index], pol.sorted_logp[:, :cols][index], width)
         self.last = Captured(ids, logp, lens, first_row, width)

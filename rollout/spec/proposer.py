@@ -26,6 +26,7 @@ from rollout.engine.batch import padded_block_table
 from rollout.engine.kv import copy_blocks
 from rollout.engine.sampler import PURPOSE_DRAFT, uniform
 from rollout.engine.scheduler import ScheduledSeq
+from rollout.engine.transfer import upload
 from rollout.spec.draft_model import DraftModel
 
 
@@ -112,9 +113,9 @@ class BlockDrafter(Drafter):
         self.num_proposals += 1
         dev = self.device
         seqs = [items[i].seq for i in rows]
-        anchor_pos = torch.tensor([s.num_computed_tokens for s in seqs], device=dev)  # [S]
-        anchors = torch.tensor([s.last_token for s in seqs], device=dev)  # [S]
-        table = padded_block_table([block_tables[i] for i in rows]).to(dev)  # [S, W]
+        anchor_pos = upload([s.num_computed_tokens for s in seqs], torch.int64, dev)  # [S]
+        anchors = upload([s.last_token for s in seqs], torch.int64, dev)  # [S]
+        table = upload(padded_block_table([block_tables[i] for i in rows]), torch.int64, dev)  # [S, W]
         ctx_len = max(s.num_computed_tokens for s in seqs)
         ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
         ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
@@ -147,9 +148,9 @@ class BlockDrafter(Drafter):
         if not sampled and not dspark:  # positions are independent: one argmax for the block
             return logits.argmax(dim=-1), None, None
         if sampled:
-            temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None]  # [S, 1]
-            greedy = torch.tensor([t == 0 for t in temps], device=dev)[:, None]
-            seeds = torch.tensor([s.seed for s in seqs], device=dev)
+            temp = upload([t if t > 0 else 1.0 for t in temps], torch.float32, dev)[:, None]  # [S, 1]
+            greedy = upload([t == 0 for t in temps], torch.bool, dev)[:, None]
+            seeds = upload([s.seed for s in seqs], torch.int64, dev)
         prev, drafts, qs, conf = anchors, [], [], []
         for i in range(logits.shape[1]):
             z = logits[:, i]

@@ -1,0 +1,20 @@
+"""Host data to the device inside a step without waiting for the device.
+
+`torch.tensor(data, device="cuda")` and a plain `.to("cuda")` are blocking copies: PyTorch
+synchronises the stream before returning, so a step that builds a small index tensor after
+launching the forward would wait for the whole forward and then launch the rest of the step
+serially. `upload` builds the tensor on the host and copies it with `non_blocking=True` (from
+pageable memory the driver stages the bytes before returning, so the host tensor may go away).
+tests/test_host_syncs.py flags blocking uploads inside a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def upload(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list (or nested list, or host tensor) as a tensor on `device`, queued behind the
+    stream's work instead of waiting for it."""
+    host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    return host.to(device=device, dtype=dtype, non_blocking=True)
