@@ -48,6 +48,7 @@ class PhaseTimer:
     def __init__(self, device: str):
         self.device = device
         self.ms: dict[str, float] = collections.defaultdict(float)
+        self.frozen: dict[str, float] = {}
 
     def wrap(self, name: str, fn):
         def timed(*a, **kw):
@@ -61,18 +62,23 @@ class PhaseTimer:
         return timed
 
 
-def decode(engine: LLMEngine, prompts, steps: int, temperature: float, device: str) -> float:
-    """Prefill, then time `steps` decode steps; returns ms per step."""
+def decode(engine: LLMEngine, prompts, steps: int, temperature: float, device: str, timer=None) -> float:
+    """Prefill, then time `steps` decode steps; returns ms per step. A `timer` counts the
+    decode steps only."""
     params = SamplingParams(temperature=temperature, top_k=64 if temperature else -1,
                             max_tokens=steps + 1, ignore_eos=True)
     engine.add_request(f"p{time.monotonic_ns()}", prompts, params)
     engine.step()  # prefill + first token
     sync(device)
+    if timer is not None:
+        timer.ms.clear()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(device)
     ms = (time.perf_counter() - start) * 1e3 / steps
+    if timer is not None:
+        timer.frozen = dict(timer.ms)
     while engine.has_unfinished():
         engine.step()
     return ms
@@ -89,15 +95,13 @@ def phases(engine: LLMEngine, prompts, steps: int, temperature: float, device: s
             setattr(engine_mod, name, timer.wrap(name, fn))
         for obj, name, fn in originals:
             setattr(obj, name, timer.wrap(name.strip("_"), fn))
-        total = decode(engine, prompts, steps, temperature, device)
+        total = decode(engine, prompts, steps, temperature, device, timer)
     finally:
         for name, fn in saved.items():
             setattr(engine_mod, name, fn)
         for obj, name, _ in originals:
             delattr(obj, name)
-    # decode() also ran the prefill and the drain; scale to per-step over all steps it ran
-    counted = steps + 2
-    row = {name: ms / counted for name, ms in timer.ms.items()}
+    row = {name: ms / steps for name, ms in timer.frozen.items()}
     row["step_synced"] = total
     row["unaccounted"] = total - sum(v for k, v in row.items() if k != "step_synced")
     return row
@@ -140,7 +144,7 @@ def main() -> None:
         engine = LLMEngine(config)
     result = dict(args=vars(args), env=environment(args.device), rows=[], kernels=[])
     for backend in args.backends:
-        engine.model.set_attention_backend(backend)
+        engine.model.set_kernel_backend(backend)
         if engine.graphs is not None:
             engine.graphs = engine.make_step_graphs(capture=True)
         for batch in args.batches:

@@ -33,8 +33,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kv-bytes", type=int, default=256 << 20, help="KV budget on --device cpu")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode / verify steps eagerly on CUDA")
-    p.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="paged attention kernel: triton (CUDA default) or the torch reference")
+    p.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
+                   help="layer kernels: triton (fused; the CUDA default) or the torch reference")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse KV blocks of identical prompt prefixes across requests")
     p.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",

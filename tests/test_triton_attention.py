@@ -112,8 +112,8 @@ def test_engine_tokens_and_logprobs_do_not_depend_on_the_backend(tiny_random_qwe
     outs = {}
     for backend in ("torch", "triton"):
         got, eng = _generate(tiny_random_qwen3, PROMPTS[:3], GREEDY, spec=spec, draft=draft, block=4,
-                             attention_backend=backend)
-        assert eng.attention_backend == backend
+                             kernel_backend=backend)
+        assert eng.kernel_backend == backend
         outs[backend] = got
     for ref, tri in zip(outs["torch"], outs["triton"], strict=True):
         assert tri.token_ids == ref.token_ids
@@ -123,8 +123,8 @@ def test_engine_tokens_and_logprobs_do_not_depend_on_the_backend(tiny_random_qwe
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU engine through the interpreter (bfloat16 on CUDA)")
 def test_graph_static_buffers_with_the_kernel(tiny_random_qwen3):
     """The CUDA-graph path's padded rows (scratch block, context 1) through the kernel, eagerly on CPU."""
-    plain, _ = _generate(tiny_random_qwen3, PROMPTS[:3], GREEDY, attention_backend="triton")
-    _, eng = _generate(tiny_random_qwen3, [[1]], SamplingParams(max_tokens=1), attention_backend="triton")
+    plain, _ = _generate(tiny_random_qwen3, PROMPTS[:3], GREEDY, kernel_backend="triton")
+    _, eng = _generate(tiny_random_qwen3, [[1]], SamplingParams(max_tokens=1), kernel_backend="triton")
     eng.graphs = eng.make_step_graphs(capture=False)
     eng.add_request("g", PROMPTS[:3], GREEDY)
     outs = []
@@ -133,3 +133,70 @@ def test_graph_static_buffers_with_the_kernel(tiny_random_qwen3):
     outs.sort(key=lambda o: o.prompt_index)
     assert eng.graphs.num_replays > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+# -- fused layer ops (rollout/engine/triton_ops.py) against the torch layer ----------------------
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope_store_equals_the_torch_layer(qk_norm):
+    from rollout.engine.model import Attention, ModelConfig, RotaryEmbedding
+    from rollout.engine.triton_ops import qk_norm_rope_store
+
+    cfg = ModelConfig(model_type="qwen3" if qk_norm else "llama", vocab_size=64, hidden_size=48,
+                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
+                      head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=256, tie_word_embeddings=False, attention_bias=not qk_norm)
+    torch.manual_seed(0)
+    attn = Attention(cfg, RotaryEmbedding(16, 256, 10000.0)).to(DEVICE)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.uniform_(0.5, 1.5) if p.dim() == 1 and p.shape[0] == 16 else p.normal_()
+    hidden = torch.randn(5, 48, device=DEVICE)
+    positions = torch.tensor([0, 7, 8, 100, 255], device=DEVICE)
+    slots = torch.tensor([3, 17, 9, 30, 0], device=DEVICE)
+    caches = [torch.zeros(8, 4, 2, 16, device=DEVICE) for _ in range(4)]
+    q_ref, k_ref, v_ref = attn.project_qkv(hidden, positions)
+    write_kv(k_ref, v_ref, caches[0], caches[1], slots)
+    with torch.no_grad():
+        q = qk_norm_rope_store(attn.qkv_proj(hidden), positions, attn.rotary.table(DEVICE, torch.float32),
+                               attn.q_norm.weight if qk_norm else None, attn.k_norm.weight if qk_norm else None,
+                               1e-6, 6, 2, 16, caches[2], caches[3], slots)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[2], caches[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)  # v is copied as is
+
+
+def test_add_rms_norm_and_silu_mul_equal_torch():
+    import torch.nn.functional as F
+
+    from rollout.engine.triton_ops import add_rms_norm, silu_mul
+
+    gen = torch.Generator().manual_seed(1)
+    x, res = torch.randn(3, 40, generator=gen).to(DEVICE), torch.randn(3, 40, generator=gen).to(DEVICE)
+    weight = torch.rand(40, generator=gen).to(DEVICE) + 0.5
+    normed, total = add_rms_norm(x, res, weight, 1e-6)
+    torch.testing.assert_close(total, x + res)
+    torch.testing.assert_close(normed, F.rms_norm(x + res, (40,), weight, 1e-6), atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(3, 2 * 1100, generator=gen).to(DEVICE)  # two column blocks of 1024
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_forward_equals_the_torch_forward_with_hidden_taps(tiny_random_qwen3):
+    """The whole model: fused residual/norm chain, hidden-state taps for drafters, final norm."""
+    from rollout.engine.kv import allocate_kv
+    from rollout.engine.loader import load_model
+
+    loaded = load_model(tiny_random_qwen3, DEVICE)
+    model = loaded.model
+    out = {}
+    for backend in ("torch", "triton"):
+        model.set_kernel_backend(backend)
+        q, k, v, _, _, meta = _ragged_case([3, 1, 6], [3, 9, 6], 4, 2, 16, 4)
+        caches = allocate_kv(loaded.config, meta.block_tables.max().item() + 1, 4, DEVICE, torch.float32)
+        ids = torch.arange(10, device=DEVICE) * 7 % 250
+        with torch.no_grad():
+            out[backend] = model(ids, meta, caches, (0, 1))
+    torch.testing.assert_close(out["triton"][0], out["torch"][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out["triton"][1], out["torch"][1], atol=1e-4, rtol=1e-4)

@@ -138,25 +138,15 @@ def gather_kv(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor:
     return blocks.flatten(1, 2)[:, :max_len]
 
 
-BACKENDS = ("torch", "triton")
-
-
 def paged_attention(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
-    backend: str = "torch",
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
 ) -> Tensor:
     """Write k/v into the cache, then attend every query causally to its own sequence's keys.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]. Returns [T, Hq, D].
-    `backend` "triton" reads the block pool in one kernel (`triton_attention`); "torch" is the
-    reference below, which the kernel is tested against.
+    This is the reference that triton_attention.paged_attention_triton is tested against.
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if backend == "triton":
-        from rollout.engine.triton_attention import paged_attention_triton
-
-        return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                      meta.cu_seqlens_q, meta.max_query_len, meta.max_context_len, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     groups = num_heads // num_kv_heads

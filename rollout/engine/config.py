@@ -14,9 +14,10 @@ SPEC_METHODS = ("none", "dflash", "dspark")
 # "random": only config.json is read and the weights are drawn at random on the device
 # (benchmarks of model shapes without a checkpoint, like other engines' `--load-format dummy`).
 LOAD_FORMATS = ("safetensors", "random")
-# paged attention: "triton" reads the block pool in one kernel (CUDA), "torch" gathers and runs
-# SDPA (the reference); "auto" = triton on CUDA when the head size suits it, else torch.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# the layer kernels: "triton" = fused norms / RoPE / cache writes and paged attention reading the
+# block pool (triton_ops.py, triton_attention.py); "torch" = the reference ops they are tested
+# against; "auto" = triton on CUDA when the head size suits it, else torch.
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -41,16 +42,16 @@ class EngineConfig:
     max_queued_samples: int = 4096
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay uniform decode / verify steps as CUDA graphs (CUDA only)
-    attention_backend: str = "auto"
+    kernel_backend: str = "auto"
 
     def __post_init__(self):
         if self.spec not in SPEC_METHODS:
             raise InvalidArgument("spec", f"must be one of {SPEC_METHODS}, got {self.spec!r}")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidArgument("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidArgument("attention_backend", f"must be one of {ATTENTION_BACKENDS}, "
-                                  f"got {self.attention_backend!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise InvalidArgument("kernel_backend", f"must be one of {KERNEL_BACKENDS}, "
+                                  f"got {self.kernel_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument("device", f"must be cpu or cuda, got {self.device!r}")
         if self.spec_block_size is not None and not 2 <= self.spec_block_size <= 64:

@@ -47,8 +47,8 @@ class LLMEngine:
         self.vocab_size = self.loaded.config.vocab_size
         self.eos_token_ids = self.loaded.eos_token_ids
         self.model_name = self.loaded.name
-        self.attention_backend = _attention_backend(config, self.loaded.config, self.model.embed_tokens.weight)
-        self.model.set_attention_backend(self.attention_backend)
+        self.kernel_backend = _kernel_backend(config, self.loaded.config, self.model.embed_tokens.weight)
+        self.model.set_kernel_backend(self.kernel_backend)
         if drafter is not None:
             self.drafter, self.drafter_name = drafter, type(drafter).__name__
         else:
@@ -193,17 +193,17 @@ def _to_host(result: VerifyResult | None, captured):
     return host
 
 
-def _attention_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:
+def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:
     """The configured backend; "auto" is the Triton kernel on CUDA when it supports the shape."""
     from rollout.engine import triton_attention
 
     fits = triton_attention.supported(model_config.head_dim, weight.dtype, weight.device)
-    if config.attention_backend == "auto":
+    if config.kernel_backend == "auto":
         return "triton" if fits and weight.device.type == "cuda" else "torch"
-    if config.attention_backend == "triton" and not fits:
-        raise InvalidArgument("attention_backend", f"triton does not run head_dim {model_config.head_dim} "
+    if config.kernel_backend == "triton" and not fits:
+        raise InvalidArgument("kernel_backend", f"triton does not run head_dim {model_config.head_dim} "
                               f"{weight.dtype} on {weight.device} here (needs CUDA or TRITON_INTERPRET=1)")
-    return config.attention_backend
+    return config.kernel_backend
 
 
 def _build_drafter(config: EngineConfig, loaded):

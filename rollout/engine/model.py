@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollout.engine.attention import BACKENDS, AttentionMetadata, paged_attention
+from rollout.engine import triton_attention, triton_ops
+from rollout.engine.attention import AttentionMetadata, paged_attention
 from rollout.engine.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 from rollout.errors import LoadError
 
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+BACKENDS = ("torch", "triton")  # TransformerLM.set_kernel_backend
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "rms_norm_eps", "max_position_embeddings",
@@ -186,8 +188,12 @@ class MLP(nn.Module):
         self.gate_up_proj = PackedLinear(hidden_size, shards, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+        self.backend = "torch"  # "triton": fused silu * up (triton_ops.silu_mul)
+
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, H]
+        if self.backend == "triton":
+            return self.down_proj(triton_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
@@ -208,7 +214,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
-        self.backend = "torch"  # paged attention backend (attention.BACKENDS); see TransformerLM.set_attention_backend
+        self.rotary_eps = config.rms_norm_eps  # q/k norm epsilon
+        self.backend = "torch"  # see TransformerLM.set_kernel_backend
 
     def _cos_sin(self, hidden: Tensor, positions: Tensor, cos_sin: tuple[Tensor, Tensor] | None):
         return cos_sin if cos_sin is not None else self.rotary.cos_sin(positions, hidden.dtype)
@@ -248,8 +255,18 @@ class Attention(nn.Module):
         cos_sin: tuple[Tensor, Tensor],
     ) -> Tensor:
         # hidden: [T, H] -> [T, H]
+        if self.backend == "triton":  # norms, RoPE and the cache write in one kernel, then paged attention
+            q = triton_ops.qk_norm_rope_store(
+                self.qkv_proj(hidden), meta.positions, self.rotary.table(hidden.device, hidden.dtype),
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None, self.rotary_eps,
+                self.num_heads, self.num_kv_heads, self.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            out = triton_attention.paged_attention_triton(
+                q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                meta.max_query_len, meta.max_context_len, self.scale)
+            return self.o_proj(out.view(-1, self.q_size))
         q, k, v = self.project_qkv(hidden, meta.positions, cos_sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)  # [T, Hq, D]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -274,6 +291,21 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), meta, kv_cache, cos_sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(self, pending: Tensor | None, residual: Tensor, meta: AttentionMetadata,
+                      kv_cache: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """`forward` with the residual adds fused into the norms (Triton): the residual stream
+        is `residual + pending` (pending: the previous layer's MLP output, None before layer 0).
+        Returns this layer's (pending, residual)."""
+        eps = self.input_layernorm.eps
+        if pending is None:
+            normed = self.input_layernorm(residual)
+        else:
+            normed, residual = triton_ops.add_rms_norm(pending, residual, self.input_layernorm.weight, eps)
+        attn = self.self_attn(normed, meta, kv_cache, None)
+        normed, residual = triton_ops.add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
+                                                   self.post_attention_layernorm.eps)
+        return self.mlp(normed), residual
+
 
 class TransformerLM(nn.Module):
     """Qwen3 / Llama 3 causal LM over a flattened ragged batch and a paged KV cache."""
@@ -290,6 +322,7 @@ class TransformerLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend = "torch"  # see set_kernel_backend
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -297,12 +330,14 @@ class TransformerLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def set_attention_backend(self, backend: str) -> None:
-        """Paged attention through `backend` in every layer ("torch" or "triton", see attention.py)."""
+    def set_kernel_backend(self, backend: str) -> None:
+        """"triton": every layer runs the fused kernels of triton_ops / triton_attention; "torch":
+        the reference ops (attention.py, this file), which the kernels are tested against."""
         if backend not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
         for layer in self.layers:
-            layer.self_attn.backend = backend
+            layer.self_attn.backend = layer.mlp.backend = backend
 
     def checkpoint_name(self, name: str) -> str:
         """HF checkpoint name of a module-relative parameter name (all but lm_head live under `model.`)."""
@@ -323,17 +358,26 @@ class TransformerLM(nn.Module):
         the order given.
         """
         hidden = self.embed_tokens(input_ids)  # [T, H]
-        cos_sin = self.rotary.cos_sin(meta.positions, hidden.dtype)
         wanted = set(hidden_layer_ids)
-        taps: dict[int, Tensor] = {}
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden = layer(hidden, meta, kv_cache, cos_sin)
-            if i in wanted:
-                taps[i] = hidden
-        if len(taps) != len(wanted):
+        if not wanted <= set(range(len(self.layers))):
             raise ValueError(f"hidden_layer_ids {hidden_layer_ids} out of range [0, {len(self.layers)})")
+        taps: dict[int, Tensor] = {}
+        if self.backend == "triton":
+            pending = None
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                pending, hidden = layer.forward_fused(pending, hidden, meta, kv_cache)
+                if i in wanted:
+                    taps[i] = hidden + pending
+            out, _ = triton_ops.add_rms_norm(pending, hidden, self.norm.weight, self.norm.eps)
+        else:
+            cos_sin = self.rotary.cos_sin(meta.positions, hidden.dtype)
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                hidden = layer(hidden, meta, kv_cache, cos_sin)
+                if i in wanted:
+                    taps[i] = hidden
+            out = self.norm(hidden)
         aux = torch.cat([taps[i] for i in hidden_layer_ids], dim=-1) if taps else None
-        return self.norm(hidden), aux
+        return out, aux
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, H] -> logits [N, V] in float32."""
