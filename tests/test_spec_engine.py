@@ -17,7 +17,7 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
 from rollout.engine.params import SamplingParams
-from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform
+from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform_of_keys
 from rollout.errors import LoadError
 from rollout.spec.draft_loader import random_drafter, save_drafter
 from rollout.spec.proposer import Drafts
@@ -172,11 +172,11 @@ def test_sampled_spec_follows_contract1_joint_law(tiny_random_qwen3, random_draf
 
 
 def test_sampled_negative_control_detects_accept_all(tiny_random_qwen3, reference_joint, monkeypatch):
-    def accept_all(seeds, positions, purpose):
-        u = uniform(seeds, positions, purpose)
+    def accept_all(keys, purpose):
+        u = uniform_of_keys(keys, purpose)
         return torch.zeros_like(u) if purpose == PURPOSE_ACCEPT else u
 
-    monkeypatch.setattr(verify_mod, "uniform", accept_all)
+    monkeypatch.setattr(verify_mod, "uniform_of_keys", accept_all)
     stat, df, crit = _chi2(_engine_pairs(tiny_random_qwen3, drafter=RepeatDrafter(4)), reference_joint)
     assert stat > 3 * crit, f"accept-all verifier not detected: chi2 {stat:.1f} vs {crit:.1f}"
 

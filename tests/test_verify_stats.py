@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import rollout.spec.verify as verify_mod
-from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform
+from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform_of_keys
 from rollout.spec.verify import verify
 
 V = 6
@@ -107,11 +107,11 @@ def test_joint_law_of_two_committed_tokens_is_exact(q_onehot):
 def test_negative_control_accept_everything_is_detected(monkeypatch):
     """A verifier that accepts every draft the target allows must fail the same test."""
 
-    def accept_all(seeds, positions, purpose):
-        u = uniform(seeds, positions, purpose)
+    def accept_all(keys, purpose):
+        u = uniform_of_keys(keys, purpose)
         return torch.zeros_like(u) if purpose == PURPOSE_ACCEPT else u
 
-    monkeypatch.setattr(verify_mod, "uniform", accept_all)
+    monkeypatch.setattr(verify_mod, "uniform_of_keys", accept_all)
     stat, df = _chi2(_sample_two_tokens(q_onehot=False), _exact_joint(*_tables()[:2]))
     assert stat > 5 * _critical(df), f"broken verifier not detected: chi2 {stat:.1f} with {df} dof"
 

@@ -38,11 +38,22 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch
 
     seeds: [N] int64 (any 63-bit value), positions: [N] int64 -> [N] float32
     """
+    return uniform_of_keys(uniform_keys(seeds, positions), purpose)
+
+
+def uniform_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The (seed, position) part of `uniform`'s hash, to share between purposes (each hash
+    round is ten small kernels): `uniform_of_keys(uniform_keys(s, p), purpose) == uniform(s, p,
+    purpose)`. seeds, positions: [N] int64 -> [N] int64."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     h = _fmix32(lo ^ 0x9E3779B9)
     h = _fmix32(h ^ hi)
-    h = _fmix32(h ^ ((positions * 0x27D4EB2F) & _M32))
-    h = _fmix32(h ^ (purpose * 0x165667B1))
+    return _fmix32(h ^ ((positions * 0x27D4EB2F) & _M32))
+
+
+def uniform_of_keys(keys: torch.Tensor, purpose: int) -> torch.Tensor:
+    """[N] int64 keys of `uniform_keys` -> [N] float32 uniforms in (0, 1) for `purpose`."""
+    h = _fmix32(keys ^ (purpose * 0x165667B1))
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # 23 bits: k + 0.5 is exact in float32
 
 

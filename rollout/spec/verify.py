@@ -14,11 +14,21 @@ table that finds the first rejection.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from rollout.engine.sampler import PURPOSE_ACCEPT, PURPOSE_SAMPLE, Policy, sample_sorted, uniform
+from rollout.engine.sampler import (
+    PURPOSE_ACCEPT,
+    PURPOSE_SAMPLE,
+    Policy,
+    sample_sorted,
+    uniform,
+    uniform_keys,
+    uniform_of_keys,
+)
+from rollout.engine.transfer import upload
 
 
 @dataclass
@@ -36,17 +46,26 @@ def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_
     """pol: rows [R]; drafts: [D] flat draft tokens; draft_q: [D, V] or None (one-hot);
     judge_row / draft_of_row: [D'] pairs (row judging a draft, that draft's flat index);
     row_seed / row_position: [R] seed and predicted position of each row."""
+    if not any(num_draft):
+        return _sample(pol, row_seed, row_position)
     device = pol.sorted_ids.device
     num_e = len(num_draft)
-    k_max = max(num_draft) if num_draft else 0
+    k_max = max(num_draft)
+    # greedy rows (one policy column) with one-hot q: p(d) is 1 or 0, so the test u < p(d) and the
+    # draw after it are decided without a uniform
+    greedy = pol.sorted_ids.shape[1] == 1 and draft_q is None
+    keys = None if greedy else uniform_keys(row_seed, row_position)  # [R], shared by both purposes
     d_tok = drafts[draft_of_row]  # [D'] draft judged by each judging row
     p_d = pol.logprob_of(judge_row, d_tok)  # [D'] log p_i(d_i)
-    q_d = torch.ones_like(p_d) if draft_q is None else draft_q[draft_of_row].gather(1, d_tok[:, None])[:, 0]
-    u = uniform(row_seed[judge_row], row_position[judge_row], PURPOSE_ACCEPT)
-    ok = u * q_d < p_d.exp()  # [D']
+    if greedy:
+        ok = p_d > float("-inf")
+    else:
+        q_d = torch.ones_like(p_d) if draft_q is None else draft_q[draft_of_row].gather(1, d_tok[:, None])[:, 0]
+        ok = uniform_of_keys(keys[judge_row], PURPOSE_ACCEPT) * q_d < p_d.exp()  # [D']
 
-    cu = torch.tensor(cu_rows[:-1], device=device)  # [E]
-    entry_of = torch.repeat_interleave(torch.arange(num_e, device=device), torch.tensor(num_draft, device=device),
+    first_draft = list(itertools.accumulate(num_draft[:-1], initial=0))
+    cu, n_draft, first_draft = upload([cu_rows[:-1], num_draft, first_draft], torch.int64, device)  # each [E]
+    entry_of = torch.repeat_interleave(torch.arange(num_e, device=device), n_draft,
                                        output_size=len(judge_row))  # [D'], sized on the host: no sync
     slot = judge_row - cu[entry_of]  # position of each judged draft inside its block
     table = torch.zeros(num_e, k_max + 1, dtype=torch.bool, device=device)
@@ -54,8 +73,11 @@ def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_
     num_accepted = table.int().cumprod(dim=1).sum(dim=1)  # [E]; column k_max is always False
     final_rows = cu + num_accepted
 
-    final_tok, final_lp = _final_token(pol, final_rows, num_accepted, num_draft, drafts, draft_q,
-                                       row_seed, row_position)
+    if greedy:  # one column: every draw picks it
+        final_tok, final_lp = pol.sorted_ids[final_rows, 0], pol.sorted_logp[final_rows, 0]
+    else:
+        final_tok, final_lp = _final_token(pol, final_rows, num_accepted, n_draft, first_draft, drafts, draft_q,
+                                           keys)
     tokens = torch.full((num_e, k_max + 1), -1, dtype=torch.int64, device=device)
     logprobs = torch.zeros(num_e, k_max + 1, dtype=torch.float32, device=device)
     keep = slot < num_accepted[entry_of]  # masked writes, not boolean indexing (which would sync)
@@ -67,24 +89,34 @@ def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_
     return VerifyResult(tokens, logprobs, num_accepted, final_rows, pol.support_len[final_rows] > 0)
 
 
-def _final_token(pol: Policy, final_rows, num_accepted, num_draft, drafts, draft_q, row_seed, row_position):
+def _sample(pol: Policy, row_seed: torch.Tensor, row_position: torch.Tensor) -> VerifyResult:
+    """No drafts in the step: entry e is row e, and commits one token drawn from p."""
+    num_e = pol.sorted_ids.shape[0]
+    if pol.sorted_ids.shape[1] == 1:  # greedy: the one column
+        tokens, logprobs = pol.sorted_ids, pol.sorted_logp  # [E, 1]
+    else:
+        u = uniform(row_seed, row_position, PURPOSE_SAMPLE)
+        idx = sample_sorted(pol.sorted_logp.exp(), pol.support_len, u)[:, None]
+        tokens, logprobs = pol.sorted_ids.gather(1, idx), pol.sorted_logp.gather(1, idx)
+    device = tokens.device
+    return VerifyResult(tokens, logprobs, torch.zeros(num_e, dtype=torch.int64, device=device),
+                        torch.arange(num_e, device=device), pol.support_len > 0)
+
+
+def _final_token(pol: Policy, final_rows, num_accepted, num_draft, first_draft, drafts, draft_q, keys):
     """The recovered token (after a rejection) or the bonus token, and its log p."""
-    device = final_rows.device
     ids = pol.sorted_ids[final_rows]  # [E, V]
     logp = pol.sorted_logp[final_rows]
     p = logp.exp()
-    first_draft = torch.tensor([0, *num_draft[:-1]], device=device).cumsum(0)
-    rejected = num_accepted < torch.tensor(num_draft, device=device)  # [E]
-    if bool(len(drafts)) and draft_q is None:
-        d = drafts[(first_draft + num_accepted).clamp(max=max(len(drafts) - 1, 0))]  # [E]
+    rejected = num_accepted < num_draft  # [E]
+    if draft_q is None:
+        d = drafts[(first_draft + num_accepted).clamp(max=len(drafts) - 1)]  # [E]
         q = (ids == d[:, None]).float()
-    elif bool(len(drafts)):
-        q = draft_q[(first_draft + num_accepted).clamp(max=len(drafts) - 1)].gather(1, ids)
     else:
-        q = torch.zeros_like(p)
+        q = draft_q[(first_draft + num_accepted).clamp(max=len(drafts) - 1)].gather(1, ids)
     residual = torch.where(rejected[:, None], (p - q).clamp(min=0), p)
     empty = residual.sum(dim=1, keepdim=True) <= 0  # p == q up to rounding: fall back to p
     residual = torch.where(empty, p, residual)
-    u = uniform(row_seed[final_rows], row_position[final_rows], PURPOSE_SAMPLE)
+    u = uniform_of_keys(keys[final_rows], PURPOSE_SAMPLE)
     idx = sample_sorted(residual, pol.support_len[final_rows], u)
     return ids.gather(1, idx[:, None])[:, 0], logp.gather(1, idx[:, None])[:, 0]
