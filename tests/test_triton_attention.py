@@ -188,7 +188,7 @@ def test_fused_forward_equals_the_torch_forward_with_hidden_taps(tiny_random_qwe
     from rollout.engine.kv import allocate_kv
     from rollout.engine.loader import load_model
 
-    loaded = load_model(tiny_random_qwen3, DEVICE)
+    loaded = load_model(tiny_random_qwen3, DEVICE, dtype=torch.float32)  # float32 on CUDA too
     model = loaded.model
     out = {}
     for backend in ("torch", "triton"):
