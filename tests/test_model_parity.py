@@ -134,8 +134,9 @@ def check_parity(hf_model, path: Path, vocab_size: int, seed: int = 0, tol: floa
     lengths = [(9, 4), (3, 5), (14, 3), (1, 6)]
     prompts = [torch.randint(0, vocab_size, (p,), generator=gen).tolist() for p, _ in lengths]
     suffixes = [torch.randint(0, vocab_size, (d,), generator=gen).tolist() for _, d in lengths]
-    # HF's hidden_states[-1] is after the final norm, so the taps compared stop one layer short
-    layer_ids = (model.config.num_hidden_layers - 2, 0)
+    # the last layer's tap is HF's hidden_states[-1], which is after the final norm (drafters
+    # trained on HF hidden states read it that way)
+    layer_ids = (model.config.num_hidden_layers - 2, 0, model.config.num_hidden_layers - 1)
     logits, aux, kinds = run_schedule(model, prompts, suffixes, layer_ids, seed=seed)
     assert kinds == {"decode", "mixed"}
     for s in range(len(prompts)):

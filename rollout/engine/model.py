@@ -352,30 +352,34 @@ class TransformerLM(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """input_ids: [T] -> (hidden [T, H] after the final norm, aux [T, len(ids) * H] or None).
 
-        kv_caches: one (k_cache, v_cache) per layer, each [NB, BS, Hkv, D]. `aux` concatenates the
-        outputs of decoder layers `hidden_layer_ids` (0-based, before the final norm; HF's
-        `hidden_states[i + 1]`, except for the last layer, where HF stores the normed output) in
-        the order given.
+        kv_caches: one (k_cache, v_cache) per layer, each [NB, BS, Hkv, D]. `aux` concatenates, in
+        the order given, the outputs of decoder layers `hidden_layer_ids` (0-based) exactly as HF's
+        `hidden_states[i + 1]`: the residual stream after layer i, except for the last layer, whose
+        entry HF stores after the final norm. Drafters are trained on HF's hidden states, so a
+        drafter reading the last layer gets the normed output here too.
         """
         hidden = self.embed_tokens(input_ids)  # [T, H]
         wanted = set(hidden_layer_ids)
         if not wanted <= set(range(len(self.layers))):
             raise ValueError(f"hidden_layer_ids {hidden_layer_ids} out of range [0, {len(self.layers)})")
         taps: dict[int, Tensor] = {}
+        last = len(self.layers) - 1
         if self.backend == "triton":
             pending = None
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 pending, hidden = layer.forward_fused(pending, hidden, meta, kv_cache)
-                if i in wanted:
+                if i in wanted and i < last:
                     taps[i] = hidden + pending
             out, _ = triton_ops.add_rms_norm(pending, hidden, self.norm.weight, self.norm.eps)
         else:
             cos_sin = self.rotary.cos_sin(meta.positions, hidden.dtype)
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 hidden = layer(hidden, meta, kv_cache, cos_sin)
-                if i in wanted:
+                if i in wanted and i < last:
                     taps[i] = hidden
             out = self.norm(hidden)
+        if last in wanted:
+            taps[last] = out
         aux = torch.cat([taps[i] for i in hidden_layer_ids], dim=-1) if taps else None
         return out, aux
 
