@@ -12,8 +12,8 @@ from rollout.engine.params import SamplingParams
 PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 201]]
 
 
-def _run(model, static: bool, drafter=None, params=None):
-    eng = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200), drafter=drafter)
+def _run(model, static: bool, drafter=None, params=None, **config):
+    eng = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200, **config), drafter=drafter)
     if static:
         eng.graphs = eng.make_step_graphs(capture=False)
     eng.add_request("g", PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
@@ -42,3 +42,14 @@ def test_static_replay_matches_eager_verify(tiny_random_qwen3):
     assert eng.graphs.num_replays > 0
     assert any(k[1] == 4 for k in eng.graphs.graphs)  # verify blocks of 1 + 3 drafts were replayed
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+
+
+def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, random_drafters):
+    """The replayed step also writes the drafter's context K/V (padded rows into the scratch
+    block of the drafter's cache): drafts, hence acceptance and outputs, equal the eager engine."""
+    kw = dict(spec="dflash", draft=random_drafters["dflash"], spec_block_size=4)
+    base, base_eng = _run(tiny_random_qwen3, static=False, **kw)
+    outs, eng = _run(tiny_random_qwen3, static=True, **kw)
+    assert eng.graphs.num_replays > 0 and any(k[1] == 4 for k in eng.graphs.graphs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in base]

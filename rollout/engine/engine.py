@@ -58,7 +58,7 @@ class LLMEngine:
         self.kv_caches = allocate_kv(self.loaded.config, num_blocks + 1, config.block_size, self.device,
                                      self.model.embed_tokens.weight.dtype)
         if self.drafter is not None:
-            self.drafter.allocate(num_blocks, config.block_size)
+            self.drafter.allocate(num_blocks + 1, config.block_size)  # + the graphs' scratch block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         limits = [config.max_model_len or self.loaded.config.max_position_embeddings,
                   (num_blocks - 1) * config.block_size, self.drafter and self.drafter.max_model_len()]
@@ -137,9 +137,7 @@ class LLMEngine:
     @torch.inference_mode()
     def _run(self, step: StepBatch, drafts: Drafts):
         input_ids = step.input_ids.index_put((step.draft_token_index,), drafts.tokens)
-        hidden, aux = self._forward(input_ids, step.meta)
-        if self.drafter is not None:
-            self.drafter.update_context(aux, step.meta)
+        hidden, _ = self._forward(input_ids, step.meta)  # the drafter's context is updated in there
         if not step.entries:
             return None, None
         logits = self.model.compute_logits(hidden[step.logits_index])  # [R, V]
@@ -159,11 +157,19 @@ class LLMEngine:
             except RuntimeError as e:  # a capture the backend refuses: stay correct, run eagerly
                 log.warning("CUDA graph capture failed (%s); running eagerly from now on", e)
                 self.graphs = None
-        return self.model(input_ids, meta, self.kv_caches, self.layer_ids)
+        return self._target_forward(input_ids, meta)
+
+    def _target_forward(self, input_ids: torch.Tensor, meta):
+        """The target forward, then the drafter's context K/V from its hidden states: one unit, so
+        that a CUDA graph of a step holds both."""
+        hidden, aux = self.model(input_ids, meta, self.kv_caches, self.layer_ids)
+        if self.drafter is not None:
+            self.drafter.update_context(aux, meta)
+        return hidden, aux
 
     def make_step_graphs(self, capture: bool) -> StepGraphs:
         """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests)."""
-        forward = lambda ids, meta: self.model(ids, meta, self.kv_caches, self.layer_ids)  # noqa: E731
+        forward = self._target_forward
         max_q = (self.drafter.num_spec + 1) if self.drafter else 1
         return StepGraphs(forward, scratch_block=self.block_manager.num_blocks, block_size=self.config.block_size,
                           max_blocks_per_seq=-(-self.max_model_len // self.config.block_size) + 1,
