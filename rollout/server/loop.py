@@ -2,9 +2,14 @@
 
 The engine is single-threaded. Every call on it (add, abort, info, weight updates, step) runs
 on this thread; the asyncio side submits commands through a queue and gets results back as
-asyncio futures (resolved with `loop.call_soon_threadsafe`). Finished samples are routed to
-the request's sink, a callable that is also invoked on the event loop, once per request per
-step, so the event loop never blocks on the engine and the engine never waits for a client.
+asyncio futures. Finished samples are routed to the request's sink, a callable that is also
+invoked on the event loop, once per request per step, so the event loop never blocks on the
+engine and the engine never waits for a client.
+
+What the engine thread hands back (command results, deliveries) collects in an outbox that
+goes to the event loop in one `loop.call_soon_threadsafe` per batch of commands and per step:
+each wake-up of the loop is a socket write that lets go of the GIL, and getting it back while
+the event loop runs costs the engine thread up to the interpreter's switch interval (5 ms).
 
 Weight updates follow the engine's drain policy: `update_weights` validates synchronously,
 then the engine applies it at a step boundary once running samples have finished; the caller's
@@ -56,8 +61,9 @@ class EngineLoop:
         self._factory = engine_factory
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: list[Callable[[], None]] = []  # run on the event loop, in order
         self._routes: dict[str, _Route] = {}
-        self._weight_waiters: list[concurrent.futures.Future] = []
+        self._weight_waiters: list[asyncio.Future] = []
         self._stopping = False
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
@@ -74,10 +80,11 @@ class EngineLoop:
         await asyncio.to_thread(self._thread.join)
 
     def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
-        """Runs fn(engine) on the engine thread; the result (or exception) comes back as a future."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        """Runs fn(engine) on the engine thread; the result (or exception) comes back as a future.
+        Call it on the event loop. Cancelling the future does not cancel the command."""
+        fut = self._loop.create_future()
         self._commands.put((fn, fut))
-        return asyncio.wrap_future(fut, loop=self._loop)
+        return fut
 
     async def add(self, call: GenerateCall, sink: Sink) -> None:
         """Admits a request (raises the engine's InvalidArgument / ResourceExhausted)."""
@@ -91,9 +98,9 @@ class EngineLoop:
 
     async def update_weights(self, state: dict, draft_state: dict | None) -> int:
         """Validates now, resolves with the new policy_version once the update is applied."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut = self._loop.create_future()
         self._commands.put((lambda engine: self._update(engine, state, draft_state, fut), None))
-        return await asyncio.wrap_future(fut, loop=self._loop)
+        return await fut
 
     def num_requests(self) -> int:
         return len(self._routes)
@@ -109,12 +116,15 @@ class EngineLoop:
         self._ready.set_result(None)
         while not self._stopping:
             self._run_commands(block=not self._busy())
+            self._send_outbox()
             if self._busy() and not self._stopping:
                 self._step()
+                self._send_outbox()
         for request_id in list(self._routes):
             self._abort(self.engine, request_id, "server stopped")
         for fut in self._weight_waiters:
-            fut.set_exception(FailedPrecondition("weights: the server stopped before the update applied"))
+            self._resolve(fut, error=FailedPrecondition("weights: the server stopped before the update applied"))
+        self._send_outbox()
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished() or self.engine.weight_update_pending()
@@ -133,15 +143,33 @@ class EngineLoop:
                 return
         self._stopping = True
 
-    def _execute(self, fn: Callable[[Any], Any], fut: concurrent.futures.Future | None) -> None:
+    def _execute(self, fn: Callable[[Any], Any], fut: asyncio.Future | None) -> None:
         try:
             result = fn(self.engine)
         except BaseException as exc:
             if fut is not None:
-                fut.set_exception(exc)
+                self._resolve(fut, error=exc)
             return
         if fut is not None:
-            fut.set_result(result)
+            self._resolve(fut, result)
+
+    def _resolve(self, fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        """Settles `fut` on the event loop with the next outbox (unless it was cancelled there)."""
+
+        def settle() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        self._outbox.append(settle)
+
+    def _send_outbox(self) -> None:
+        if self._outbox:
+            calls, self._outbox = self._outbox, []
+            self._loop.call_soon_threadsafe(_run_all, calls)
 
     def _step(self) -> None:
         try:
@@ -176,7 +204,7 @@ class EngineLoop:
             self._post(route.sink, Delivery(samples, done=done))
 
     def _post(self, sink: Sink, delivery: Delivery) -> None:
-        self._loop.call_soon_threadsafe(sink, delivery)
+        self._outbox.append(lambda: sink(delivery))
 
     def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
         if call.request_id in self._routes:
@@ -210,13 +238,11 @@ class EngineLoop:
         for request_id in list(self._routes):
             self._fail(request_id, error)
 
-    def _update(
-        self, engine: Any, state: dict, draft_state: dict | None, fut: concurrent.futures.Future
-    ) -> None:
+    def _update(self, engine: Any, state: dict, draft_state: dict | None, fut: asyncio.Future) -> None:
         try:
             engine.update_weights(state, draft_state)
         except BaseException as exc:
-            fut.set_exception(exc)
+            self._resolve(fut, error=exc)
             return
         self._weight_waiters.append(fut)
         self._settle_weight_updates()
@@ -224,5 +250,14 @@ class EngineLoop:
     def _settle_weight_updates(self) -> None:
         if self._weight_waiters and not self.engine.weight_update_pending():
             for fut in self._weight_waiters:
-                fut.set_result(self.engine.policy_version)
+                self._resolve(fut, self.engine.policy_version)
             self._weight_waiters.clear()
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    """One outbox on the event loop; a sink or future that raises does not stop the others."""
+    for call in calls:
+        try:
+            call()
+        except Exception:
+            log_event("outbox_call_failed", logging.ERROR, exc_info=True)

@@ -1,0 +1,88 @@
+"""`rollout.server.loop.EngineLoop` on its own, with a scripted engine: command results and
+deliveries reach the event loop in order, a command whose future was cancelled while it waited
+still runs and leaves the loop serving, and the deliveries of one step come in one wake-up."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from rollout.engine.outputs import SampleOutput
+from rollout.server.convert import GenerateCall
+from rollout.server.loop import Delivery, EngineLoop
+
+
+class ScriptedEngine:
+    """Finishes every running sample in one step; `gate` holds each step until it is set."""
+
+    def __init__(self):
+        self.running: list[tuple[str, int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.steps = 0
+
+    def add_request(self, request_id, prompts, params, n=1, mask=None, grammar=None) -> None:
+        self.running += [(request_id, p) for p in range(len(prompts))]
+
+    def step(self) -> list[SampleOutput]:
+        self.gate.wait()
+        self.steps += 1
+        done, self.running = self.running, []
+        return [SampleOutput(rid, p, 0, [1], token_ids=[2]) for rid, p in done]
+
+    def abort(self, request_id) -> list[SampleOutput]:
+        return []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def weight_update_pending(self) -> bool:
+        return False
+
+
+def _call(request_id: str, prompts: int = 1) -> GenerateCall:
+    return GenerateCall(request_id, [[1]] * prompts, params=None, n=1, mask=None, grammar=None)
+
+
+def test_cancelled_command_still_runs_and_the_loop_keeps_serving():
+    async def main():
+        engine = ScriptedEngine()
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
+        await loop.start()
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        engine.gate.clear()
+        await loop.add(_call("a"), inbox.put_nowait)  # the engine now waits inside its step
+        late = loop.call(lambda e: "ran")
+        late.cancel()  # cancelled while queued behind the step
+        engine.gate.set()
+        assert (await inbox.get()).done
+        assert await loop.call(lambda e: e.steps) == 1
+        await loop.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))  # a dead engine thread fails instead of hanging
+
+
+def test_one_step_delivers_every_request_in_one_wake_up():
+    async def main():
+        engine = ScriptedEngine()
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
+        await loop.start()
+        inboxes = {rid: asyncio.Queue() for rid in "abcd"}
+        engine.gate.clear()
+        await loop.call(lambda e: [loop._add(e, _call(rid, prompts=2), q.put_nowait) for rid, q in inboxes.items()])
+        posted = []
+        real = asyncio.get_running_loop().call_soon_threadsafe
+
+        def counting(fn, *args):
+            posted.append(fn)
+            return real(fn, *args)
+
+        asyncio.get_running_loop().call_soon_threadsafe = counting
+        engine.gate.set()
+        deliveries = [await inbox.get() for inbox in inboxes.values()]
+        assert [len(d.samples) for d in deliveries] == [2, 2, 2, 2] and all(d.done for d in deliveries)
+        assert len(posted) == 1
+        del asyncio.get_running_loop().call_soon_threadsafe
+        await loop.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))  # a dead engine thread fails instead of hanging
