@@ -91,30 +91,29 @@ class StepGraphs:
     def _build(self, key):
         t_pad = key[0] * key[1]
         run = lambda: self.forward(self.input_ids[:t_pad], self._static_meta(key))  # noqa: E731
-        if not self.capture:
-            return _eager_replay(run)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # warm-up: lazily built tables (RoPE) exist before capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, aux = run()
-        self.pool = graph.pool()
-        return graph.replay, hidden, aux
+        replay, (hidden, aux), self.pool = capture_graph(run, self.capture, self.pool)
+        return replay, hidden, aux
 
 
-def _eager_replay(run: Callable):
-    """CPU stand-in for a captured graph: re-runs the forward into fixed output buffers."""
-    hidden, aux = run()
-    hidden = hidden.clone()
-    aux = aux.clone() if aux is not None else None
+def capture_graph(run: Callable, capture: bool, pool=None):
+    """(replay, outputs, pool) for `run() -> tuple of tensors or None`: a CUDA graph whose replay
+    rewrites `outputs` in place, or with `capture=False` an eager stand-in (CPU tests) that
+    re-runs `run` and copies into the same fixed output tensors."""
+    if not capture:
+        outputs = tuple(o.clone() if o is not None else None for o in run())
 
-    def replay():
-        h, a = run()
-        hidden.copy_(h)
-        if aux is not None:
-            aux.copy_(a)
+        def replay():
+            for out, new in zip(outputs, run(), strict=True):
+                if out is not None:
+                    out.copy_(new)
 
-    return replay, hidden, aux
+        return replay, outputs, pool
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up: lazily built tables (RoPE) and Triton compilations happen before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph.replay, outputs, graph.pool()
