@@ -15,11 +15,13 @@ import functools
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.sequence import Sequence
+from rollout.engine.transfer import upload_packed
 
 
 @dataclass
@@ -52,72 +54,81 @@ class StepBatch:
 def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int,
                device: torch.device) -> StepBatch:
     """Flatten the scheduled sequences. num_drafts[i]: drafts item i carries this step.
-    Host work is a few int-list appends per sequence; positions, slots and the block table
-    are built as whole tensors."""
-    ids, starts, q_lens, tables = [], [], [], []
-    draft_tok, logits_index, row_entry, row_pos = [], [], [], []
-    entries, entry_item, entry_draft, cu_rows = [], [], [], [0]
-    judge_row, draft_of_row = [], []
+    Host work is a few list appends per sequence; the token and row indices are whole-array
+    numpy ops, and every index tensor of the step reaches the device in one copy."""
+    ids, starts, q_lens, new_lens, tables = [], [], [], [], []
+    entries, entry_item, entry_draft, entry_row0, entry_pos, entry_base = [], [], [], [], [], []
     n_draft_total = 0
     for i, (item, k) in enumerate(zip(items, num_drafts)):
         seq = item.seq
-        start = seq.num_computed_tokens
-        n = item.num_new_tokens + k
-        t0 = len(ids)
-        ids += seq.tokens(start, start + item.num_new_tokens)
+        start, new = seq.num_computed_tokens, item.num_new_tokens
+        ids += seq.tokens(start, start + new)
         ids += [0] * k
-        draft_tok += range(t0 + item.num_new_tokens, t0 + n)
         starts.append(start)
-        q_lens.append(n)
+        q_lens.append(new + k)
+        new_lens.append(new)
         tables.append(seq.block_table)
-        if not item.samples:
-            continue
-        first = t0 + n - k - 1  # the row predicting the token after the last computed one
-        for e_seq in [seq, *(seq.children if seq.num_output_tokens == 0 else [])]:
-            e = len(entries)
-            kk = k if e_seq is seq else 0
-            entries.append(e_seq)
-            entry_item.append(i)
-            entry_draft.append(kk)
-            r0 = len(logits_index)
-            logits_index += range(first, first + kk + 1)
-            row_entry += [e] * (kk + 1)
-            row_pos += range(start + n - k, start + n - k + kk + 1)
-            judge_row += range(r0, r0 + kk)
-            draft_of_row += range(n_draft_total, n_draft_total + kk)
-            cu_rows.append(len(logits_index))
+        if item.samples:  # the row after the last computed token predicts position start + new
+            for e_seq in [seq, *(seq.children if seq.num_output_tokens == 0 else [])]:
+                entries.append(e_seq)
+                entry_item.append(i)
+                entry_draft.append(k if e_seq is seq else 0)
+                entry_row0.append(len(ids) - k - 1)
+                entry_pos.append(start + new)
+                entry_base.append(n_draft_total)
         n_draft_total += k
-    meta = _attention_metadata(starts, q_lens, tables, len(ids), block_size, device)
-    as_dev = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+    tokens = _token_arrays(starts, q_lens, new_lens, tables, block_size)
+    entry_rows = [k + 1 for k in entry_draft]  # a row per draft plus the bonus / plain sample row
+    rows = _row_arrays(entry_draft, entry_row0, entry_pos, entry_base)
+    (input_ids, positions, slots, cu_q, ctx, table, draft_tok, logits_index, row_entry, row_pos, draft_of_row,
+     judge_row) = upload_packed([np.asarray(ids, dtype=np.int64), *tokens, *rows], device)
+    meta = AttentionMetadata(
+        positions=positions, slot_mapping=slots, cu_seqlens_q=cu_q, context_lens=ctx,
+        block_tables=table.view(len(tables), -1), max_query_len=max(q_lens),
+        max_context_len=max(s + n for s, n in zip(starts, q_lens)), block_size=block_size,
+    )  # fmt: skip
     return StepBatch(
-        items=items, input_ids=as_dev(ids), meta=meta, draft_token_index=as_dev(draft_tok),
-        entries=entries, entry_item=entry_item, num_draft=entry_draft, cu_rows=cu_rows,
-        logits_index=as_dev(logits_index), row_entry=as_dev(row_entry), row_position=as_dev(row_pos),
-        draft_of_row=as_dev(draft_of_row), judge_row=as_dev(judge_row),
-    )
+        items=items, input_ids=input_ids, meta=meta, draft_token_index=draft_tok, entries=entries,
+        entry_item=entry_item, num_draft=entry_draft, cu_rows=list(itertools.accumulate(entry_rows, initial=0)),
+        logits_index=logits_index, row_entry=row_entry, row_position=row_pos, draft_of_row=draft_of_row,
+        judge_row=judge_row,
+    )  # fmt: skip
 
 
-def _attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], num_tokens: int,
-                        block_size: int, device: torch.device) -> AttentionMetadata:
-    """Positions, slots and the padded block table of the step, as whole-batch tensor ops."""
-    table = padded_block_table(tables)  # [S, W]
-    q = torch.tensor(q_lens, dtype=torch.int64)  # [S]
-    cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
-    torch.cumsum(q, 0, out=cu_q[1:])
-    seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), q, output_size=num_tokens)  # [T]
-    start = torch.tensor(starts, dtype=torch.int64)
-    positions = start[seq_of] + torch.arange(num_tokens) - cu_q[seq_of]  # [T]
-    slots = table[seq_of, positions // block_size] * block_size + positions % block_size  # [T]
-    ctx = start + q
-    to = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-    return AttentionMetadata(
-        positions=to(positions), slot_mapping=to(slots), cu_seqlens_q=to(cu_q), context_lens=to(ctx),
-        block_tables=to(table), max_query_len=max(q_lens), max_context_len=max(s + n for s, n in zip(starts, q_lens)),
-        block_size=block_size,
-    )
+def _token_arrays(starts: list[int], q_lens: list[int], new_lens: list[int], tables: list[list[int]],
+                  block_size: int) -> list[np.ndarray]:
+    """Token view: positions [T], slots [T], cu_seqlens_q [S+1], context_lens [S], the padded
+    block table [S, W] and the index of each draft slot [D], as whole-batch numpy ops."""
+    q = np.asarray(q_lens, dtype=np.int64)  # [S]
+    cu_q = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q, out=cu_q[1:])
+    seq_of = np.repeat(np.arange(len(q_lens)), q)  # [T]
+    local = np.arange(len(seq_of)) - cu_q[seq_of]  # [T] index of each token inside its sequence's query
+    start = np.asarray(starts, dtype=np.int64)
+    positions = start[seq_of] + local
+    table = padded_block_table(tables)
+    slots = table[seq_of, positions // block_size] * block_size + positions % block_size
+    draft_tok = np.flatnonzero(local >= np.asarray(new_lens, dtype=np.int64)[seq_of])  # drafts follow the new tokens
+    return [positions, slots, cu_q, start + q, table, draft_tok]
 
 
-def padded_block_table(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables of several sequences as one [S, max_blocks] int64 CPU tensor, 0-padded."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+def _row_arrays(entry_draft: list[int], entry_row0: list[int], entry_pos: list[int],
+                entry_base: list[int]) -> list[np.ndarray]:
+    """Row view: entry e owns rows cu_rows[e] .. cu_rows[e] + k_e (k_e = entry_draft[e]); its
+    row j reads token entry_row0[e] + j, predicts position entry_pos[e] + j and, for j < k_e,
+    judges flat draft entry_base[e] + j. Returns logits_index, row_entry, row_position [R],
+    draft_of_row and judge_row [D']."""
+    k = np.asarray(entry_draft, dtype=np.int64)  # [E]
+    row_entry = np.repeat(np.arange(len(k)), k + 1)  # [R]
+    first_row = np.cumsum(k + 1) - (k + 1)  # [E]
+    j = np.arange(len(row_entry)) - first_row[row_entry]  # [R] row index inside its entry
+    judge_row = np.flatnonzero(j < k[row_entry])
+    draft_of_row = np.asarray(entry_base, dtype=np.int64)[row_entry[judge_row]] + j[judge_row]
+    return [np.asarray(entry_row0, dtype=np.int64)[row_entry] + j, row_entry,
+            np.asarray(entry_pos, dtype=np.int64)[row_entry] + j, draft_of_row, judge_row]
+
+
+def padded_block_table(tables: list[list[int]]) -> np.ndarray:
+    """Block tables of several sequences as one [S, max_blocks] int64 host array, 0-padded."""
+    width = max(map(len, tables))
+    return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)

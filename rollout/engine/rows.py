@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rollout.engine.batch import StepBatch
+from rollout.engine.params import SamplingParams
 from rollout.engine.sampler import RowParams
 from rollout.engine.transfer import upload
 
@@ -18,33 +19,38 @@ from rollout.engine.transfer import upload
 def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
                      bitmask: torch.Tensor | None, device: torch.device) -> RowParams:
     """drafts: [D] int64 flattened draft tokens on the device."""
-    temp, top_k, top_p, min_p = [], [], [], []
+    truncation: dict[int, tuple] = {}  # id(SamplingParams) -> its rows' (temperature, top_p, min_p, top_k)
+    per_entry = []
     bias_r, bias_t, bias_v, ban_r, ban_t = [], [], [], [], []
     pen_entries = []
+    all_greedy = True
     for e, seq in enumerate(step.entries):
         sp = seq.params
-        rows = range(step.cu_rows[e], step.cu_rows[e + 1])
-        n = len(rows)
-        greedy = sp.greedy
-        temp += [1.0 if greedy else sp.temperature] * n
-        top_k += [1 if greedy else (sp.top_k if sp.top_k > 0 else vocab_size)] * n
-        top_p += [1.0 if greedy else sp.top_p] * n
-        min_p += [0.0 if greedy else sp.min_p] * n
-        for tok, b in sp.logit_bias.items():
-            bias_r += rows
-            bias_t += [tok] * n
-            bias_v += [float(b)] * n
-        if sp.min_tokens:
+        values = truncation.get(id(sp))
+        if values is None:
+            values = truncation[id(sp)] = _truncation(sp, vocab_size)
+            all_greedy = all_greedy and sp.greedy
+        per_entry.append(values)
+        if sp.logit_bias or sp.min_tokens > seq.num_output_tokens:
+            rows = range(step.cu_rows[e], step.cu_rows[e + 1])
+            for tok, b in sp.logit_bias.items():
+                bias_r += rows
+                bias_t += [tok] * len(rows)
+                bias_v += [float(b)] * len(rows)
             for j, r in enumerate(rows):
                 if seq.num_output_tokens + j < sp.min_tokens:
                     ban_r += [r] * len(seq.end_ids)
                     ban_t += seq.end_ids
         if sp.has_penalties:
             pen_entries.append(e)
+    temp, top_p, min_p, top_k = zip(*per_entry)
+    floats, top_k = upload([temp, top_p, min_p], torch.float32, device), upload(top_k, torch.int64, device)
+    if step.cu_rows[-1] > step.num_entries:  # drafts: an entry's rows share its values
+        floats, top_k = floats[:, step.row_entry], top_k[step.row_entry]
     as_f = lambda x: upload(x, torch.float32, device)  # noqa: E731
     as_i = lambda x: upload(x, torch.int64, device)  # noqa: E731
-    params = RowParams(temperature=as_f(temp), top_k=as_i(top_k), top_p=as_f(top_p), min_p=as_f(min_p),
-                       all_greedy=all(s.params.greedy for s in step.entries))
+    params = RowParams(temperature=floats[0], top_k=top_k, top_p=floats[1], min_p=floats[2],
+                       all_greedy=all_greedy)
     if bias_r:
         params.bias = (as_i(bias_r), as_i(bias_t), as_f(bias_v))
     if ban_r:
@@ -53,6 +59,13 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
         params.counts, params.penalties = _penalty_counts(step, pen_entries, drafts, vocab_size, device)
     params.bitmask = bitmask
     return params
+
+
+def _truncation(sp: SamplingParams, vocab_size: int) -> tuple[float, float, float, int]:
+    """(temperature, top_p, min_p, top_k) of a sample's rows; greedy rows are top-k 1."""
+    if sp.greedy:
+        return 1.0, 1.0, 0.0, 1
+    return sp.temperature, sp.top_p, sp.min_p, sp.top_k if sp.top_k > 0 else vocab_size
 
 
 def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tensor, vocab_size: int,

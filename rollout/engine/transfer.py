@@ -10,6 +10,7 @@ tests/test_host_syncs.py flags blocking uploads inside a step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -18,3 +19,10 @@ def upload(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     stream's work instead of waiting for it."""
     host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     return host.to(device=device, dtype=dtype, non_blocking=True)
+
+
+def upload_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several int64 host arrays as device tensors with one copy (see `upload`): flat views of
+    one device buffer, in order."""
+    packed = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]))
+    return list(upload(packed, torch.int64, device).split_with_sizes([a.size for a in arrays]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
@@ -26,7 +27,7 @@ from rollout.engine.batch import padded_block_table
 from rollout.engine.kv import copy_blocks
 from rollout.engine.sampler import PURPOSE_DRAFT, uniform
 from rollout.engine.scheduler import ScheduledSeq
-from rollout.engine.transfer import upload
+from rollout.engine.transfer import upload, upload_packed
 from rollout.spec.draft_model import DraftModel
 
 
@@ -113,9 +114,12 @@ class BlockDrafter(Drafter):
         self.num_proposals += 1
         dev = self.device
         seqs = [items[i].seq for i in rows]
-        anchor_pos = upload([s.num_computed_tokens for s in seqs], torch.int64, dev)  # [S]
-        anchors = upload([s.last_token for s in seqs], torch.int64, dev)  # [S]
-        table = upload(padded_block_table([block_tables[i] for i in rows]), torch.int64, dev)  # [S, W]
+        anchor_pos, anchors, table = upload_packed([
+            np.asarray([s.num_computed_tokens for s in seqs], dtype=np.int64),
+            np.asarray([s.last_token for s in seqs], dtype=np.int64),
+            padded_block_table([block_tables[i] for i in rows]),
+        ], dev)  # [S], [S], [S * W]
+        table = table.view(len(rows), -1)  # [S, W]
         ctx_len = max(s.num_computed_tokens for s in seqs)
         ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
         ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
@@ -129,45 +133,44 @@ class BlockDrafter(Drafter):
         limit = [items[i].num_draft for i in rows]
         counts = self._lengths(keep, limit)
         self.num_drafted += sum(counts)
-        flat = torch.cat([drafts[j, :k] for j, k in enumerate(counts)])
-        flat_q = torch.cat([q[j, :k] for j, k in enumerate(counts)]) if q is not None else None
+        flat, flat_q = _flatten(drafts, q, counts)
         per_item = [0] * len(items)
         for j, i in enumerate(rows):
             per_item[i] = counts[j]
         return Drafts(flat, per_item, flat_q)
 
     def _choose(self, logits, hidden, anchors, temps, seqs, first_pos):
-        """Walk the block left to right. Greedy samples draft the argmax (one-hot q); sampled
-        ones draw from q = softmax(logits / temperature) with their own seeded uniforms.
-        DSpark adds its Markov bias from the previous token and scores each position's
-        confidence. Returns drafts [S, B-1], q [S, B-1, V] or None (all one-hot), keep or None."""
+        """Greedy samples draft the argmax (one-hot q); sampled ones draw from q =
+        softmax(logits / temperature) with their own seeded uniforms. DFlash positions are
+        independent, so the whole block is chosen at once; DSpark walks the block left to right,
+        adding its Markov bias from the previous token and scoring each position's confidence.
+        Returns drafts [S, B-1], q [S, B-1, V] or None (all one-hot), keep or None."""
         # logits: [S, B-1, V]; hidden: [S, B-1, H]; anchors, first_pos: [S]
         dev = logits.device
         sampled = any(t > 0 for t in temps)
         dspark = self.model.config.kind == "dspark"
-        if not sampled and not dspark:  # positions are independent: one argmax for the block
+        if not sampled and not dspark:
             return logits.argmax(dim=-1), None, None
         if sampled:
             temp = upload([t if t > 0 else 1.0 for t in temps], torch.float32, dev)[:, None]  # [S, 1]
-            greedy = upload([t == 0 for t in temps], torch.bool, dev)[:, None]
+            greedy = upload([t == 0 for t in temps], torch.bool, dev)[:, None]  # [S, 1]
             seeds = upload([s.seed for s in seqs], torch.int64, dev)
+            width = logits.shape[1]
+            positions = first_pos[:, None] + torch.arange(width, device=dev)  # [S, B-1]
+            u = uniform(seeds[:, None].expand(-1, width), positions, PURPOSE_DRAFT)  # [S, B-1]
+        if not dspark:
+            return (*_draw(logits, temp[:, :, None], greedy, u), None)
         prev, drafts, qs, conf = anchors, [], [], []
         for i in range(logits.shape[1]):
-            z = logits[:, i]
-            if dspark:
-                bias, emb = self.model.markov_bias(prev)
-                z = z + bias
-                if self.threshold > 0:
-                    conf.append(self.model.confidence(hidden[:, i], emb))
+            bias, emb = self.model.markov_bias(prev)
+            z = logits[:, i] + bias
+            if self.threshold > 0:
+                conf.append(self.model.confidence(hidden[:, i], emb))
             if not sampled:
                 prev = z.argmax(dim=-1)
             else:
-                q = torch.softmax(z / temp, dim=-1)  # [S, V]
-                u = uniform(seeds, first_pos + i, PURPOSE_DRAFT)
-                drawn = ((q.cumsum(dim=-1) <= (u[:, None] * q.sum(dim=-1, keepdim=True))).sum(dim=-1))
-                prev = torch.where(greedy[:, 0], z.argmax(dim=-1), drawn.clamp(max=z.shape[-1] - 1))
-                one_hot = torch.nn.functional.one_hot(prev, z.shape[-1]).to(q.dtype)
-                qs.append(torch.where(greedy, one_hot, q))
+                prev, q = _draw(z, temp, greedy[:, 0], u[:, i])
+                qs.append(q)
             drafts.append(prev)
         keep = torch.stack(conf, dim=1) >= self.threshold if conf else None
         return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if qs else None), keep
@@ -180,3 +183,24 @@ class BlockDrafter(Drafter):
             return limit
         run = keep.int().cumprod(dim=1).sum(dim=1).tolist()
         return [min(a, b) for a, b in zip(run, limit)]
+
+
+def _draw(z: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor):
+    """Drafts and their q from logits z [..., V]: the argmax where `greedy` (one-hot q), else an
+    inverse-CDF draw with uniforms u [...] from q = softmax(z / temp). temp broadcasts against z,
+    greedy against u. Returns drafts [...] int64 and q [..., V]."""
+    q = torch.softmax(z / temp, dim=-1)
+    drawn = (q.cumsum(dim=-1) <= (u[..., None] * q.sum(dim=-1, keepdim=True))).sum(dim=-1)
+    prev = torch.where(greedy, z.argmax(dim=-1), drawn.clamp(max=z.shape[-1] - 1))
+    one_hot = torch.nn.functional.one_hot(prev, z.shape[-1]).to(q.dtype)
+    return prev, torch.where(greedy[..., None], one_hot, q)
+
+
+def _flatten(drafts: torch.Tensor, q: torch.Tensor | None, counts: list[int]):
+    """The first counts[j] drafts (and q rows) of every block j, flattened in block order.
+    drafts: [S, B-1]; q: [S, B-1, V] or None. Returns [D] and [D, V] or None."""
+    width = drafts.shape[1]
+    if all(k == width for k in counts):  # nothing shortened: the blocks as they are
+        return drafts.reshape(-1), (q.reshape(-1, q.shape[-1]) if q is not None else None)
+    index = upload([j * width + i for j, k in enumerate(counts) for i in range(k)], torch.int64, drafts.device)
+    return drafts.reshape(-1)[index], (q.reshape(-1, q.shape[-1])[index] if q is not None else None)
