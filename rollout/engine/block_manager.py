@@ -38,11 +38,15 @@ class BlockManager:
         """Grow the block table to cover positions < num_tokens. False (and no change) if
         there are not enough free blocks."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > self.num_free_blocks:
+        if need > len(self.free_blocks):
             return False
-        for _ in range(need):
-            seq.block_table.append(self._take_free())
+        self.append_blocks(seq, need)
         return True
+
+    def append_blocks(self, seq: Sequence, count: int) -> None:
+        """Give `seq` `count` more free blocks (the caller has checked that they exist)."""
+        for _ in range(count):
+            seq.block_table.append(self._take_free())
 
     def allocate_prompt(self, seq: Sequence) -> int:
         """Reuse cached full blocks of seq's prompt prefix; returns the number of prompt

@@ -36,8 +36,8 @@ class Committer:
                 outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
             elif reason := self._append(seq, tokens[e][:count], logprobs[e][:count], masks_of.get(e)):
                 outputs.append(self.finish(seq, reason))
-        for item in step.items:
-            if not item.seq.is_finished:
+        for item in step.items:  # only blocks reserved for drafts can lie past the committed tokens
+            if item.num_draft and not item.seq.is_finished:
                 self.engine.block_manager.truncate(item.seq, item.seq.num_tokens)
         return outputs
 
@@ -45,16 +45,19 @@ class Committer:
         """Computed counts (the tokens fed plus the accepted drafts), prefix-cache registration,
         and the forks of prompts whose last token was computed (before anyone may finish)."""
         bm = self.engine.block_manager
-        accepted = {step.entry_item[e]: num_accepted[e] for e, s in enumerate(step.entries)
-                    if s is step.items[step.entry_item[e]].seq}
+        accepted, forks = {}, []
+        for e, (seq, i) in enumerate(zip(step.entries, step.entry_item)):
+            parent = step.items[i].seq
+            if seq is parent:
+                accepted[i] = num_accepted[e]
+            else:
+                forks.append((parent, seq))
         for i, item in enumerate(step.items):
             seq, old = item.seq, item.seq.num_computed_tokens
             seq.num_computed_tokens = old + item.num_new_tokens + accepted.get(i, 0)
             bm.register_computed(seq, old)
-        for e, seq in enumerate(step.entries):
-            parent = step.items[step.entry_item[e]].seq
-            if seq is not parent:
-                self._fork(parent, seq)
+        for parent, child in forks:
+            self._fork(parent, child)
         for i in set(step.entry_item):  # a prompt still mid-prefill keeps its samples to fork
             step.items[i].seq.children = []
 
@@ -65,22 +68,18 @@ class Committer:
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks) -> str | None:
         """Append committed tokens up to the finish; returns the finish reason or None."""
-        sp = seq.params
-        reason, n = None, 0
-        for j, tok in enumerate(tokens):
-            seq.output_token_ids.append(tok)
-            seq.output_logprobs.append(logprobs[j])
-            if masks is not None:
-                seq.support_ids.append(masks[0][j])
-                if seq.support_logprobs is not None:
-                    seq.support_logprobs.append(masks[1][j])
-            n += 1
-            if tok in seq.stop_ids:
-                reason = "stop"
-            elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.engine.max_model_len:
-                reason = "length"
-            if reason:
-                break
+        # the finish: the token that reaches max_tokens or the context, unless a stop token
+        # comes first (or is that token)
+        room = max(1, min(seq.params.max_tokens - seq.num_output_tokens, self.engine.max_model_len - seq.num_tokens))
+        n, reason = (room, "length") if room <= len(tokens) else (len(tokens), None)
+        if not seq.stop_ids.isdisjoint(tokens[:n]):
+            n, reason = next(j for j, tok in enumerate(tokens) if tok in seq.stop_ids) + 1, "stop"
+        seq.output_token_ids += tokens[:n]
+        seq.output_logprobs += logprobs[:n]
+        if masks is not None:
+            seq.support_ids += masks[0][:n]
+            if seq.support_logprobs is not None:
+                seq.support_logprobs += masks[1][:n]
         seq.accept_lengths.append(n)
         if seq.grammar is not None:
             seq.grammar.commit(tokens[:n])

@@ -18,7 +18,7 @@ from rollout.engine.block_manager import BlockManager
 from rollout.engine.sequence import SeqStatus, Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step: compute tokens [num_computed, num_computed +
     num_new_tokens); `num_draft` > 0 only for decode steps (room for that many drafts)."""
@@ -105,21 +105,23 @@ class Scheduler:
         behind = seq.num_tokens - seq.num_computed_tokens
         if behind > 1:
             return ScheduledSeq(seq, min(behind, budget))
+        if not self.num_spec:
+            return ScheduledSeq(seq, 1)
         num_draft = max(0, min(self.num_spec, seq.remaining_tokens - 1, budget - 1))
         return ScheduledSeq(seq, 1, num_draft)
 
     def _reserve(self, item: ScheduledSeq) -> bool:
         seq = item.seq
-        end = seq.num_computed_tokens + item.num_new_tokens + item.num_draft
-        need = self.bm.blocks_needed(seq, end)
-        if need + self._fork_blocks > self.bm.num_free_blocks:
+        need = self.bm.blocks_needed(seq, seq.num_computed_tokens + item.num_new_tokens + item.num_draft)
+        spare = self.bm.num_free_blocks - self._fork_blocks - need
+        if spare < 0:
             return False
-        if item.samples and seq.children:
+        if seq.children and item.samples:
             # hold one block per forked sample (for its partial-block copy) as far as they go;
             # a sample left without one waits and recomputes its prompt (Committer._fork)
-            spare = self.bm.num_free_blocks - need - self._fork_blocks
             self._fork_blocks += min(len(seq.children), spare)
-        return self.bm.ensure_slots(seq, end)
+        self.bm.append_blocks(seq, need)
+        return True
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
