@@ -46,10 +46,13 @@ def test_static_replay_matches_eager_verify(tiny_random_qwen3):
 
 def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, random_drafters):
     """The replayed step also writes the drafter's context K/V (padded rows into the scratch
-    block of the drafter's cache): drafts, hence acceptance and outputs, equal the eager engine."""
+    block of the drafter's cache), and the drafter's forward replays from its own static buffers
+    (DraftGraphs, padded to batch and context buckets): drafts, hence acceptance and outputs,
+    equal the eager engine."""
     kw = dict(spec="dflash", draft=random_drafters["dflash"], spec_block_size=4)
     base, base_eng = _run(tiny_random_qwen3, static=False, **kw)
     outs, eng = _run(tiny_random_qwen3, static=True, **kw)
     assert eng.graphs.num_replays > 0 and any(k[1] == 4 for k in eng.graphs.graphs)
+    assert eng.drafter.graphs.num_replays > 0 and len(eng.drafter.graphs.graphs) >= 2  # drafter graphs too
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in base]

@@ -171,10 +171,14 @@ class LLMEngine:
         """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests)."""
         forward = self._target_forward
         max_q = (self.drafter.num_spec + 1) if self.drafter else 1
+        max_blocks = -(-self.max_model_len // self.config.block_size) + 1
+        max_batch = min(256, self.config.max_num_seqs)
+        if self.drafter is not None:
+            self.drafter.use_graphs(max_batch, max_blocks, self.config.block_size, self.block_manager.num_blocks,
+                                    capture)
         return StepGraphs(forward, scratch_block=self.block_manager.num_blocks, block_size=self.config.block_size,
-                          max_blocks_per_seq=-(-self.max_model_len // self.config.block_size) + 1,
-                          max_q=max_q, device=self.device, capture=capture,
-                          max_batch=min(256, self.config.max_num_seqs))
+                          max_blocks_per_seq=max_blocks, max_q=max_q, device=self.device, capture=capture,
+                          max_batch=max_batch)
 
     def _copy_pending_blocks(self) -> None:
         if not self.pending_copies:

@@ -28,6 +28,7 @@ from rollout.engine.kv import copy_blocks
 from rollout.engine.sampler import PURPOSE_DRAFT, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
+from rollout.spec.draft_graphs import DraftGraphs
 from rollout.spec.draft_model import DraftModel
 
 
@@ -63,6 +64,12 @@ class Drafter(ABC):
     @abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
+    def use_graphs(self, max_batch: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
+                   capture: bool) -> None:
+        """Replay the drafter's forward as CUDA graphs (`capture=False`: the same static-buffer
+        path eagerly, for tests). Optional: a drafter may ignore it."""
+        return None
+
 
 class BlockDrafter(Drafter):
     """DFlash / DSpark: one non-causal forward drafts a whole block."""
@@ -76,6 +83,7 @@ class BlockDrafter(Drafter):
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_proposals = 0  # batched propose calls
         self.num_drafted = 0  # draft tokens proposed, after confidence shortening
+        self.graphs: DraftGraphs | None = None
 
     @property
     def device(self) -> torch.device:
@@ -106,6 +114,11 @@ class BlockDrafter(Drafter):
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         copy_blocks(self.caches, pairs)
 
+    def use_graphs(self, max_batch: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
+                   capture: bool) -> None:
+        self.graphs = DraftGraphs(self._block_forward, max_batch, max_blocks_per_seq, block_size, scratch_block,
+                                  self.device, capture)
+
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq], block_tables: list[list[int]]) -> Drafts:
         rows = [i for i, it in enumerate(items) if it.num_draft > 0]
@@ -121,13 +134,11 @@ class BlockDrafter(Drafter):
         ], dev)  # [S], [S], [S * W]
         table = table.view(len(rows), -1)  # [S, W]
         ctx_len = max(s.num_computed_tokens for s in seqs)
-        ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
-        ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
-        block_ids = torch.full((len(rows), self.block), self.model.config.mask_token_id, device=dev)
-        block_ids[:, 0] = anchors
-        positions = anchor_pos[:, None] + torch.arange(self.block, device=dev)  # [S, B]
-        hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
-        logits = self.model.logits(hidden)  # [S, B-1, V]
+        key = self.graphs.key(len(rows), ctx_len) if self.graphs is not None else None
+        if key is not None:
+            hidden, logits = self.graphs.run(key, anchors, anchor_pos, table)
+        else:
+            hidden, logits = self._block_forward(anchors, anchor_pos, table, ctx_len)
         temps = [s.params.temperature for s in seqs]
         drafts, q, keep = self._choose(logits, hidden, anchors, temps, seqs, anchor_pos + 1)
         limit = [items[i].num_draft for i in rows]
@@ -138,6 +149,19 @@ class BlockDrafter(Drafter):
         for j, i in enumerate(rows):
             per_item[i] = counts[j]
         return Drafts(flat, per_item, flat_q)
+
+    def _block_forward(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, table: torch.Tensor, ctx_len: int):
+        """The block forward: anchors, anchor_pos [S]; table [S, W]; keys of the first ctx_len
+        positions gathered (those at or past a sequence's anchor position are masked). Returns the
+        hidden states [S, B-1, H] and float32 logits [S, B-1, V] of the drafted positions."""
+        ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
+        ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
+        block_ids = torch.full((anchors.shape[0], self.block), self.model.config.mask_token_id,
+                               device=anchors.device)
+        block_ids[:, 0] = anchors
+        positions = anchor_pos[:, None] + torch.arange(self.block, device=anchors.device)  # [S, B]
+        hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
+        return hidden, self.model.logits(hidden)
 
     def _choose(self, logits, hidden, anchors, temps, seqs, first_pos):
         """Greedy samples draft the argmax (one-hot q); sampled ones draw from q =
