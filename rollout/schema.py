@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from rollout.engine.outputs import SampleOutput
+from rollout.masks.pack import Supports
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -61,8 +62,7 @@ def to_record_batch(samples: Sequence[SampleOutput], schema: pa.Schema = ROLLOUT
         _list_array([s.prompt_token_ids for s in samples], np.int32),
         _list_array([s.token_ids for s in samples], np.int32),
         _list_array([s.token_logprobs for s in samples], np.float32),
-        _nested_list_array([s.support_ids for s in samples], np.int32),
-        _nested_list_array([s.support_logprobs for s in samples], np.float32),
+        *_support_arrays([s.supports for s in samples]),
         pa.array([s.finish_reason for s in samples], pa.string()),
         _list_array([s.accept_lengths for s in samples], np.int16),
         pa.array([s.policy_version for s in samples], pa.int64()),
@@ -80,15 +80,38 @@ def _list_array(rows: Sequence[Sequence], dtype: type[np.generic]) -> pa.ListArr
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), type=_LIST_TYPES[dtype])
 
 
-def _nested_list_array(per_sample: Sequence[Sequence[Sequence] | None], dtype: type[np.generic]) -> pa.ListArray:
-    """Per sample None (a null row) or one row of numbers per token -> list<list<dtype>>."""
-    present = [rows for rows in per_sample if rows is not None]
-    inner = _list_array(list(chain.from_iterable(present)), dtype)
-    offsets = _offsets((0 if rows is None else len(rows) for rows in per_sample), len(per_sample))
+def _support_arrays(per_sample: Sequence[Supports | None]) -> tuple[pa.ListArray, pa.ListArray]:
+    """The support_ids and support_logprobs columns from each sample's flat arrays (no Python
+    numbers at all): a sample without masks is a null row in both, one without log-probs (mask
+    mode "selected") a null row in the second."""
+    ids = _nested_from_flat([(p.ids, p.lens) if p is not None else None for p in per_sample], pa.int32())
+    logp = _nested_from_flat([(p.logprobs, p.lens) if p is not None and p.logprobs is not None else None
+                              for p in per_sample], pa.float32())
+    return ids, logp
+
+
+def _nested_from_flat(per_sample: Sequence[tuple[np.ndarray, np.ndarray] | None], value_type) -> pa.ListArray:
+    """Per sample None (a null row) or (flat values, per-token lengths) -> list<list<value_type>>."""
+    present = [p for p in per_sample if p is not None]
+    dtype = value_type.to_pandas_dtype()
+    values = np.concatenate([v for v, _ in present]).astype(dtype, copy=False) if present else np.zeros(0, dtype)
+    lens = np.concatenate([n for _, n in present]) if present else np.zeros(0, np.int32)
+    inner_offsets = _offsets_from_lengths(lens)
+    inner = pa.ListArray.from_arrays(pa.array(inner_offsets), pa.array(values, value_type),
+                                     type=pa.list_(value_type))
+    outer_offsets = _offsets((0 if p is None else len(p[1]) for p in per_sample), len(per_sample))
     nulls = None
     if len(present) < len(per_sample):
-        nulls = pa.array(np.fromiter((rows is None for rows in per_sample), np.bool_, count=len(per_sample)))
-    return pa.ListArray.from_arrays(pa.array(offsets), inner, type=pa.list_(inner.type), mask=nulls)
+        nulls = pa.array(np.fromiter((p is None for p in per_sample), np.bool_, count=len(per_sample)))
+    return pa.ListArray.from_arrays(pa.array(outer_offsets), inner, type=pa.list_(inner.type), mask=nulls)
+
+
+def _offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise ValueError("a record batch column holds 2**31 list values or more; send fewer rows")
+    return offsets.astype(np.int32)
 
 
 def _offsets(lengths: Iterable[int], count: int) -> np.ndarray:

@@ -4,16 +4,33 @@ and `rollout validate` reads IPC files and streams with the documented exit code
 from __future__ import annotations
 
 import copy
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollout.engine.outputs import SampleOutput
 from rollout.masks.check import check_table, main, read_table
-from rollout.schema import ROLLOUT_SCHEMA, schema_with_metadata, to_record_batch
+from rollout.schema import ROLLOUT_SCHEMA, schema_with_metadata
 
 VOCAB = 50
+
+
+@dataclass
+class Row:
+    """One rollout row as plain, freely breakable Python lists (the validator reads Arrow only)."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    support_ids: list[list[int]] | None = None
+    support_logprobs: list[list[float]] | None = None
+    finish_reason: str = "length"
+    accept_lengths: list[int] = field(default_factory=list)
+    policy_version: int = 0
 
 
 def _top_k_policy(rng: np.random.Generator, top_k: int):
@@ -26,8 +43,8 @@ def _top_k_policy(rng: np.random.Generator, top_k: int):
     return order, logp.astype(np.float32).tolist()
 
 
-def _sample(rng, request_id="r0", n_tokens=6, top_k=5, greedy_at=(), mode="support") -> SampleOutput:
-    s = SampleOutput(request_id, prompt_index=0, sample_index=1, prompt_token_ids=[1, 2, 3])
+def _sample(rng, request_id="r0", n_tokens=6, top_k=5, greedy_at=(), mode="support") -> Row:
+    s = Row(request_id, prompt_index=0, sample_index=1, prompt_token_ids=[1, 2, 3])
     s.support_ids, s.support_logprobs = [], []
     for j in range(n_tokens):
         ids, logp = ([7], [0.0]) if j in greedy_at else _top_k_policy(rng, top_k)
@@ -48,7 +65,7 @@ def _table(samples, mode="support", **extra) -> pa.Table:
         schema = schema.with_metadata(
             {**schema.metadata, **{k.encode(): str(v).encode() for k, v in extra.items()}}
         )
-    return pa.Table.from_batches([to_record_batch(samples, schema)])
+    return pa.Table.from_pylist([asdict(s) for s in samples], schema=schema)
 
 
 @pytest.fixture

@@ -63,7 +63,8 @@ def test_record_batch_equals_the_nested_reference(modes):
 
 def test_zero_length_outputs_empty_batches_and_failed_samples():
     assert to_record_batch([]).equals(reference_batch([]))
-    empty = SampleOutput("r", 0, 0, prompt_token_ids=[1], support_ids=[], support_logprobs=[])
+    empty = SampleOutput("r", 0, 0, prompt_token_ids=[1])
+    empty.support_ids, empty.support_logprobs = [], []
     failed = SampleOutput("r", 0, 1, prompt_token_ids=[1, 2], finish_reason="error", error="overflow")
     batch = to_record_batch([empty, failed])
     assert batch.equals(reference_batch([empty, failed]))
@@ -72,7 +73,9 @@ def test_zero_length_outputs_empty_batches_and_failed_samples():
 
 def test_ipc_bytes_round_trip_and_value_types():
     samples = _samples([None, "support", "selected"], seed=3)
-    samples[1].support_logprobs[0][0] = -1e-45  # float32 subnormal rounding matches pa.array's
+    logprobs = samples[1].support_logprobs
+    logprobs[0][0] = -1e-45  # float32 subnormal rounding matches pa.array's
+    samples[1].support_logprobs = logprobs
     samples[1].token_logprobs[0] = 0.1  # not exact in float32
     samples[1].token_ids[0] = 2**31 - 1
     schema = schema_with_metadata("tiny", "dflash", "dflash", "support", 8)

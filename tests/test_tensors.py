@@ -36,16 +36,16 @@ def _rollout(logits: np.ndarray, lens: list[int], greedy_rows: set[int], mode: s
         s = SampleOutput(
             f"req{b}", b // 2, b % 2, prompt_token_ids=list(range(1, 2 + b)), policy_version=3 + b
         )
-        s.support_ids, s.support_logprobs = [], []
+        support_ids, support_logprobs = [], []
         for j in range(n):
             ids, logp = _contract1(logits[b, j], b in greedy_rows)
             pick = int(rng.integers(len(ids)))
             s.token_ids.append(ids[pick])
             s.token_logprobs.append(logp[pick])
-            s.support_ids.append(ids)
-            s.support_logprobs.append(logp)
-        s.support_ids = s.support_ids if mode else None
-        s.support_logprobs = s.support_logprobs if mode == "support" else None
+            support_ids.append(ids)
+            support_logprobs.append(logp)
+        s.support_ids = support_ids if mode else None
+        s.support_logprobs = support_logprobs if mode == "support" else None
         s.finish_reason, s.accept_lengths = "stop", [n]
         samples.append(s)
     schema = schema_with_metadata("tiny", "none", "none", mode)

@@ -8,6 +8,7 @@ from rollout.engine.batch import StepBatch
 from rollout.engine.outputs import SampleOutput
 from rollout.engine.sequence import Sequence
 from rollout.masks.capture import committed_masks
+from rollout.masks.pack import Supports
 
 
 class Committer:
@@ -77,9 +78,7 @@ class Committer:
         seq.output_token_ids += tokens[:n]
         seq.output_logprobs += logprobs[:n]
         if masks is not None:
-            seq.support_ids += masks[0][:n]
-            if seq.support_logprobs is not None:
-                seq.support_logprobs += masks[1][:n]
+            seq.support_parts.append(masks.head(n))
         seq.accept_lengths.append(n)
         if seq.grammar is not None:
             seq.grammar.commit(tokens[:n])
@@ -92,14 +91,14 @@ class Committer:
         return SampleOutput(
             request_id=seq.request_id, prompt_index=seq.prompt_index, sample_index=seq.sample_index,
             prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
-            token_logprobs=seq.output_logprobs, support_ids=seq.support_ids,
-            support_logprobs=seq.support_logprobs, finish_reason=reason,
+            token_logprobs=seq.output_logprobs, finish_reason=reason,
+            supports=None if seq.support_parts is None else Supports.concat(seq.support_parts, seq.mask == "support"),
             accept_lengths=seq.accept_lengths, policy_version=self.engine.policy_version,
         )
 
     def fail(self, seq: Sequence, error: str) -> SampleOutput:
         """The whole sample fails: no tokens, no partial masks."""
         out = self.finish(seq, "error")
-        out.token_ids, out.token_logprobs, out.support_ids, out.support_logprobs = [], [], None, None
+        out.token_ids, out.token_logprobs, out.supports = [], [], None
         out.accept_lengths, out.error = [], error
         return out

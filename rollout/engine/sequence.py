@@ -38,8 +38,7 @@ class Sequence:
     policy_version: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    support_ids: list[list[int]] | None = None
-    support_logprobs: list[list[float]] | None = None
+    support_parts: list | None = None  # rollout.masks.pack.Supports of committed tokens, per step
     accept_lengths: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -49,9 +48,7 @@ class Sequence:
 
     def __post_init__(self):
         if self.mask:
-            self.support_ids = []
-            if self.mask == "support":
-                self.support_logprobs = []
+            self.support_parts = []
 
     @property
     def num_tokens(self) -> int:

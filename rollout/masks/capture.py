@@ -15,7 +15,7 @@ import torch
 
 from rollout.engine.sampler import Policy
 from rollout.engine.transfer import upload
-from rollout.masks.pack import pack_supports, unpack_supports
+from rollout.masks.pack import Supports, flatten_supports, pack_supports
 
 
 @dataclass
@@ -58,10 +58,10 @@ class MaskCapture:
         return self.last
 
 
-def committed_masks(cap: Captured, host: list, counts: dict[int, int]) -> dict[int, tuple | None]:
-    """Host side, once per step: for every masked entry e, the (support_ids, support_logprobs)
-    lists of its first counts[e] committed tokens, or None when one of them overflowed its
-    bound (the sample then fails as a whole). One unpack for the whole step."""
+def committed_masks(cap: Captured, host: list, counts: dict[int, int]) -> dict[int, Supports | None]:
+    """Host side, once per step: for every masked entry e, the supports of its first counts[e]
+    committed tokens (views of the step's flat arrays), or None when one of them overflowed its
+    bound (the sample then fails as a whole). One flatten for the whole step."""
     ids, logp, lens = (np.asarray(h) for h in host)
     spans, rows = {}, []
     for e, count in counts.items():
@@ -70,9 +70,11 @@ def committed_masks(cap: Captured, host: list, counts: dict[int, int]) -> dict[i
     rows = np.asarray(rows, dtype=np.int64)
     lens = lens[rows]
     over = lens > cap.width
-    sup_ids, sup_logp = unpack_supports(ids[rows], logp[rows], lens, with_logprobs=True)
+    flat_ids, flat_logp, lens = flatten_supports(ids[rows], logp[rows], lens)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
     out = {}
     for e, start in spans.items():
         end = start + counts[e]
-        out[e] = None if over[start:end].any() else (sup_ids[start:end], sup_logp[start:end])
+        a, b = offsets[start], offsets[end]
+        out[e] = None if over[start:end].any() else Supports(flat_ids[a:b], lens[start:end], flat_logp[a:b])
     return out
