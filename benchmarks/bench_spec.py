@@ -143,14 +143,17 @@ def bench_verify_cost(args: argparse.Namespace, result: dict) -> None:
     per_seq = -(-(args.context + args.block + 1) // 16)
     caches = kv_caches(model, max(args.verify_batches) * per_seq + 1, device, dtype)
     kind = "graph" if device.type == "cuda" else "eager"
-    for batch in args.verify_batches:
-        row = dict(shape=args.verify_shape, batch=batch, context=args.context)
-        for name, q in (("decode", 1), ("verify", args.block + 1)):
-            eager, graph = time_step(model, caches, batch, q, args.context, iters=5 if args.quick else 20)
-            row[f"{name}_eager_ms"], row[f"{name}_graph_ms"] = eager, graph
-        row["verify_over_decode"] = row[f"verify_{kind}_ms"] / row[f"decode_{kind}_ms"]
-        result["verify_cost"].append(row)
-        write_json(args.out, result)
+    # the engine's kernels on CUDA (Triton), and the torch reference path beside them
+    for backend in ("triton", "torch") if device.type == "cuda" else ("torch",):
+        model.set_kernel_backend(backend)
+        for batch in args.verify_batches:
+            row = dict(shape=args.verify_shape, kernels=backend, batch=batch, context=args.context)
+            for name, q in (("decode", 1), ("verify", args.block + 1)):
+                eager, graph = time_step(model, caches, batch, q, args.context, iters=5 if args.quick else 20)
+                row[f"{name}_eager_ms"], row[f"{name}_graph_ms"] = eager, graph
+            row["verify_over_decode"] = row[f"verify_{kind}_ms"] / row[f"decode_{kind}_ms"]
+            result["verify_cost"].append(row)
+            write_json(args.out, result)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     model, caches = None, None
     free_memory()
@@ -170,7 +173,8 @@ def main() -> None:
     print_table(
         f"verify forward ({args.block + 1} tokens/seq) vs decode step, {args.verify_shape} random weights, "
         f"context {args.context}", result["verify_cost"],
-        ["batch", "decode_eager_ms", "verify_eager_ms", "decode_graph_ms", "verify_graph_ms", "verify_over_decode"],
+        ["kernels", "batch", "decode_eager_ms", "verify_eager_ms", "decode_graph_ms", "verify_graph_ms",
+         "verify_over_decode"],
     )
     print(f"wrote {args.out}")
 

@@ -46,14 +46,19 @@ class MaskCapture:
             self.last = None
             return None
         self.num_captures += 1
-        first_row, rows = {}, []
-        for e in entries:
-            first_row[e] = len(rows)
-            rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
         width = mask_width([step.entries[e] for e in entries])
-        index = upload(rows, torch.int64, pol.sorted_ids.device)
         cols = min(width + 1, pol.sorted_ids.shape[1])
-        ids, logp, lens = pack_supports(pol.sorted_ids[:, :cols][index], pol.sorted_logp[:, :cols][index], width)
+        sorted_ids, sorted_logp = pol.sorted_ids[:, :cols], pol.sorted_logp[:, :cols]
+        if len(entries) == len(step.entries):  # every row is a mask row: no gather
+            first_row = {e: step.cu_rows[e] for e in entries}
+        else:
+            first_row, rows = {}, []
+            for e in entries:
+                first_row[e] = len(rows)
+                rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
+            index = upload(rows, torch.int64, pol.sorted_ids.device)
+            sorted_ids, sorted_logp = sorted_ids[index], sorted_logp[index]
+        ids, logp, lens = pack_supports(sorted_ids, sorted_logp, width)
         self.last = Captured(ids, logp, lens, first_row, width)
         return self.last
 
@@ -63,11 +68,11 @@ def committed_masks(cap: Captured, host: list, counts: dict[int, int]) -> dict[i
     committed tokens (views of the step's flat arrays), or None when one of them overflowed its
     bound (the sample then fails as a whole). One flatten for the whole step."""
     ids, logp, lens = (np.asarray(h) for h in host)
-    spans, rows = {}, []
-    for e, count in counts.items():
-        spans[e] = len(rows)
-        rows.extend(range(cap.first_row[e], cap.first_row[e] + count))
-    rows = np.asarray(rows, dtype=np.int64)
+    count = np.fromiter(counts.values(), np.int64, len(counts))  # [M] rows committed per entry
+    span = np.cumsum(count) - count  # [M] each entry's first row among the committed ones
+    first = np.fromiter((cap.first_row[e] for e in counts), np.int64, len(counts))
+    rows = np.repeat(first - span, count) + np.arange(int(count.sum()))  # packed row of each committed token
+    spans = dict(zip(counts, span.tolist()))
     lens = lens[rows]
     over = lens > cap.width
     flat_ids, flat_logp, lens = flatten_supports(ids[rows], logp[rows], lens)
