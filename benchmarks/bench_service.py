@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="fixed, so both engines fit side by side")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed full runs of each path first")
+    p.add_argument("--server-args", default="", help="extra `rollout serve` arguments, e.g. '--gil-switch-ms 0.5'")
     p.add_argument("--out", default="benchmarks/results/bench_service.json")
     return p.parse_args()
 
@@ -77,7 +78,7 @@ async def run_service(address: str, prompts: list[list[int]], sampling: dict) ->
 
 def serve_args(args: argparse.Namespace) -> list[str]:
     out = ["--spec", args.spec, "--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks)]
-    out += ["--max-mask-tokens", str(TOP_K)]
+    out += ["--max-mask-tokens", str(TOP_K)] + args.server_args.split()
     return out + (["--model", args.model] if args.model else []) + (["--draft", args.draft] if args.draft else [])
 
 

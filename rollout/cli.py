@@ -62,6 +62,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rollout.server.service import FlushPolicy
 
     logs.configure(args.log_level)
+    if args.gil_switch_ms is not None:
+        if args.gil_switch_ms <= 0:
+            raise InvalidArgument("gil_switch_ms", f"must be > 0, got {args.gil_switch_ms}")
+        sys.setswitchinterval(args.gil_switch_ms / 1e3)
     flush = FlushPolicy(rows=args.flush_rows, seconds=args.flush_ms / 1e3)
     config = ServeConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds, flush=flush)
     return asyncio.run(serve(engine_factory(args), config))
@@ -144,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--flush-ms", type=float, default=20.0, help="longest a finished sample waits to be sent"
     )
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--gil-switch-ms", type=float, default=None,
+        help="Python's thread switch interval (default 5): how long the engine thread may wait for "
+             "the GIL while the gRPC event loop holds it",
+    )
 
     gen = sub.add_parser("generate", help="prompts -> Arrow IPC file through a running server")
     gen.add_argument("prompt", nargs="*", help="prompt texts")

@@ -89,3 +89,10 @@ def test_demo_runs_end_to_end(tiny_random_qwen3, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "drafter dflash (dflash)" in out and "validate:" in out and ": OK" in out
     assert "tokens/s" in out and "to_torch" in out and "exit 0" in out
+
+
+def test_serve_refuses_a_bad_switch_interval_and_names_it(capsys):
+    from rollout.cli import main
+
+    assert main(["serve", "--port", "0", "--gil-switch-ms", "0"]) == 2
+    assert "gil_switch_ms" in capsys.readouterr().err
