@@ -252,9 +252,9 @@ class Attention(nn.Module):
         hidden: Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[Tensor, Tensor],
-        cos_sin: tuple[Tensor, Tensor],
+        cos_sin: tuple[Tensor, Tensor] | None,
     ) -> Tensor:
-        # hidden: [T, H] -> [T, H]
+        # hidden: [T, H] -> [T, H]; cos_sin: the torch path's shared RoPE lookup (the kernel reads the table)
         if self.backend == "triton":  # norms, RoPE and the cache write in one kernel, then paged attention
             q = triton_ops.qk_norm_rope_store(
                 self.qkv_proj(hidden), meta.positions, self.rotary.table(hidden.device, hidden.dtype),
