@@ -18,10 +18,13 @@ from rollout.engine.params import SamplingParams
 READBACKS = ("item", "tolist", "__bool__", "numpy", "cpu", "__int__", "__float__")
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "graph-buffers"])
 @pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
-def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_drafters, spec, monkeypatch):
+def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_drafters, spec, static, monkeypatch):
     eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), spec=spec, draft=random_drafters.get(spec),
                                  block_size=4, num_kv_blocks=300))
+    if static:  # the CUDA-graph paths (target step and drafter forward), replayed eagerly
+        eng.graphs = eng.make_step_graphs(capture=False)
     eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12), mask="support")
     eng.add_request("s", [[11, 12, 13]], SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.05,
                                                         repetition_penalty=1.2, logit_bias={5: 1.0},
