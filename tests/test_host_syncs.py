@@ -25,7 +25,8 @@ def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_draf
                                  block_size=4, num_kv_blocks=300))
     if static:  # the CUDA-graph paths (target step and drafter forward), replayed eagerly
         eng.graphs = eng.make_step_graphs(capture=False)
-    eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12), mask="support")
+    eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3),
+                    mask="support")
     eng.add_request("s", [[11, 12, 13]], SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.05,
                                                         repetition_penalty=1.2, logit_bias={5: 1.0},
                                                         max_tokens=12, seed=1), n=3, mask="selected")

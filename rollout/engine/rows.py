@@ -74,7 +74,7 @@ def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tenso
     row; penalties [R, 3] (rows of samples without penalties stay neutral). Each sample's
     history is counted once and shared by its rows."""
     num_rows = step.cu_rows[-1]
-    pen = torch.tensor([[1.0, 0.0, 0.0]]).repeat(num_rows, 1)
+    pen = [(1.0, 0.0, 0.0)] * num_rows
     hist_of, toks, rows, row_hist, draft_rows, draft_idx = [], [], [], [], [], []
     draft_base = step.first_draft
     for h, e in enumerate(pen_entries):
@@ -83,7 +83,7 @@ def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tenso
         hist_of += [h] * len(history)
         toks += history
         r0, r1 = step.cu_rows[e], step.cu_rows[e + 1]
-        pen[r0:r1] = torch.tensor([sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty])
+        pen[r0:r1] = [(sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty)] * (r1 - r0)
         rows += range(r0, r1)
         row_hist += [h] * (r1 - r0)
         for r in range(r0 + 1, r1):  # drafts d_1 .. d_{r-r0} precede row r

@@ -113,7 +113,7 @@ def apply_processors(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     if rows.bitmask is not None:
         apply_bitmask(logits, rows.bitmask)
     if rows.banned is not None:
-        logits.index_put_(rows.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(rows.banned, logits.new_full((), float("-inf")))
     return logits
 
 
