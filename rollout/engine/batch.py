@@ -86,13 +86,13 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
         positions=positions, slot_mapping=slots, cu_seqlens_q=cu_q, context_lens=ctx,
         block_tables=table.view(len(tables), -1), max_query_len=max(q_lens),
         max_context_len=max(s + n for s, n in zip(starts, q_lens)), block_size=block_size,
-    )  # fmt: skip
+    )
     return StepBatch(
         items=items, input_ids=input_ids, meta=meta, draft_token_index=draft_tok, entries=entries,
         entry_item=entry_item, num_draft=entry_draft, cu_rows=list(itertools.accumulate(entry_rows, initial=0)),
         logits_index=logits_index, row_entry=row_entry, row_position=row_pos, draft_of_row=draft_of_row,
         judge_row=judge_row,
-    )  # fmt: skip
+    )
 
 
 def _token_arrays(starts: list[int], q_lens: list[int], new_lens: list[int], tables: list[list[int]],
