@@ -3,16 +3,18 @@ forwards (the gap between a ~7 ms 8B decode forward and the 9.9 ms step on an H2
 
 Builds an engine on CPU with a tiny random Qwen3 (hidden 64, 2 layers, vocabulary 264: the
 forward and the Contract-1 sort are small, so the numbers are mostly host cost) and, with
-`--spec dflash`, an untrained one-layer DFlash drafter (block 8). B samples (32-token prompts,
-EOS ignored) are prefilled, a few decode steps warm up, then every phase of `LLMEngine.step()`
-is wrapped with a perf_counter timer for the timed decode steps: schedule, draft (the
-drafter's propose), build_step, forward, ctx (the drafter's update_context), logits,
-grammar, rows (build_row_params), policy, verify, capture, sync (_to_host), commit; `other`
-is the step's time outside them. One torch thread. Reports the median milliseconds per step of
-the step and of every phase (medians resist a busy machine).
-`--embedded` uses the embedded tiny-qwen3 and its trained DFlash drafter instead (a realistic
-acceptance length, a larger forward). On CUDA the phases are host time (launches are
-asynchronous) and `sync` absorbs the wait for the device.
+`--spec dflash`, an untrained one-layer DFlash drafter (block 8). B samples (`--prompt-len`
+tokens, 32 by default; EOS ignored) are prefilled, a few decode steps warm up, then every
+phase of `LLMEngine.step()` is wrapped with a timer for the timed decode steps: schedule,
+draft (the drafter's propose), build_step, forward, ctx (the drafter's update_context),
+logits, grammar, rows (build_row_params), policy, verify, capture, sync (_to_host), commit;
+each phase's time excludes the phases nested in it (ctx runs inside forward) and `other` is
+the step's time outside them. One torch thread. Reports the median milliseconds per step of
+the step and of every phase (medians resist a busy machine; `--clock cpu` times this
+process's CPU time, which other processes do not inflate). `--embedded` uses the embedded
+tiny-qwen3 and its trained DFlash drafter instead (a realistic acceptance length, a larger
+forward). On CUDA the phases are host time (launches are asynchronous) and `sync` absorbs the
+wait for the device.
 
     python benchmarks/bench_host.py                        # batches 1 8 64 256, greedy + t1, none + dflash
     python benchmarks/bench_host.py --quick                # a short check of the script
@@ -42,7 +44,6 @@ from rollout.spec.draft_loader import random_drafter, save_drafter
 TINY = dict(SHAPES["tiny"], vocab_size=264, hidden_size=64, intermediate_size=128, head_dim=16,
             max_position_embeddings=4096)  # fmt: skip
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0, top_k=64)}
-PROMPT_LEN = 32
 KV_BLOCK = 16
 # (phase, where the callable lives, its attribute): engine attributes are wrapped on the instance,
 # module functions in rollout.engine.engine's namespace (where step() looks them up).
@@ -71,11 +72,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sampling", nargs="+", default=list(SAMPLING), choices=list(SAMPLING))
     p.add_argument("--specs", nargs="+", default=["none", "dflash"], choices=["none", "dflash"])
     p.add_argument("--mask", default=None, choices=("selected", "support"), help="every request asks for masks")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (longer: larger block tables)")
     p.add_argument("--block", type=int, default=8, help="drafter block size")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per case")
     p.add_argument("--warmup", type=int, default=5, help="decode steps before timing")
     p.add_argument("--embedded", action="store_true", help="embedded tiny-qwen3 + its trained DFlash drafter")
     p.add_argument("--profile", action="store_true", help="print the top cProfile entries of the timed steps")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="cpu: this process's CPU time, which other processes on a shared machine do not inflate")
     p.add_argument("--out", default="benchmarks/results/bench_host.json")
     args = p.parse_args()
     if args.quick:
@@ -84,13 +88,15 @@ def parse_args() -> argparse.Namespace:
 
 
 class PhaseTimer:
-    """Wraps the phase callables of one engine with perf_counter timers (see PHASES)."""
+    """Wraps the phase callables of one engine with timers reading `clock` (see PHASES)."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, clock):
         self.engine = engine
+        self.clock = clock
         self.totals: dict[str, float] = {}  # phase -> seconds in the current step
         self.active = False
         self._restore: list = []
+        self._inner: list[float] = []
         for name, owner, attr in PHASES:
             target = self._owner(owner)
             if target is not None and hasattr(target, attr):
@@ -105,12 +111,17 @@ class PhaseTimer:
         in_dict = attr in vars(target)  # an instance attribute (or module global) to put back as it was
 
         def timed(*args, **kw):
-            start = time.perf_counter()
+            self._inner.append(0.0)  # time of the timed phases nested in this one
+            start = self.clock()
             try:
                 return real(*args, **kw)
             finally:
+                elapsed = self.clock() - start
+                inner = self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += elapsed
                 if self.active:
-                    self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+                    self.totals[name] = self.totals.get(name, 0.0) + elapsed - inner
 
         setattr(target, attr, timed)
         self._restore.append((target, attr, real if in_dict else None))
@@ -134,13 +145,13 @@ def tiny_dirs(root: Path, block: int) -> tuple[str, str]:
 
 def build_engine(spec: str, dirs: tuple[str, str] | None, args: argparse.Namespace, max_tokens: int) -> LLMEngine:
     batch = max(args.batches)
-    per_seq = -(-(PROMPT_LEN + max_tokens + 2 * args.block) // KV_BLOCK) + 1
+    per_seq = -(-(args.prompt_len + max_tokens + 2 * args.block) // KV_BLOCK) + 1
     model, draft = dirs if dirs else (None, None)
     return LLMEngine(EngineConfig(
         model=model, load_format="safetensors" if args.embedded else "random", spec=spec,
         draft=draft if spec != "none" else None, spec_block_size=args.block if spec != "none" else None,
         device=args.device, block_size=KV_BLOCK, num_kv_blocks=batch * per_seq + 8, max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, batch * PROMPT_LEN), enable_prefix_caching=False,
+        max_num_batched_tokens=max(2048, min(batch * args.prompt_len, 16384)), enable_prefix_caching=False,
     ))  # fmt: skip
 
 
@@ -149,28 +160,29 @@ def measure(engine: LLMEngine, batch: int, sampling: dict, tag: str, args, max_t
     """Median ms per timed decode step, per phase, for `batch` samples decoding together."""
     vocab = engine.vocab_size
     for i in range(batch):
-        prompt = [(7 * i + 3 * j) % (vocab - 8) for j in range(PROMPT_LEN)]
+        prompt = [(7 * i + 3 * j) % (vocab - 8) for j in range(args.prompt_len)]
         params = SamplingParams(**sampling, max_tokens=max_tokens, ignore_eos=True, seed=i)
         engine.add_request(f"{tag}-{i}", [prompt], params, mask=args.mask)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill
     for _ in range(args.warmup):
         engine.step()
-    timer = PhaseTimer(engine)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    timer = PhaseTimer(engine, clock)
     committed = sum(s.num_output_tokens for s in engine.scheduler.running)
     timer.active = True
     steps: list[dict[str, float]] = []
     for _ in range(args.steps):
         timer.totals = {}
         sync(args.device)
-        start = time.perf_counter()
+        start = clock()
         if profile is not None:
             profile.enable()
         assert len(engine.step()) == 0, "a sample finished while timing: raise max_tokens"
         if profile is not None:
             profile.disable()
         sync(args.device)
-        steps.append(dict(timer.totals, step=time.perf_counter() - start))
+        steps.append(dict(timer.totals, step=clock() - start))
     timer.active = False
     timer.close()
     assert len(engine.scheduler.running) == batch, "not every sample decoded in every timed step"
@@ -205,7 +217,7 @@ def main() -> None:
                     write_json(args.out, result)
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     columns = ["spec", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other", "tokens_per_step"]
-    print_table(f"ms per decode step by phase ({args.device}, one thread, "
+    print_table(f"ms per decode step by phase ({args.device}, one thread, {args.clock} clock, "
                 f"{'embedded tiny-qwen3' if args.embedded else 'tiny random Qwen3'}, masks {args.mask})",
                 result["rows"], columns)
     if profile is not None:
