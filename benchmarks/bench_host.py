@@ -14,7 +14,8 @@ the step and of every phase (medians resist a busy machine; `--clock cpu` times 
 process's CPU time, which other processes do not inflate). `--embedded` uses the embedded
 tiny-qwen3 and its trained DFlash drafter instead (a realistic acceptance length, a larger
 forward). On CUDA the phases are host time (launches are asynchronous) and `sync` absorbs the
-wait for the device.
+wait for the device. One more step is run under a dispatch mode that counts the aten ops of
+every phase (deterministic; on a GPU each is a kernel launch or at least a host dispatch).
 
     python benchmarks/bench_host.py                        # batches 1 8 64 256, greedy + t1, none + dflash
     python benchmarks/bench_host.py --quick                # a short check of the script
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout.engine.engine as engine_module
 from rollout.engine.config import EngineConfig
@@ -97,6 +99,7 @@ class PhaseTimer:
         self.active = False
         self._restore: list = []
         self._inner: list[float] = []
+        self.phases: list[str] = []  # the phases running now, innermost last
         for name, owner, attr in PHASES:
             target = self._owner(owner)
             if target is not None and hasattr(target, attr):
@@ -112,11 +115,13 @@ class PhaseTimer:
 
         def timed(*args, **kw):
             self._inner.append(0.0)  # time of the timed phases nested in this one
+            self.phases.append(name)
             start = self.clock()
             try:
                 return real(*args, **kw)
             finally:
                 elapsed = self.clock() - start
+                self.phases.pop()
                 inner = self._inner.pop()
                 if self._inner:
                     self._inner[-1] += elapsed
@@ -132,6 +137,22 @@ class PhaseTimer:
                 delattr(target, attr)
             else:
                 setattr(target, attr, real)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops each phase dispatches (the innermost running phase, else `other`):
+    machine-independent, and on a GPU each one is a kernel launch or at least a host-side
+    dispatch."""
+
+    def __init__(self, timer: PhaseTimer):
+        super().__init__()
+        self.timer = timer
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        phase = self.timer.phases[-1] if self.timer.phases else "other"
+        self.counts[phase] = self.counts.get(phase, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def tiny_dirs(root: Path, block: int) -> tuple[str, str]:
@@ -184,9 +205,11 @@ def measure(engine: LLMEngine, batch: int, sampling: dict, tag: str, args, max_t
         sync(args.device)
         steps.append(dict(timer.totals, step=clock() - start))
     timer.active = False
-    timer.close()
     assert len(engine.scheduler.running) == batch, "not every sample decoded in every timed step"
     committed = sum(s.num_output_tokens for s in engine.scheduler.running) - committed
+    with OpCounter(timer) as counter:
+        engine.step()
+    timer.close()
     for request_id in list(engine.intake.requests):
         engine.abort(request_id)
     for t in steps:
@@ -195,6 +218,8 @@ def measure(engine: LLMEngine, batch: int, sampling: dict, tag: str, args, max_t
            for name in ("step", *(name for name, _, _ in PHASES), "other")}
     row["step_ms"] = row.pop("step")
     row["tokens_per_step"] = committed / args.steps / batch
+    row["ops"] = {name: counter.counts.get(name, 0) for name in (*(name for name, _, _ in PHASES), "other")}
+    row["ops"]["step"] = sum(counter.counts.values())
     return row
 
 
@@ -220,6 +245,9 @@ def main() -> None:
     print_table(f"ms per decode step by phase ({args.device}, one thread, {args.clock} clock, "
                 f"{'embedded tiny-qwen3' if args.embedded else 'tiny random Qwen3'}, masks {args.mask})",
                 result["rows"], columns)
+    print_table("aten ops dispatched per decode step by phase (one step counted)",
+                [dict(spec=r["spec"], sampling=r["sampling"], batch=r["batch"], **r["ops"]) for r in result["rows"]],
+                ["spec", "sampling", "batch", "step", *(name for name, _, _ in PHASES), "other"])
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(40)
     print(f"wrote {args.out}")
