@@ -1,4 +1,4 @@
-"""Where one decode step's time goes on a GPU, per attention backend: a diagnostic companion of
+"""Where one decode step's time goes on a GPU, per kernel backend: a diagnostic companion of
 bench_engine.py (its numbers are not the benchmark's, since timing each phase synchronises).
 
 For each backend and batch: (1) plain decode steps/s with nothing wrapped, (2) the same steps

@@ -14,7 +14,7 @@ partial (max, sum, accumulator) are merged by a second small kernel (flash-decod
 
 The same kernels run on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 is set
 before triton is imported (the test suite does, and compares them with the torch path); the
-engine uses them on CUDA (`EngineConfig.attention_backend`).
+engine uses them on CUDA (`EngineConfig.kernel_backend`).
 """
 
 from __future__ import annotations
