@@ -69,19 +69,29 @@ class Committer:
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks) -> str | None:
         """Append committed tokens up to the finish; returns the finish reason or None."""
+        out, n, reason = seq.output_token_ids, len(tokens), None
         # the finish: the token that reaches max_tokens or the context, unless a stop token
         # comes first (or is that token)
-        room = max(1, min(seq.params.max_tokens - seq.num_output_tokens, self.engine.max_model_len - seq.num_tokens))
-        n, reason = (room, "length") if room <= len(tokens) else (len(tokens), None)
-        if not seq.stop_ids.isdisjoint(tokens[:n]):
-            n, reason = next(j for j, tok in enumerate(tokens) if tok in seq.stop_ids) + 1, "stop"
-        seq.output_token_ids += tokens[:n]
-        seq.output_logprobs += logprobs[:n]
+        room = seq.params.max_tokens - len(out)
+        context_room = self.engine.max_model_len - len(seq.prompt_token_ids) - len(out)
+        if context_room < room:
+            room = context_room
+        if room <= n:
+            n, reason = max(room, 1), "length"
+        if not seq.stop_ids.isdisjoint(tokens):
+            for j in range(n):
+                if tokens[j] in seq.stop_ids:
+                    n, reason = j + 1, "stop"
+                    break
+        if n < len(tokens):
+            tokens, logprobs = tokens[:n], logprobs[:n]
+        out += tokens
+        seq.output_logprobs += logprobs
         if masks is not None:
             seq.support_parts.append(masks.head(n))
         seq.accept_lengths.append(n)
         if seq.grammar is not None:
-            seq.grammar.commit(tokens[:n])
+            seq.grammar.commit(tokens)
         return reason
 
     def finish(self, seq: Sequence, reason: str) -> SampleOutput:
