@@ -77,9 +77,10 @@ def engine_for(model: str | None, draft: str, args: argparse.Namespace, load_for
     ))  # fmt: skip
 
 
-def requests(prompts, sampling: dict, max_tokens: int, **extra) -> list:
-    """One request per prompt, seeded by its index, exactly `max_tokens` tokens."""
-    return [(p, SamplingParams(**sampling, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+def requests(prompts, sampling: dict, max_tokens: int, ignore_eos: bool = True, **extra) -> list:
+    """One request per prompt, seeded by its index, exactly `max_tokens` tokens (min_tokens bans
+    EOS until then; a grammar request may not set ignore_eos)."""
+    return [(p, SamplingParams(**sampling, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=ignore_eos,
                                seed=i), extra) for i, p in enumerate(prompts)]  # fmt: skip
 
 
@@ -123,7 +124,7 @@ def bench_grammar(engine: LLMEngine, prompts, args: argparse.Namespace) -> list[
     runs: dict[str, list] = {name: [] for name in arms}
     for i in range(3):  # alternating rounds after a warm-up of each; the fastest round of each arm counts
         for name, extra in arms.items():
-            reqs = requests(prompts, MASKED, args.grammar_output_len, **extra)
+            reqs = requests(prompts, MASKED, args.grammar_output_len, ignore_eos=False, **extra)
             if i == 0:
                 run_engine(engine, reqs, f"warm-g-{name}", args.device)
             runs[name].append(run_engine(engine, reqs, f"g-{name}-{i}", args.device))

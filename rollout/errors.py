@@ -24,6 +24,11 @@ class FailedPrecondition(RolloutError):
     (gRPC FAILED_PRECONDITION). The whole sample fails; no partial masks."""
 
 
+class GrammarRejected(FailedPrecondition):
+    """A committed token that the sample's grammar does not accept (verification applies the
+    grammar's bitmask, so this marks a bug): that sample fails, the engine keeps serving."""
+
+
 class LoadError(RolloutError):
     """A checkpoint cannot be loaded: unsupported model_type, missing or mis-shaped tensor,
     vocabulary mismatch, drafter that does not fit its target. The message names the culprit."""

@@ -20,6 +20,7 @@ import rollout.masks.capture as capture_mod
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
+from rollout.errors import InvalidArgument
 from rollout.masks.check import check_table
 from rollout.schema import schema_with_metadata, to_record_batch
 from rollout.spec.grammar import GrammarSpec
@@ -239,4 +240,32 @@ def test_constraints_that_exclude_every_token_fail_that_sample_only(temperature)
     assert bad.finish_reason == "error" and "no token is allowed at output position 1" in bad.error
     assert bad.token_ids == [] and bad.support_ids is None
     assert len(outs["fine"].token_ids) == 8 and outs["fine"].error is None
+    assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
+
+
+def test_grammar_with_ignore_eos_is_refused_before_any_work():
+    """A grammar ends the sample at EOS; ignore_eos would have the sample run past its grammar's
+    end (it crashed every request's step before it was refused)."""
+    eng = LLMEngine(EngineConfig(num_kv_blocks=100))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with pytest.raises(InvalidArgument, match="ignore_eos"):
+        eng.add_request("g", [[97]], params, grammar=GrammarSpec("regex", "[a-z]{1,3}"))
+    assert not eng.has_unfinished()
+
+
+def test_a_token_the_grammar_rejects_at_commit_fails_that_sample_only(monkeypatch):
+    """Defence in depth: if a committed token ever failed its grammar, that sample fails with the
+    reason and the engine serves the rest, instead of the step raising for every request."""
+    from rollout.spec import grammar as grammar_mod
+
+    def reject(self, tokens):
+        raise grammar_mod.GrammarRejected(f"grammar rejected committed token {tokens[0]}: test")
+
+    monkeypatch.setattr(grammar_mod.GrammarState, "commit", reject)
+    eng = LLMEngine(EngineConfig(num_kv_blocks=300))
+    eng.add_request("g", [[97]], SamplingParams(temperature=0.0, max_tokens=8), grammar=GrammarSpec("regex", "[a-z]+"))
+    eng.add_request("plain", [[97, 98]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outs = {o.request_id: o for o in _run(eng)}
+    assert outs["g"].finish_reason == "error" and "grammar rejected committed token" in outs["g"].error
+    assert len(outs["plain"].token_ids) == 8 and outs["plain"].error is None
     assert eng.kv_blocks()[0] == eng.kv_blocks()[1]

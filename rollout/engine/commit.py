@@ -7,6 +7,7 @@ from __future__ import annotations
 from rollout.engine.batch import StepBatch
 from rollout.engine.outputs import SampleOutput
 from rollout.engine.sequence import Sequence
+from rollout.errors import GrammarRejected
 from rollout.masks.capture import committed_masks
 from rollout.masks.pack import Supports
 
@@ -35,8 +36,14 @@ class Committer:
             elif seq.mask and masks_of[e] is None:
                 bound = self.engine.capture.last.width
                 outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
-            elif reason := self._append(seq, tokens[e][:count], logprobs[e][:count], masks_of.get(e)):
-                outputs.append(self.finish(seq, reason))
+            else:
+                try:
+                    reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks_of.get(e))
+                except GrammarRejected as exc:  # never expected (verification applies the bitmask): fail the sample
+                    outputs.append(self.fail(seq, str(exc)))
+                    continue
+                if reason:
+                    outputs.append(self.finish(seq, reason))
         for item in step.items:  # only blocks reserved for drafts can lie past the committed tokens
             if item.num_draft and not item.seq.is_finished:
                 self.engine.block_manager.truncate(item.seq, item.seq.num_tokens)

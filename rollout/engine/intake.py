@@ -47,6 +47,9 @@ class Intake:
         for i, prompt in enumerate(prompts):
             self._check_prompt(i, prompt, params)
         if grammar is not None:
+            if params.ignore_eos:
+                raise InvalidArgument("ignore_eos", "cannot be combined with a grammar: a grammar-constrained "
+                                                    "sample ends where its grammar ends (EOS or a stop token)")
             self.grammars().compile(grammar)  # refuses a grammar that does not compile
         total = n * len(prompts)
         if self.num_unfinished + total > eng.config.max_queued_samples:

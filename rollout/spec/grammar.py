@@ -30,7 +30,7 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from rollout.errors import InvalidArgument
+from rollout.errors import GrammarRejected, InvalidArgument
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # Whitespace between JSON elements is bounded: a sampled policy can otherwise spend its whole
@@ -185,7 +185,7 @@ class GrammarState:
         """Advance past the tokens verification committed (grammar-valid by construction)."""
         for token in tokens:
             if not self._matcher.accept_token(token):
-                raise RuntimeError(f"grammar rejected committed token {token}: its bitmask was not applied")
+                raise GrammarRejected(f"grammar rejected committed token {token}: its bitmask was not applied")
 
     def is_terminated(self) -> bool:
         """True once a stop token was committed."""
