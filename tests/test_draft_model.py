@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 import torch
+from conftest import TINY_QWEN3, save_random_hf_model, write_byte_tokenizer
 from safetensors.torch import load_file, save_file
 
 from rollout.engine.loader import load_model
 from rollout.errors import LoadError
 from rollout.spec.draft_loader import load_drafter, random_drafter, save_drafter
-from tests.conftest import TINY_QWEN3, save_random_hf_model, write_byte_tokenizer
 
 BLOCK = 4
 

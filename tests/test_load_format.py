@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_QWEN3
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
-from tests.conftest import TINY_QWEN3
 
 
 @pytest.fixture
