@@ -49,7 +49,7 @@ step() {
     step masks 150 benchmarks/bench_masks.py --device "$DEVICE" "${quick[@]}" --out "$OUT/bench_masks.json"
     step spec 200 benchmarks/bench_spec.py --device "$DEVICE" "${quick[@]}" --out "$OUT/bench_spec.json"
     step engine 120 benchmarks/bench_engine.py --device "$DEVICE" "${quick[@]}" --out "$OUT/bench_engine.json"
-    step service 120 benchmarks/bench_service.py --device "$DEVICE" --spec dflash --repeats 3 \
+    step service 150 benchmarks/bench_service.py --device "$DEVICE" --spec dflash --repeats 7 \
         "${service_size[@]}" --out "$OUT/bench_service.json"
     echo "=== done after ${SECONDS}s ==="
 } 2>&1 | tee -a "$LOG"
