@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+from types import SimpleNamespace
+
 import torch
 
 from rollout.spec.proposer import Drafter, Drafts
+from rollout.spec.verify import verify
 
 
 class RepeatDrafter(Drafter):
@@ -22,7 +26,7 @@ class RepeatDrafter(Drafter):
     def allocate(self, num_blocks: int, block_size: int) -> None:
         pass
 
-    def propose(self, items, block_tables) -> Drafts:
+    def propose(self, items, block_table) -> Drafts:
         counts = [it.num_draft for it in items]
         flat = [it.seq.last_token for it in items for _ in range(it.num_draft)]
         return Drafts(torch.tensor(flat, dtype=torch.int64), counts)
@@ -32,3 +36,15 @@ class RepeatDrafter(Drafter):
 
     def copy_blocks(self, pairs) -> None:
         pass
+
+
+def verify_rows(pol, drafts, draft_q, num_draft: list[int], cu_rows: list[int], judge_row, draft_of_row,
+                row_seed, row_position):
+    """`rollout.spec.verify.verify` on a row layout given as plain lists and tensors (what a
+    StepBatch carries, built here without a step)."""
+    first_draft = list(itertools.accumulate(num_draft[:-1], initial=0)) if num_draft else []
+    as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    layout = SimpleNamespace(num_draft=num_draft, judge_row=judge_row, draft_of_row=draft_of_row,
+                             row_seed=row_seed, row_position=row_position, entry_first_row=as_t(cu_rows[:-1]),
+                             entry_num_draft=as_t(num_draft), entry_first_draft=as_t(first_draft))
+    return verify(pol, drafts, draft_q, layout)

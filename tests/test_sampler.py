@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from contract1_ref import reference_policy
+from spec_helpers import verify_rows
 
 from rollout.engine.intake import sample_seed
 from rollout.engine.sampler import (
@@ -26,7 +27,6 @@ from rollout.engine.sampler import (
     sample_sorted,
     uniform,
 )
-from rollout.spec.verify import verify
 
 V = 48
 EOS = V - 1
@@ -314,7 +314,7 @@ def _draw(pol: Policy, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Te
     """The engine's plain sampling path: verify with zero drafts per row."""
     n = len(seeds)
     empty = torch.zeros(0, dtype=torch.int64)
-    res = verify(pol, empty, None, [0] * n, list(range(n + 1)), empty, empty, seeds, positions)
+    res = verify_rows(pol, empty, None, [0] * n, list(range(n + 1)), empty, empty, seeds, positions)
     assert res.num_accepted.eq(0).all()
     return res.tokens[:, 0]
 

@@ -16,10 +16,10 @@ import math
 
 import pytest
 import torch
+from spec_helpers import verify_rows as verify
 
 import rollout.spec.verify as verify_mod
 from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform_of_keys
-from rollout.spec.verify import verify
 
 V = 6
 N = 30000

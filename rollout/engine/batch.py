@@ -11,7 +11,6 @@ Two views of the step:
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
@@ -35,27 +34,29 @@ class StepBatch:
     entry_item: list[int]  # index into items of the sequence whose logits the entry reads
     num_draft: list[int]  # [E] drafts per entry (host)
     cu_rows: list[int]  # [E+1] row offsets (host)
+    first_draft: list[int]  # [E] flat index of each entry's first draft (without drafts: the running total)
     logits_index: torch.Tensor  # [R] int64 token index of each logits row
     row_entry: torch.Tensor  # [R] int64 entry of each row
     row_position: torch.Tensor  # [R] int64 position of the token each row predicts
     draft_of_row: torch.Tensor  # [R - E] int64 flat draft index judged by each non-final row
     judge_row: torch.Tensor  # [D'] rows judging drafts, aligned with draft_of_row
+    row_seed: torch.Tensor  # [R] int64 seed of each row's sample
+    entry_first_row: torch.Tensor  # [E] int64 cu_rows[:-1] on the device
+    entry_num_draft: torch.Tensor  # [E] int64 num_draft on the device
+    entry_first_draft: torch.Tensor  # [E] int64 flat index of each entry's first draft
 
     @property
     def num_entries(self) -> int:
         return len(self.entries)
 
-    @functools.cached_property
-    def first_draft(self) -> list[int]:
-        """Flat index of each entry's first draft (entries without drafts: the running total)."""
-        return list(itertools.accumulate(self.num_draft[:-1], initial=0)) if self.num_draft else []
 
-
-def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int,
-               device: torch.device) -> StepBatch:
-    """Flatten the scheduled sequences. num_drafts[i]: drafts item i carries this step.
-    Host work is a few list appends per sequence; the token and row indices are whole-array
-    numpy ops, and every index tensor of the step reaches the device in one copy."""
+def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int, device: torch.device,
+               table: np.ndarray | None = None) -> StepBatch:
+    """Flatten the scheduled sequences. num_drafts[i]: drafts item i carries this step; `table`:
+    their padded block tables (`padded_block_table`, which the engine builds once per step for
+    the drafter and this). Host work is a few list appends per sequence; the token and row
+    indices are whole-array numpy ops, and every index tensor of the step reaches the device
+    in one copy."""
     ids, starts, q_lens, new_lens, tables = [], [], [], [], []
     entries, entry_item, entry_draft, entry_row0, entry_pos, entry_base = [], [], [], [], [], []
     n_draft_total = 0
@@ -77,11 +78,17 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
                 entry_pos.append(start + new)
                 entry_base.append(n_draft_total)
         n_draft_total += k
-    tokens = _token_arrays(starts, q_lens, new_lens, tables, block_size)
-    entry_rows = [k + 1 for k in entry_draft]  # a row per draft plus the bonus / plain sample row
+    if table is None:
+        table = padded_block_table(tables)
+    tokens = _token_arrays(starts, q_lens, new_lens, table, block_size)
+    cu_rows = list(itertools.accumulate([k + 1 for k in entry_draft], initial=0))  # a row per draft + 1
     rows = _row_arrays(entry_draft, entry_row0, entry_pos, entry_base)
+    first_draft = list(itertools.accumulate(entry_draft[:-1], initial=0)) if entries else []
+    seeds = np.fromiter((s.seed for s in entries), np.int64, len(entries))
+    per_entry = [np.asarray(x, dtype=np.int64) for x in (cu_rows[:-1], entry_draft, first_draft)]
     (input_ids, positions, slots, cu_q, ctx, table, draft_tok, logits_index, row_entry, row_pos, draft_of_row,
-     judge_row) = upload_packed([np.asarray(ids, dtype=np.int64), *tokens, *rows], device)
+     judge_row, row_seed, first_row_dev, n_draft_dev, first_draft_dev) = upload_packed(
+        [np.asarray(ids, dtype=np.int64), *tokens, *rows, seeds[rows[1]], *per_entry], device)
     meta = AttentionMetadata(
         positions=positions, slot_mapping=slots, cu_seqlens_q=cu_q, context_lens=ctx,
         block_tables=table.view(len(tables), -1), max_query_len=max(q_lens),
@@ -89,13 +96,15 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
     )
     return StepBatch(
         items=items, input_ids=input_ids, meta=meta, draft_token_index=draft_tok, entries=entries,
-        entry_item=entry_item, num_draft=entry_draft, cu_rows=list(itertools.accumulate(entry_rows, initial=0)),
-        logits_index=logits_index, row_entry=row_entry, row_position=row_pos, draft_of_row=draft_of_row,
-        judge_row=judge_row,
+        entry_item=entry_item, num_draft=entry_draft, cu_rows=cu_rows, first_draft=first_draft,
+        logits_index=logits_index,
+        row_entry=row_entry, row_position=row_pos, draft_of_row=draft_of_row, judge_row=judge_row,
+        row_seed=row_seed, entry_first_row=first_row_dev, entry_num_draft=n_draft_dev,
+        entry_first_draft=first_draft_dev,
     )
 
 
-def _token_arrays(starts: list[int], q_lens: list[int], new_lens: list[int], tables: list[list[int]],
+def _token_arrays(starts: list[int], q_lens: list[int], new_lens: list[int], table: np.ndarray,
                   block_size: int) -> list[np.ndarray]:
     """Token view: positions [T], slots [T], cu_seqlens_q [S+1], context_lens [S], the padded
     block table [S, W] and the index of each draft slot [D], as whole-batch numpy ops."""
@@ -106,7 +115,6 @@ def _token_arrays(starts: list[int], q_lens: list[int], new_lens: list[int], tab
     local = np.arange(len(seq_of)) - cu_q[seq_of]  # [T] index of each token inside its sequence's query
     start = np.asarray(starts, dtype=np.int64)
     positions = start[seq_of] + local
-    table = padded_block_table(tables)
     slots = table[seq_of, positions // block_size] * block_size + positions % block_size
     draft_tok = np.flatnonzero(local >= np.asarray(new_lens, dtype=np.int64)[seq_of])  # drafts follow the new tokens
     return [positions, slots, cu_q, start + q, table, draft_tok]

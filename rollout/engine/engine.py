@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from rollout.engine.batch import StepBatch, build_step
+from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.commit import Committer
 from rollout.engine.config import EngineConfig
@@ -26,7 +26,6 @@ from rollout.engine.outputs import SampleOutput
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
-from rollout.engine.transfer import upload
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import InvalidArgument
 from rollout.masks.capture import MaskCapture
@@ -123,16 +122,17 @@ class LLMEngine:
         if not plan:
             return []
         self._copy_pending_blocks()  # forked samples' partial blocks, before anyone reads them
-        drafts = self._draft(plan)
-        step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device)
+        table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
+        drafts = self._draft(plan, table)
+        step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table)
         result, captured = self._run(step, drafts)
         host = _to_host(result, captured)
         return self.committer.commit(step, host)
 
-    def _draft(self, plan) -> Drafts:
+    def _draft(self, plan, table) -> Drafts:
         if self.drafter is None:
             return Drafts(self._no_drafts, [0] * len(plan))
-        return self.drafter.propose(plan, [it.seq.block_table for it in plan])
+        return self.drafter.propose(plan, table)
 
     @torch.inference_mode()
     def _run(self, step: StepBatch, drafts: Drafts):
@@ -144,9 +144,7 @@ class LLMEngine:
         bitmask = self.intake.grammar_bitmask(step, drafts)
         rows = build_row_params(step, drafts.tokens, self.vocab_size, bitmask, self.device)
         pol = policy(logits, rows)
-        seeds = upload([s.seed for s in step.entries], torch.int64, self.device)[step.row_entry]
-        result = verify(pol, drafts.tokens, drafts.q, step.num_draft, step.cu_rows, step.judge_row,
-                        step.draft_of_row, seeds, step.row_position)
+        result = verify(pol, drafts.tokens, drafts.q, step)
         return result, self.capture.capture(pol, step)
 
     def _forward(self, input_ids: torch.Tensor, meta):

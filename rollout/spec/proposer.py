@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
-from rollout.engine.batch import padded_block_table
 from rollout.engine.kv import copy_blocks
 from rollout.engine.sampler import PURPOSE_DRAFT, uniform
 from rollout.engine.scheduler import ScheduledSeq
@@ -56,7 +55,9 @@ class Drafter(ABC):
     def allocate(self, num_blocks: int, block_size: int) -> None: ...
 
     @abstractmethod
-    def propose(self, items: list[ScheduledSeq], block_tables: list[list[int]]) -> Drafts: ...
+    def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
+        """Drafts for the items with num_draft > 0; block_table: [len(items), W] host array of
+        their padded block tables (batch.padded_block_table)."""
 
     @abstractmethod
     def update_context(self, target_aux: torch.Tensor, meta: AttentionMetadata) -> None: ...
@@ -120,7 +121,7 @@ class BlockDrafter(Drafter):
                                   self.device, capture)
 
     @torch.inference_mode()
-    def propose(self, items: list[ScheduledSeq], block_tables: list[list[int]]) -> Drafts:
+    def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
         rows = [i for i, it in enumerate(items) if it.num_draft > 0]
         if not rows:
             return Drafts(torch.zeros(0, dtype=torch.int64, device=self.device), [0] * len(items))
@@ -130,7 +131,7 @@ class BlockDrafter(Drafter):
         anchor_pos, anchors, table = upload_packed([
             np.asarray([s.num_computed_tokens for s in seqs], dtype=np.int64),
             np.asarray([s.last_token for s in seqs], dtype=np.int64),
-            padded_block_table([block_tables[i] for i in rows]),
+            block_table[rows],
         ], dev)  # [S], [S], [S * W]
         table = table.view(len(rows), -1)  # [S, W]
         ctx_len = max(s.num_computed_tokens for s in seqs)

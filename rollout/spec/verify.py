@@ -14,7 +14,6 @@ table that finds the first rejection.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,6 @@ from rollout.engine.sampler import (
     uniform_keys,
     uniform_of_keys,
 )
-from rollout.engine.transfer import upload
 
 
 @dataclass
@@ -40,12 +38,13 @@ class VerifyResult:
     has_support: torch.Tensor  # [E] bool: False when constraints left the final row no token at all
 
 
-def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_draft: list[int],
-           cu_rows: list[int], judge_row: torch.Tensor, draft_of_row: torch.Tensor,
-           row_seed: torch.Tensor, row_position: torch.Tensor) -> VerifyResult:
-    """pol: rows [R]; drafts: [D] flat draft tokens; draft_q: [D, V] or None (one-hot);
-    judge_row / draft_of_row: [D'] pairs (row judging a draft, that draft's flat index);
-    row_seed / row_position: [R] seed and predicted position of each row."""
+def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, step) -> VerifyResult:
+    """pol: rows [R]; drafts: [D] flat draft tokens; draft_q: [D, V] or None (one-hot). `step`
+    (a StepBatch) lays the rows out: num_draft [E] (host), judge_row / draft_of_row [D'] (row
+    judging a draft, that draft's flat index), row_seed / row_position [R] (seed and predicted
+    position of each row), entry_first_row / entry_num_draft / entry_first_draft [E]."""
+    num_draft, judge_row, draft_of_row = step.num_draft, step.judge_row, step.draft_of_row
+    row_seed, row_position = step.row_seed, step.row_position
     if not any(num_draft):
         return _sample(pol, row_seed, row_position)
     device = pol.sorted_ids.device
@@ -63,8 +62,7 @@ def verify(pol: Policy, drafts: torch.Tensor, draft_q: torch.Tensor | None, num_
         q_d = torch.ones_like(p_d) if draft_q is None else draft_q[draft_of_row].gather(1, d_tok[:, None])[:, 0]
         ok = uniform_of_keys(keys[judge_row], PURPOSE_ACCEPT) * q_d < p_d.exp()  # [D']
 
-    first_draft = list(itertools.accumulate(num_draft[:-1], initial=0))
-    cu, n_draft, first_draft = upload([cu_rows[:-1], num_draft, first_draft], torch.int64, device)  # each [E]
+    cu, n_draft, first_draft = step.entry_first_row, step.entry_num_draft, step.entry_first_draft  # each [E]
     entry_of = torch.repeat_interleave(torch.arange(num_e, device=device), n_draft,
                                        output_size=len(judge_row))  # [D'], sized on the host: no sync
     slot = judge_row - cu[entry_of]  # position of each judged draft inside its block
