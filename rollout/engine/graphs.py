@@ -19,8 +19,14 @@ from rollout.engine.attention import AttentionMetadata
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 
-def _bucket(n: int, buckets) -> int | None:
+def bucket(n: int, buckets) -> int | None:
+    """The smallest bucket >= n, or None."""
     return next((b for b in buckets if b >= n), None)
+
+
+def context_bucket(length: int, minimum: int) -> int:
+    """A context length rounded up to a power of two, at least `minimum`."""
+    return max(minimum, 1 << max(length - 1, 0).bit_length())
 
 
 class StepGraphs:
@@ -51,11 +57,11 @@ class StepGraphs:
         q = meta.max_query_len
         if q > self.max_q or s * q != t:
             return None
-        bucket = _bucket(s, self.buckets)
-        ctx = max(256, 1 << (meta.max_context_len - 1).bit_length())
-        if bucket is None or -(-ctx // self.block_size) > self.block_tables.shape[1]:
+        batch = bucket(s, self.buckets)
+        ctx = context_bucket(meta.max_context_len, 256)
+        if batch is None or -(-ctx // self.block_size) > self.block_tables.shape[1]:
             return None
-        return bucket, q, ctx
+        return batch, q, ctx
 
     @torch.inference_mode()
     def run(self, key, input_ids: torch.Tensor, meta: AttentionMetadata):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from rollout.engine.graphs import BATCH_BUCKETS, capture_graph
+from rollout.engine.graphs import BATCH_BUCKETS, bucket, capture_graph, context_bucket
 
 MIN_CONTEXT_BUCKET = 64
 
@@ -40,11 +40,11 @@ class DraftGraphs:
 
     def key(self, num_seqs: int, ctx_len: int) -> tuple[int, int] | None:
         """(batch bucket, context bucket), or None when the step does not fit (run it eagerly)."""
-        bucket = next((b for b in self.buckets if b >= num_seqs), None)
-        ctx = max(MIN_CONTEXT_BUCKET, 1 << max(ctx_len - 1, 0).bit_length())
-        if bucket is None or -(-ctx // self.block_size) > self.table.shape[1]:
+        batch = bucket(num_seqs, self.buckets)
+        ctx = context_bucket(ctx_len, MIN_CONTEXT_BUCKET)
+        if batch is None or -(-ctx // self.block_size) > self.table.shape[1]:
             return None
-        return bucket, ctx
+        return batch, ctx
 
     @torch.inference_mode()
     def run(self, key, anchors: torch.Tensor, anchor_pos: torch.Tensor, table: torch.Tensor):
