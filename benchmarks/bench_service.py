@@ -8,7 +8,10 @@ engine's step loop in this process; the service side starts `rollout serve` as a
 with the same engine settings and sends every request at once from an AsyncRolloutClient here
 (decoding each Arrow batch, as a trainer would). Runs alternate after `--warmup` untimed full runs
 of each; the table shows the median of `--repeats` per path and the median of the per-repeat
-service / in-process ratios (each repeat runs both back to back). Prints a table, writes JSON (`--out`).
+service / in-process ratios (each repeat runs both back to back), then each path's steps, time
+per step and the share of the run spent inside `engine.step()` (the server's from its
+`engine_idle` log lines), which tells more steps from slower steps from time between steps.
+Prints the tables, writes JSON (`--out`).
 
     python benchmarks/bench_service.py --device cuda --spec dflash --repeats 5
 """
@@ -57,15 +60,31 @@ def workload(args: argparse.Namespace, vocab_size: int, seed: int) -> tuple[list
     return prompts, sampling
 
 
-def run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict, tag: str) -> tuple[int, float]:
+def run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict, tag: str,
+                   ) -> tuple[int, float, dict]:
+    """Tokens, seconds, and the steps' count and time (as the server's `engine_idle` line has them)."""
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         params = SamplingParams(**sampling, seed=i)
         engine.add_request(f"{tag}-{i}", [prompt], params, n=1, mask="support")
-    tokens = 0
+    tokens, steps, step_seconds = 0, 0, 0.0
     while engine.has_unfinished():
+        t = time.perf_counter()
         tokens += sum(len(s.token_ids) for s in engine.step())
-    return tokens, time.perf_counter() - start
+        steps, step_seconds = steps + 1, step_seconds + time.perf_counter() - t
+    return tokens, time.perf_counter() - start, dict(steps=steps, step_ms=step_seconds * 1e3)
+
+
+def engine_periods(server: ServerProcess, seen: int, timeout: float = 5.0) -> tuple[list[dict], int]:
+    """The server's `engine_idle` log lines after the first `seen` of them (waits a little for the
+    line of the run that just ended), and the new count."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(server.log_path) as f:
+            lines = [json.loads(x) for x in f if '"engine_idle"' in x]
+        if len(lines) > seen or time.monotonic() > deadline:
+            return lines[seen:], len(lines)
+        time.sleep(0.01)
 
 
 async def run_service(address: str, prompts: list[list[int]], sampling: dict) -> tuple[int, float]:
@@ -89,26 +108,34 @@ def main() -> None:
                           num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K)  # fmt: skip
     engine = LLMEngine(config)
     rates: dict[str, list[float]] = {"in_process": [], "service": []}
+    steps: dict[str, list[dict]] = {"in_process": [], "service": []}
     with ServerProcess(serve_args(args)) as server:
         for w in range(args.warmup):  # first runs pay for lazy initialisation and allocator growth
             prompts, sampling = workload(args, engine.vocab_size, seed=1000 + w)
             run_in_process(engine, prompts, sampling, f"warm{w}")
             asyncio.run(run_service(server.address, prompts, sampling))
+        _, seen = engine_periods(server, 0)
         for r in range(args.repeats):
             prompts, sampling = workload(args, engine.vocab_size, seed=r)
             for path in sorted(rates, reverse=r % 2 == 1):  # alternate which path goes first
                 if path == "in_process":
-                    tokens, seconds = run_in_process(engine, prompts, sampling, f"r{r}")
+                    tokens, seconds, stats = run_in_process(engine, prompts, sampling, f"r{r}")
                 else:
                     tokens, seconds = asyncio.run(run_service(server.address, prompts, sampling))
+                    periods, seen = engine_periods(server, seen)
+                    stats = dict(steps=sum(p["steps"] for p in periods), step_ms=sum(p["step_ms"] for p in periods),
+                                 busy_ms=sum(p["busy_ms"] for p in periods), periods=len(periods))
                 assert tokens == args.requests * args.max_tokens, (path, tokens)
                 rates[path].append(tokens / seconds)
+                steps[path].append(dict(stats, seconds=seconds))
             last = {k: round(v[-1]) for k, v in rates.items()}
-            print(f"repeat {r}: in-process {last['in_process']} tok/s, service {last['service']} tok/s")
-    report(args, rates, tokens)
+            print(f"repeat {r}: in-process {last['in_process']} tok/s, service {last['service']} tok/s; "
+                  f"steps {steps['in_process'][-1]['steps']} / {steps['service'][-1]['steps']}, step ms "
+                  f"{steps['in_process'][-1]['step_ms']:.0f} / {steps['service'][-1]['step_ms']:.0f}", flush=True)
+    report(args, rates, tokens, steps)
 
 
-def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int) -> None:
+def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int, steps: dict) -> None:
     median = {k: statistics.median(v) for k, v in rates.items()}
     # each repeat runs both paths back to back: the median of the per-repeat ratios cancels the
     # drift between repeats that a ratio of the two medians keeps
@@ -121,8 +148,15 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int)
         print(f"{name:<12} {value:>10.0f}")
     print(f"{'ratio':<12} {ratio:>10.3f}   (median of the per-repeat ratios "
           f"{', '.join(f'{r:.3f}' for r in pair_ratios)}; goal >= 0.97)")
+    # where the service's time goes: more steps, slower steps, or time outside the steps
+    print(f"{'path':<12} {'steps':>7} {'ms/step':>8} {'in steps':>9}   (medians over repeats; 'in steps' = "
+          f"time inside engine.step() / run time)")
+    for name, runs in steps.items():
+        print(f"{name:<12} {statistics.median(r['steps'] for r in runs):>7.0f} "
+              f"{statistics.median(r['step_ms'] / max(r['steps'], 1) for r in runs):>8.3f} "
+              f"{statistics.median(r['step_ms'] / 1e3 / r['seconds'] for r in runs):>9.3f}")
     result = dict(vars(args), tokens_per_run=tokens, tokens_per_s=rates, median_tokens_per_s=median, ratio=ratio,
-                  pair_ratios=pair_ratios, ratio_of_medians=median["service"] / median["in_process"])
+                  pair_ratios=pair_ratios, ratio_of_medians=median["service"] / median["in_process"], steps=steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

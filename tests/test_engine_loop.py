@@ -86,3 +86,29 @@ def test_one_step_delivers_every_request_in_one_wake_up():
         await loop.stop()
 
     asyncio.run(asyncio.wait_for(main(), 30))  # a dead engine thread fails instead of hanging
+
+
+def test_a_busy_period_is_logged_when_the_engine_goes_idle(caplog):
+    """`engine_idle` carries the period's steps and the tokens it finished, once per period."""
+    import logging
+
+    from rollout.server.logs import LOGGER_NAME
+
+    async def main():
+        engine = ScriptedEngine()
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
+        await loop.start()
+        for rid in "ab":  # two busy periods of one step each
+            inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+            await loop.add(_call(rid, prompts=3), inbox.put_nowait)
+            assert (await inbox.get()).done
+            await loop.call(lambda e: None)  # the loop has come round to idle
+        await loop.stop()
+
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        asyncio.run(asyncio.wait_for(main(), 30))
+    periods = [r.fields for r in caplog.records if r.getMessage() == "engine_idle"]
+    assert len(periods) == 2
+    for fields in periods:
+        assert fields["steps"] == 1 and fields["finished_tokens"] == 3
+        assert 0 <= fields["step_ms"] <= fields["busy_ms"]

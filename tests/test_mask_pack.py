@@ -1,4 +1,5 @@
-"""The mask packer against a straightforward per-row reference, plus the host-side unpack."""
+"""The mask packer against a straightforward per-row reference, plus the host side: the packed
+rows, their flatten and a sample's assembly from several steps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.masks.pack import pack_supports, unpack_supports
+from rollout.masks.pack import PackedRows, assemble_supports, pack_supports, unpack_supports
 
 
 def _sorted_policy(n: int, vocab: int, lens: list[int], seed: int = 0):
@@ -36,39 +37,56 @@ def _reference(sorted_ids, sorted_logp, width):
     return ids, logp, lens
 
 
+def _packed(sorted_ids, sorted_logp, width) -> PackedRows:
+    """Through the device packer and the host reader, as the engine runs them."""
+    packed = pack_supports(sorted_ids, sorted_logp, width)
+    assert packed.dtype == torch.int32 and packed.is_contiguous()
+    return PackedRows(packed.numpy(), width)
+
+
 @pytest.mark.parametrize("width", [1, 3, 8, 40])
 def test_pack_matches_reference(width):
     lens = [1, 3, 8, 5, 17, 2]
-    sorted_ids, sorted_logp = _sorted_policy(len(lens), 32, lens)
-    ids, logp, support_len = pack_supports(sorted_ids, sorted_logp, width)
+    vocab = 32
+    sorted_ids, sorted_logp = _sorted_policy(len(lens), vocab, lens)
+    rows = _packed(sorted_ids, sorted_logp, width)
     ref_ids, ref_logp, ref_lens = _reference(sorted_ids, sorted_logp, width)
-    assert ids.dtype == torch.int32 and logp.dtype == torch.float32 and support_len.dtype == torch.int32
-    assert ids.shape == (len(lens), width) == logp.shape
-    assert ids.tolist() == ref_ids
-    assert torch.equal(logp, torch.tensor(ref_logp))
-    # exact up to width; longer supports are flagged as width + 1
-    assert support_len.tolist() == [min(n, width + 1) for n in ref_lens]
-    assert ((support_len > width).tolist()) == [n > width for n in ref_lens]
+    assert rows.ids.dtype == np.int32 and rows.logp.dtype == np.float32 and rows.lens().dtype == np.int32
+    assert rows.ids.shape == (len(lens), min(vocab, width))
+    assert rows.logp.shape == (len(lens), min(vocab, width + 1))
+    for r, n in enumerate(ref_lens):
+        k = min(n, width)
+        assert rows.ids[r, :k].tolist() == ref_ids[r][:k]
+        assert rows.logp[r, :k].tolist() == ref_logp[r][:k]  # bit-exact through the int32 packing
+    # exact up to width; longer supports read width + 1
+    assert rows.lens().tolist() == [min(n, width + 1) for n in ref_lens]
+    assert rows.overflowed().tolist() == [n > width for n in ref_lens]
 
 
-def test_pack_narrow_input_pads():
-    """V smaller than width (the caller passed a top-k slice): rows are padded."""
+def test_pack_narrow_input():
+    """V not above width (the caller passed a top-k slice, or a tiny vocabulary): every column
+    travels, lengths are exact and nothing can overflow."""
     sorted_ids, sorted_logp = _sorted_policy(2, 4, [2, 4])
-    ids, logp, support_len = pack_supports(sorted_ids, sorted_logp, 6)
-    assert ids.shape == (2, 6)
-    assert ids[0, 2:].tolist() == [-1] * 4 and ids[1, 4:].tolist() == [-1] * 2
-    assert torch.isinf(logp[0, 2:]).all() and support_len.tolist() == [2, 4]
+    rows = _packed(sorted_ids, sorted_logp, 6)
+    assert rows.ids.shape == (2, 4) == rows.logp.shape
+    assert rows.lens().tolist() == [2, 4] and not rows.overflowed().any()
+    assert rows.ids.tolist() == sorted_ids.tolist()
+    rows = _packed(sorted_ids, sorted_logp, 3)  # V = width + 1: the extra column is the last id's
+    assert rows.ids.shape == (2, 3) and rows.logp.shape == (2, 4)
+    assert rows.lens().tolist() == [2, 4] and rows.overflowed().tolist() == [False, True]
 
 
 def test_greedy_singleton():
     sorted_ids = torch.tensor([[7, 1, 2, 3]])
     sorted_logp = torch.tensor([[0.0, float("-inf"), float("-inf"), float("-inf")]])
-    ids, logp, support_len = pack_supports(sorted_ids, sorted_logp, 4)
-    assert ids.tolist() == [[7, -1, -1, -1]] and logp[0, 0].item() == 0.0 and support_len.tolist() == [1]
+    rows = _packed(sorted_ids, sorted_logp, 1)
+    assert rows.ids.tolist() == [[7]] and rows.logp[0, 0] == 0.0 and rows.lens().tolist() == [1]
+    sup = assemble_supports([(rows, 0, 1)], with_logprobs=True)
+    assert sup.id_lists() == [[7]] and sup.logprob_lists() == [[0.0]]
 
 
 def test_equal_logprobs_come_out_in_id_order():
-    """Distinct logits can round to one float32 log-prob; unpacking orders those runs by id."""
+    """Distinct logits can round to one float32 log-prob; flattening orders those runs by id."""
     inf = float("-inf")
     sorted_ids = torch.tensor([[5, 9, 4, 7, 1, 0], [3, 2, 8, 0, 1, 4], [1, 2, 3, 4, 5, 6]])
     sorted_logp = torch.tensor(
@@ -78,20 +96,20 @@ def test_equal_logprobs_come_out_in_id_order():
             [-1.0, -1.0, -2.0, inf, inf, inf],
         ]
     )
-    ids, logp, support_len = pack_supports(sorted_ids, sorted_logp, 5)
-    packed = ids.numpy().copy()
-    sup_ids, sup_logp = unpack_supports(ids.numpy(), logp.numpy(), support_len.numpy(), with_logprobs=True)
-    assert sup_ids == [[5, 4, 7, 9, 1], [2, 3, 8], [1, 2, 3]]
-    assert sup_logp == [[-0.5, -2.0, -2.0, -2.0, -3.0], [-0.25, -0.25, -4.0], [-1.0, -1.0, -2.0]]
-    assert np.array_equal(ids.numpy(), packed)  # the caller's host buffers are not reordered
+    rows = _packed(sorted_ids, sorted_logp, 5)
+    packed = rows.ids.copy()
+    sup = assemble_supports([(rows, 0, 3)], with_logprobs=True)
+    assert sup.id_lists() == [[5, 4, 7, 9, 1], [2, 3, 8], [1, 2, 3]]
+    assert sup.logprob_lists() == [[-0.5, -2.0, -2.0, -2.0, -3.0], [-0.25, -0.25, -4.0], [-1.0, -1.0, -2.0]]
+    assert np.array_equal(rows.ids, packed)  # the step's host rows are not reordered
 
 
 def test_unpack_roundtrip_and_overflow():
     lens = [1, 3, 8, 5]
     sorted_ids, sorted_logp = _sorted_policy(len(lens), 16, lens, seed=3)
     width = 5
-    ids, logp, support_len = pack_supports(sorted_ids, sorted_logp, width)
-    sup_ids, sup_logp = unpack_supports(ids.numpy(), logp.numpy(), support_len.numpy(), with_logprobs=True)
+    rows = _packed(sorted_ids, sorted_logp, width)
+    sup_ids, sup_logp = unpack_supports(rows.ids, rows.logp[:, :width], rows.lens(), with_logprobs=True)
     ref_ids, ref_logp, _ = _reference(sorted_ids, sorted_logp, width)
     for r, n in enumerate(lens):
         if n > width:
@@ -99,6 +117,26 @@ def test_unpack_roundtrip_and_overflow():
         else:
             assert sup_ids[r] == ref_ids[r][:n]
             np.testing.assert_allclose(sup_logp[r], ref_logp[r][:n], rtol=0, atol=0)
-    sel_ids, sel_logp = unpack_supports(ids, logp, support_len, with_logprobs=False)
+    sel_ids, sel_logp = unpack_supports(rows.ids, rows.logp[:, :width], rows.lens(), with_logprobs=False)
     assert sel_logp is None and sel_ids == sup_ids
-    assert unpack_supports(ids[:0], logp[:0], support_len[:0], True) == ([], [])
+    assert unpack_supports(rows.ids[:0], rows.logp[:0, :width], rows.lens()[:0], True) == ([], [])
+
+
+def test_assemble_across_steps_of_different_widths():
+    """A sample's masks come from several steps' rows, whose packed widths differ when the batch's
+    largest top_k changed: the result is the per-token supports in order, whatever the grouping."""
+    first_ids, first_logp = _sorted_policy(4, 32, [2, 3, 1, 4], seed=1)
+    second_ids, second_logp = _sorted_policy(3, 32, [5, 2, 6], seed=2)
+    narrow, wide = _packed(first_ids, first_logp, 4), _packed(second_ids, second_logp, 8)
+    parts = [(narrow, 1, 2), (wide, 0, 3), (narrow, 3, 1)]  # rows 1-2, then the wide step, then row 3
+    sup = assemble_supports(parts, with_logprobs=True)
+    expect = []
+    for ids, logp, rows in ((first_ids, first_logp, [1, 2]), (second_ids, second_logp, [0, 1, 2]),
+                            (first_ids, first_logp, [3])):
+        ref_ids, ref_logp, ref_lens = _reference(ids, logp, 8)
+        expect += [(ref_ids[r][:ref_lens[r]], ref_logp[r][:ref_lens[r]]) for r in rows]
+    assert sup.id_lists() == [i for i, _ in expect]
+    assert sup.logprob_lists() == [lp for _, lp in expect]
+    assert assemble_supports(parts, with_logprobs=False).logprobs is None
+    empty = assemble_supports([], with_logprobs=True)
+    assert len(empty) == 0 and empty.logprobs is not None

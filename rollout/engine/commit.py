@@ -9,7 +9,7 @@ from rollout.engine.outputs import SampleOutput
 from rollout.engine.sequence import Sequence
 from rollout.errors import GrammarRejected
 from rollout.masks.capture import committed_masks
-from rollout.masks.pack import Supports
+from rollout.masks.pack import assemble_supports
 
 
 class Committer:
@@ -22,10 +22,10 @@ class Committer:
             return []
         tokens, logprobs, num_accepted, has_support = (h.tolist() for h in host[:4])
         self._advance(step, num_accepted)
-        masks_of = {}
+        masks = None
         if len(host) > 4:
             counts = {e: num_accepted[e] + 1 for e, s in enumerate(step.entries) if s.mask}
-            masks_of = committed_masks(self.engine.capture.last, host[4:], counts)
+            masks = committed_masks(self.engine.capture.last, host[4].numpy(), counts)
         outputs = []
         for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1
@@ -33,12 +33,13 @@ class Committer:
                 position = seq.num_output_tokens + num_accepted[e]
                 outputs.append(self.fail(seq, f"no token is allowed at output position {position}: the grammar and "
                                               f"min_tokens / stop_token_ids exclude every token"))
-            elif seq.mask and masks_of[e] is None:
+            elif seq.mask and e in masks.failed:
                 bound = self.engine.capture.last.width
                 outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
             else:
+                part = (masks.rows, masks.first[e]) if seq.mask else None
                 try:
-                    reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks_of.get(e))
+                    reason = self._append(seq, tokens[e][:count], logprobs[e][:count], part)
                 except GrammarRejected as exc:  # never expected (verification applies the bitmask): fail the sample
                     outputs.append(self.fail(seq, str(exc)))
                     continue
@@ -74,8 +75,9 @@ class Committer:
         if copy is not None:
             self.engine.pending_copies.append(copy)
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks) -> str | None:
-        """Append committed tokens up to the finish; returns the finish reason or None."""
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], part) -> str | None:
+        """Append committed tokens up to the finish; returns the finish reason or None. `part`:
+        (PackedRows, first row) of the tokens' masks, None without masks."""
         out, n, reason = seq.output_token_ids, len(tokens), None
         # the finish: the token that reaches max_tokens or the context, unless a stop token
         # comes first (or is that token)
@@ -94,8 +96,8 @@ class Committer:
             tokens, logprobs = tokens[:n], logprobs[:n]
         out += tokens
         seq.output_logprobs += logprobs
-        if masks is not None:
-            seq.support_parts.append(masks.head(n))
+        if part is not None:
+            seq.support_parts.append((*part, n))
         seq.accept_lengths.append(n)
         if seq.grammar is not None:
             seq.grammar.commit(tokens)
@@ -109,7 +111,8 @@ class Committer:
             request_id=seq.request_id, prompt_index=seq.prompt_index, sample_index=seq.sample_index,
             prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
             token_logprobs=seq.output_logprobs, finish_reason=reason,
-            supports=None if seq.support_parts is None else Supports.concat(seq.support_parts, seq.mask == "support"),
+            supports=None if seq.support_parts is None else assemble_supports(seq.support_parts,
+                                                                              seq.mask == "support"),
             accept_lengths=seq.accept_lengths, policy_version=self.engine.policy_version,
         )
 

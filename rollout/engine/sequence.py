@@ -38,7 +38,7 @@ class Sequence:
     policy_version: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    support_parts: list | None = None  # rollout.masks.pack.Supports of committed tokens, per step
+    support_parts: list | None = None  # per step: (PackedRows, first row, count) of committed tokens
     accept_lengths: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

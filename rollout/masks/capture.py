@@ -2,32 +2,42 @@
 
 Reads the very policy rows verification used (no recomputation), for the samples that
 asked for masks only, packs them on the device to the batch's largest requested width and
-hands them to the step's one host copy. The host side keeps exactly the committed rows.
+hands them to the step's one host copy. The host side keeps exactly the committed rows, and
+each masked sample a (rows, first row, count) reference per step until it finishes.
 A batch without mask requests runs none of this: `capture` returns before touching a tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from rollout.engine.sampler import Policy
 from rollout.engine.transfer import upload
-from rollout.masks.pack import Supports, flatten_supports, pack_supports
+from rollout.masks.pack import PackedRows, pack_supports
 
 
 @dataclass
 class Captured:
-    ids: torch.Tensor  # [M, W] int32 packed supports of the mask rows (-1 pad)
-    logp: torch.Tensor  # [M, W] float32
-    lens: torch.Tensor  # [M] int32 support lengths (> W means overflow)
+    packed: torch.Tensor  # [M, C + C'] int32 from `pack_supports`, one row per row of the mask entries
     first_row: dict[int, int]  # entry -> its first packed row
     width: int
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.ids, self.logp, self.lens
+    def tensors(self) -> tuple[torch.Tensor]:
+        return (self.packed,)
+
+
+class CommittedMasks(NamedTuple):
+    """One step's masks on the host: the committed rows of every masked entry, compacted (so the
+    step's rejected rows are not kept), each entry's first row among them, and the entries one of
+    whose committed rows overflowed its bound (those samples fail as a whole)."""
+
+    rows: PackedRows
+    first: dict[int, int]
+    failed: set[int]
 
 
 def mask_width(entries) -> int:
@@ -47,8 +57,7 @@ class MaskCapture:
             return None
         self.num_captures += 1
         width = mask_width([step.entries[e] for e in entries])
-        cols = min(width + 1, pol.sorted_ids.shape[1])
-        sorted_ids, sorted_logp = pol.sorted_ids[:, :cols], pol.sorted_logp[:, :cols]
+        sorted_ids, sorted_logp = pol.sorted_ids, pol.sorted_logp
         if len(entries) == len(step.entries):  # every row is a mask row: no gather
             first_row = {e: step.cu_rows[e] for e in entries}
         else:
@@ -56,30 +65,24 @@ class MaskCapture:
             for e in entries:
                 first_row[e] = len(rows)
                 rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
-            index = upload(rows, torch.int64, pol.sorted_ids.device)
-            sorted_ids, sorted_logp = sorted_ids[index], sorted_logp[index]
-        ids, logp, lens = pack_supports(sorted_ids, sorted_logp, width)
-        self.last = Captured(ids, logp, lens, first_row, width)
+            index = upload(rows, torch.int64, sorted_ids.device)
+            cols = min(width + 1, sorted_ids.shape[1])
+            sorted_ids, sorted_logp = sorted_ids[index, :cols], sorted_logp[index, :cols]
+        self.last = Captured(pack_supports(sorted_ids, sorted_logp, width), first_row, width)
         return self.last
 
 
-def committed_masks(cap: Captured, host: list, counts: dict[int, int]) -> dict[int, Supports | None]:
-    """Host side, once per step: for every masked entry e, the supports of its first counts[e]
-    committed tokens (views of the step's flat arrays), or None when one of them overflowed its
-    bound (the sample then fails as a whole). One flatten for the whole step."""
-    ids, logp, lens = (np.asarray(h) for h in host)
-    count = np.fromiter(counts.values(), np.int64, len(counts))  # [M] rows committed per entry
-    span = np.cumsum(count) - count  # [M] each entry's first row among the committed ones
-    first = np.fromiter((cap.first_row[e] for e in counts), np.int64, len(counts))
-    rows = np.repeat(first - span, count) + np.arange(int(count.sum()))  # packed row of each committed token
-    spans = dict(zip(counts, span.tolist()))
-    lens = lens[rows]
-    over = lens > cap.width
-    flat_ids, flat_logp, lens = flatten_supports(ids[rows], logp[rows], lens)
-    offsets = np.concatenate([[0], np.cumsum(lens)])
-    out = {}
-    for e, start in spans.items():
-        end = start + counts[e]
-        a, b = offsets[start], offsets[end]
-        out[e] = None if over[start:end].any() else Supports(flat_ids[a:b], lens[start:end], flat_logp[a:b])
-    return out
+def committed_masks(cap: Captured, packed: np.ndarray, counts: dict[int, int]) -> CommittedMasks:
+    # packed: [M, C + C'] int32 host copy of cap.packed
+    """Host side, once per step: `counts[e]` committed tokens of every masked entry e, whose
+    packed rows start at `cap.first_row[e]`. A few numpy calls whatever the batch; the flatten
+    into flat arrays waits until a sample finishes (`assemble_supports`)."""
+    first, index = {}, []
+    for e, n in counts.items():
+        first[e] = len(index)
+        row = cap.first_row[e]
+        index.extend(range(row, row + n))
+    rows = PackedRows(packed[index], cap.width)
+    over = rows.overflowed()
+    failed = {e for e, a in first.items() if over[a:a + counts[e]].any()} if over.any() else set()
+    return CommittedMasks(rows, first, failed)

@@ -4,54 +4,91 @@ host arrays (`Supports`) that go into the Arrow columns as they are.
 After acceptance the engine holds, for every committed position that asked for a mask, the
 policy's token ids sorted by probability (desc) and their log-probs, with -inf outside the
 support. Because the order is descending, every support is a prefix of its row, so packing
-to the batch's largest requested top_k is a slice, one finite test and a count over
-`width + 1` columns: a handful of kernels, nothing proportional to the vocabulary, no sort.
-The packed tensors go to the host in the step's one copy; `flatten_supports` turns a step's
-rows into flat arrays in one numpy pass, and each sample keeps views of them (`Supports`): no
-per-token Python lists on the engine thread; lists only when someone asks for them.
+to the batch's largest requested top_k is a slice of `width + 1` columns: two kernels (one
+conversion, one concatenation into a single int32 tensor), nothing proportional to the
+vocabulary, no sort. It goes to the host in the step's one copy. On the engine thread a step
+then costs a few numpy calls (`PackedRows`: the committed rows and an overflow test) and one
+tuple per masked sample; the flatten into flat arrays (`Supports`) runs once per
+sample when it finishes (`assemble_supports`). No per-token Python lists anywhere; lists only
+when someone asks for them.
 
 Ties: the engine sorts by logits, ties by id; float32 rounding in `z - logsumexp` can still
 give two distinct logits the same returned log-prob (with float32 logits, about once per
-position at top_k 4096; bf16 logits are too coarse for it). `unpack_supports` puts such
+position at top_k 4096; bf16 logits are too coarse for it). `flatten_supports` puts such
 runs in id order on the host, only in the rows that have one, so the values the trainer
 sees are "sorted by probability, ties by id" exactly.
 """
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, groupby
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
-def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Pack sorted supports to `width` columns on their device.
+def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> Tensor:
+    """Pack sorted supports to `width` columns on their device, as one int32 tensor (one
+    device-to-host copy): two kernels, whatever the batch.
 
     sorted_ids: [N, V] int64, each row's token ids sorted by probability desc;
     V may be the vocabulary or any prefix of it that still covers the supports plus one column.
     sorted_logp: [N, V] float32 log-probs in the same order (non-increasing), -inf outside
     the support.
 
-    Returns ids [N, width] int32 (-1 pad), logp [N, width] float32 (-inf pad) and
-    support_len [N] int32. `support_len` is exact up to `width`; a row whose support is longer
-    reads `width + 1` (only when V > width) and its sample must fail as a whole: its packed row
-    is truncated.
+    Returns [N, C + C'] int32: columns [:C] hold the float32 bits of the first C = min(V, width + 1)
+    log-probs, columns [C:] the first C' = min(V, width) ids. `PackedRows` reads it on the host;
+    the extra log-prob column tells a support longer than `width` (whose sample must fail as a
+    whole: its packed row is truncated).
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    v = sorted_ids.shape[1]
-    cols = sorted_logp[:, : width + 1].float()  # [N, C], C = min(V, width + 1)
-    finite = torch.isfinite(cols)  # [N, C]
-    support_len = finite.sum(dim=-1, dtype=torch.int32)  # [N]
-    ids = torch.where(finite[:, :width], sorted_ids[:, :width], -1).to(torch.int32)  # [N, min(V, width)]
-    logp = cols[:, :width].contiguous()
-    if v < width:
-        ids = F.pad(ids, (0, width - v), value=-1)
-        logp = F.pad(logp, (0, width - v), value=float("-inf"))
-    return ids, logp, support_len
+    logp_bits = sorted_logp[:, : width + 1].float().view(torch.int32)  # [N, C], bit-exact
+    return torch.cat([logp_bits, sorted_ids[:, :width].to(torch.int32)], dim=1)
+
+
+class PackedRows:
+    """Host side of `pack_supports`: rows of packed supports (views of one int32 array).
+
+    ids [N, C'] int32 (past a row's support: the policy's order of excluded tokens), logp [N, C]
+    float32 (-inf past the support). Support lengths are counted when a sample's rows are
+    assembled; per step only the overflow column is read.
+    """
+
+    __slots__ = ("ids", "logp", "width")
+
+    def __init__(self, packed: np.ndarray, width: int):
+        c = (packed.shape[1] + 1) // 2  # C = C' + 1 when V > width, else C = C' = V
+        self.logp = packed[:, :c].view(np.float32)
+        self.ids = packed[:, c:]
+        self.width = width
+
+    def lens(self) -> np.ndarray:
+        """[N] int32 support lengths: exact up to `width`, `width + 1` when longer (overflow)."""
+        return np.isfinite(self.logp).sum(axis=1, dtype=np.int32)
+
+    def overflowed(self) -> np.ndarray:
+        """[N] bool: rows whose support exceeds `width` (their column `width` is finite)."""
+        if self.logp.shape[1] <= self.width:  # the whole vocabulary fits: nothing can overflow
+            return np.zeros(len(self.logp), bool)
+        return np.isfinite(self.logp[:, self.width])
+
+
+def assemble_supports(parts: list[tuple[PackedRows, int, int]], with_logprobs: bool) -> Supports:
+    """A sample's supports from the (rows, first row, count) parts its steps committed: one
+    flatten per run of parts of equal packed shape (one run unless the batch's bound changed)."""
+    pieces = []
+    for _, run in groupby(parts, key=lambda part: part[0].logp.shape[1] + part[0].ids.shape[1]):
+        run = list(run)
+        ids = np.concatenate([rows.ids[a:a + n] for rows, a, n in run])
+        logp = np.concatenate([rows.logp[a:a + n] for rows, a, n in run])
+        lens = np.isfinite(logp).sum(axis=1, dtype=np.int32)
+        flat_ids, flat_logp, lens = flatten_supports(ids, logp[:, :ids.shape[1]], lens)
+        pieces.append(Supports(flat_ids, lens, flat_logp if with_logprobs else None))
+    if len(pieces) == 1:
+        return pieces[0]
+    return Supports.concat(pieces, with_logprobs)
 
 
 class Supports:

@@ -67,6 +67,7 @@ class EngineLoop:
         self._stopping = False
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
+        self._busy_period: _BusyPeriod | None = None
         self.engine: Any = None
 
     async def start(self) -> None:
@@ -115,7 +116,11 @@ class EngineLoop:
             return
         self._ready.set_result(None)
         while not self._stopping:
-            self._run_commands(block=not self._busy())
+            busy = self._busy()
+            if not busy and self._busy_period is not None:  # idle again: one log line for the period
+                self._busy_period.log()
+                self._busy_period = None
+            self._run_commands(block=not busy)
             self._send_outbox()
             if self._busy() and not self._stopping:
                 self._step()
@@ -172,8 +177,12 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_run_all, calls)
 
     def _step(self) -> None:
+        if self._busy_period is None:
+            self._busy_period = _BusyPeriod(time.perf_counter())
+        start = time.perf_counter()
         try:
             finished = self.engine.step()
+            self._busy_period.add(start, finished)
         except Exception as exc:
             log_event("engine_step_failed", logging.ERROR, exc_info=True)
             self._fail_all(exc)
@@ -252,6 +261,26 @@ class EngineLoop:
             for fut in self._weight_waiters:
                 self._resolve(fut, self.engine.policy_version)
             self._weight_waiters.clear()
+
+
+@dataclass
+class _BusyPeriod:
+    """Steps from the engine's leaving idle to its return: logged as `engine_idle` (steps, time in
+    `engine.step()`, the period's length), which tells a slow step from time spent between steps."""
+
+    started: float
+    steps: int = 0
+    step_seconds: float = 0.0
+    tokens: int = 0
+
+    def add(self, start: float, finished: list[SampleOutput]) -> None:
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - start
+        self.tokens += sum(len(s.token_ids) for s in finished)
+
+    def log(self) -> None:
+        log_event("engine_idle", steps=self.steps, step_ms=round(self.step_seconds * 1e3, 2),
+                  busy_ms=elapsed_ms(self.started), finished_tokens=self.tokens)
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
