@@ -9,8 +9,11 @@ with the same engine settings and sends every request at once from an AsyncRollo
 (decoding each Arrow batch, as a trainer would). Runs alternate after `--warmup` untimed full runs
 of each; the table shows the median of `--repeats` per path and the median of the per-repeat
 service / in-process ratios (each repeat runs both back to back), then each path's steps, time
-per step and the share of the run spent inside `engine.step()` (the server's from its
-`engine_idle` log lines), which tells more steps from slower steps from time between steps.
+per step, the engine thread's CPU time per step and the share of the run spent inside
+`engine.step()` (the server's from its `engine_idle` log lines), which tells more steps from
+slower steps from time between steps. A third path, `loop`, runs the server's engine thread and
+event-loop delivery (with the Arrow encoding) in this process without gRPC: it separates the
+threading from the transport.
 Prints the tables, writes JSON (`--out`).
 
     python benchmarks/bench_service.py --device cuda --spec dflash --repeats 5
@@ -29,6 +32,9 @@ from pathlib import Path
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
+from rollout.schema import schema_with_metadata
+from rollout.server.convert import GenerateCall, encode_samples
+from rollout.server.loop import EngineLoop
 from rollout.server.process import ServerProcess
 from trainer_client import AsyncRolloutClient
 
@@ -67,12 +73,37 @@ def run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict, 
     for i, prompt in enumerate(prompts):
         params = SamplingParams(**sampling, seed=i)
         engine.add_request(f"{tag}-{i}", [prompt], params, n=1, mask="support")
-    tokens, steps, step_seconds = 0, 0, 0.0
+    tokens, steps, step_seconds, cpu = 0, 0, 0.0, time.thread_time()
     while engine.has_unfinished():
         t = time.perf_counter()
         tokens += sum(len(s.token_ids) for s in engine.step())
         steps, step_seconds = steps + 1, step_seconds + time.perf_counter() - t
-    return tokens, time.perf_counter() - start, dict(steps=steps, step_ms=step_seconds * 1e3)
+    stats = dict(steps=steps, step_ms=step_seconds * 1e3, cpu_ms=(time.thread_time() - cpu) * 1e3)
+    return tokens, time.perf_counter() - start, stats
+
+
+async def run_loop(engine: LLMEngine, prompts: list[list[int]], sampling: dict, tag: str) -> tuple[int, float]:
+    """The server's engine thread and event-loop delivery (EngineLoop, every delivery encoded as the
+    servicer's Arrow message) in this process, without gRPC, the client or a second process."""
+    loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
+    await loop.start()
+    start = time.perf_counter()
+    inboxes = [asyncio.Queue() for _ in prompts]
+    calls = [GenerateCall(f"{tag}-{i}", [p], SamplingParams(**sampling, seed=i), 1, "support", None)
+             for i, p in enumerate(prompts)]  # fmt: skip
+    await asyncio.gather(*(loop.add(call, q.put_nowait) for call, q in zip(calls, inboxes)))
+    schema, tokens = schema_with_metadata("bench", "", "", "support", TOP_K), 0
+    for q in inboxes:
+        while True:
+            delivery = await q.get()
+            if delivery.samples:
+                encode_samples(delivery.samples, schema)
+            tokens += sum(len(s.token_ids) for s in delivery.samples)
+            if delivery.done:
+                break
+    seconds = time.perf_counter() - start
+    await loop.stop()
+    return tokens, seconds
 
 
 def engine_periods(server: ServerProcess, seen: int, timeout: float = 5.0) -> tuple[list[dict], int]:
@@ -107,8 +138,9 @@ def main() -> None:
     config = EngineConfig(model=args.model, draft=args.draft, spec=args.spec, device=args.device,
                           num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K)  # fmt: skip
     engine = LLMEngine(config)
-    rates: dict[str, list[float]] = {"in_process": [], "service": []}
-    steps: dict[str, list[dict]] = {"in_process": [], "service": []}
+    paths = ("in_process", "loop", "service")
+    rates: dict[str, list[float]] = {p: [] for p in paths}
+    steps: dict[str, list[dict]] = {p: [] for p in paths}
     with ServerProcess(serve_args(args)) as server:
         for w in range(args.warmup):  # first runs pay for lazy initialisation and allocator growth
             prompts, sampling = workload(args, engine.vocab_size, seed=1000 + w)
@@ -117,21 +149,25 @@ def main() -> None:
         _, seen = engine_periods(server, 0)
         for r in range(args.repeats):
             prompts, sampling = workload(args, engine.vocab_size, seed=r)
-            for path in sorted(rates, reverse=r % 2 == 1):  # alternate which path goes first
+            for path in paths[::-1] if r % 2 else paths:  # alternate the order
                 if path == "in_process":
                     tokens, seconds, stats = run_in_process(engine, prompts, sampling, f"r{r}")
+                elif path == "loop":
+                    tokens, seconds = asyncio.run(run_loop(engine, prompts, sampling, f"l{r}"))
+                    stats = {}
                 else:
                     tokens, seconds = asyncio.run(run_service(server.address, prompts, sampling))
                     periods, seen = engine_periods(server, seen)
-                    stats = dict(steps=sum(p["steps"] for p in periods), step_ms=sum(p["step_ms"] for p in periods),
-                                 busy_ms=sum(p["busy_ms"] for p in periods), periods=len(periods))
+                    stats = {k: sum(p[k] for p in periods) for k in ("steps", "step_ms", "busy_ms", "cpu_ms")}
                 assert tokens == args.requests * args.max_tokens, (path, tokens)
                 rates[path].append(tokens / seconds)
                 steps[path].append(dict(stats, seconds=seconds))
             last = {k: round(v[-1]) for k, v in rates.items()}
-            print(f"repeat {r}: in-process {last['in_process']} tok/s, service {last['service']} tok/s; "
-                  f"steps {steps['in_process'][-1]['steps']} / {steps['service'][-1]['steps']}, step ms "
-                  f"{steps['in_process'][-1]['step_ms']:.0f} / {steps['service'][-1]['step_ms']:.0f}", flush=True)
+            ins, svc = steps["in_process"][-1], steps["service"][-1]
+            print(f"repeat {r}: tok/s in-process {last['in_process']}, loop {last['loop']}, service "
+                  f"{last['service']}; in-process / service: steps {ins['steps']} / {svc['steps']}, step ms "
+                  f"{ins['step_ms']:.0f} / {svc['step_ms']:.0f}, engine cpu ms {ins['cpu_ms']:.0f} / "
+                  f"{svc['cpu_ms']:.0f}", flush=True)
     report(args, rates, tokens, steps)
 
 
@@ -141,6 +177,7 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int,
     # drift between repeats that a ratio of the two medians keeps
     pair_ratios = [s / i for s, i in zip(rates["service"], rates["in_process"], strict=True)]
     ratio = statistics.median(pair_ratios)
+    loop_ratio = statistics.median(x / i for x, i in zip(rates["loop"], rates["in_process"], strict=True))
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, support masks top_k {TOP_K}, "
           f"spec {args.spec}, {args.device}; median of {args.repeats}")  # fmt: skip
     print(f"{'path':<12} {'tokens/s':>10}")
@@ -148,15 +185,19 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int,
         print(f"{name:<12} {value:>10.0f}")
     print(f"{'ratio':<12} {ratio:>10.3f}   (median of the per-repeat ratios "
           f"{', '.join(f'{r:.3f}' for r in pair_ratios)}; goal >= 0.97)")
+    print(f"{'loop ratio':<12} {loop_ratio:>10.3f}   (engine thread + event loop + Arrow encoding, no gRPC)")
     # where the service's time goes: more steps, slower steps, or time outside the steps
-    print(f"{'path':<12} {'steps':>7} {'ms/step':>8} {'in steps':>9}   (medians over repeats; 'in steps' = "
-          f"time inside engine.step() / run time)")
-    for name, runs in steps.items():
+    print(f"{'path':<12} {'steps':>7} {'ms/step':>8} {'cpu/step':>8} {'in steps':>9}   (medians over repeats; "
+          f"cpu = the engine thread's CPU time; 'in steps' = time inside engine.step() / run time)")
+    for name in ("in_process", "service"):
+        runs = steps[name]
         print(f"{name:<12} {statistics.median(r['steps'] for r in runs):>7.0f} "
               f"{statistics.median(r['step_ms'] / max(r['steps'], 1) for r in runs):>8.3f} "
+              f"{statistics.median(r['cpu_ms'] / max(r['steps'], 1) for r in runs):>8.3f} "
               f"{statistics.median(r['step_ms'] / 1e3 / r['seconds'] for r in runs):>9.3f}")
     result = dict(vars(args), tokens_per_run=tokens, tokens_per_s=rates, median_tokens_per_s=median, ratio=ratio,
-                  pair_ratios=pair_ratios, ratio_of_medians=median["service"] / median["in_process"], steps=steps)
+                  pair_ratios=pair_ratios, ratio_of_medians=median["service"] / median["in_process"], steps=steps,
+                  loop_ratio=loop_ratio)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

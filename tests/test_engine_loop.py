@@ -111,4 +111,4 @@ def test_a_busy_period_is_logged_when_the_engine_goes_idle(caplog):
     assert len(periods) == 2
     for fields in periods:
         assert fields["steps"] == 1 and fields["finished_tokens"] == 3
-        assert 0 <= fields["step_ms"] <= fields["busy_ms"]
+        assert 0 <= fields["step_ms"] <= fields["busy_ms"] and fields["cpu_ms"] >= 0

@@ -202,6 +202,41 @@ def test_support_overflow_fails_that_sample_only(tiny_random_qwen3, monkeypatch)
     assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
 
 
+@pytest.mark.parametrize("spec", ["none", "dflash"])
+def test_large_steps_keep_only_committed_rows_with_the_same_masks(tiny_random_qwen3, random_drafters, spec,
+                                                                  monkeypatch):
+    """A step's packed copy above COMPACT_BYTES is cut to its committed rows before samples keep
+    it; the masks that come out are the same either way."""
+    import rollout.engine.commit as commit_mod
+
+    real = capture_mod.committed_masks
+
+    def run():
+        eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
+        eng.add_request("sampled", PROMPTS, SAMPLED, n=2, mask="support")
+        eng.add_request("greedy", PROMPTS[:1], GREEDY, mask="selected")
+        eng.add_request("plain", PROMPTS[1:], SAMPLED)
+        kept = []
+        monkeypatch.setattr(commit_mod, "committed_masks", lambda *a: kept.append(real(*a)) or kept[-1])
+        outs = sorted(_run(eng), key=lambda o: (o.request_id, o.prompt_index, o.sample_index))
+        return outs, kept
+
+    whole, kept_whole = run()
+    monkeypatch.setattr(capture_mod, "COMPACT_BYTES", 0)
+    compact, kept_compact = run()
+    assert [o.token_ids for o in whole] == [o.token_ids for o in compact]
+    assert [o.supports for o in whole] == [o.supports for o in compact]
+    assert all(o.supports is not None for o in whole if o.request_id != "plain")
+    # compacted steps keep exactly the committed rows; whole ones every row of the mask entries
+    kept_rows = sum(len(m.rows.ids) for m in kept_compact)
+    committed = sum(len(o.token_ids) for o in compact if o.request_id != "plain")
+    assert kept_rows >= committed  # (tokens past a finish are committed, then trimmed)
+    if spec == "none":  # one row per entry and step: every row is committed
+        assert kept_rows == sum(len(m.rows.ids) for m in kept_whole)
+    else:  # rejected drafts' rows are dropped
+        assert kept_rows < sum(len(m.rows.ids) for m in kept_whole)
+
+
 def test_requests_without_masks_run_no_capture_code(tiny_random_qwen3, random_drafters, monkeypatch):
     calls = []
     real = capture_mod.pack_supports

@@ -25,7 +25,7 @@ class Committer:
         masks = None
         if len(host) > 4:
             counts = {e: num_accepted[e] + 1 for e, s in enumerate(step.entries) if s.mask}
-            masks = committed_masks(self.engine.capture.last, host[4].numpy(), counts)
+            masks = committed_masks(self.engine.capture.last, host[4], counts)
         outputs = []
         for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1

@@ -193,9 +193,9 @@ def _to_host(result: VerifyResult | None, captured):
     if result is None:
         return None
     tensors = [result.tokens, result.logprobs, result.num_accepted, result.has_support]
-    if captured is not None:
-        tensors += list(captured.tensors())
     host = [t.to("cpu", non_blocking=True) for t in tensors]
+    if captured is not None:
+        host.append(captured.to_host())  # a numpy array (blocking: after it the step's copies are done)
     if tensors[0].is_cuda:
         torch.cuda.current_stream().synchronize()
     return host

@@ -2,8 +2,8 @@
 
 Reads the very policy rows verification used (no recomputation), for the samples that
 asked for masks only, packs them on the device to the batch's largest requested width and
-hands them to the step's one host copy. The host side keeps exactly the committed rows, and
-each masked sample a (rows, first row, count) reference per step until it finishes.
+hands them to the step's host copy. Each masked sample keeps a (rows, first row, count)
+reference per step until it finishes, when its supports are flattened once.
 A batch without mask requests runs none of this: `capture` returns before touching a tensor.
 """
 
@@ -26,14 +26,24 @@ class Captured:
     first_row: dict[int, int]  # entry -> its first packed row
     width: int
 
-    def tensors(self) -> tuple[torch.Tensor]:
-        return (self.packed,)
+    def to_host(self) -> np.ndarray:
+        """The step's copy of the packed rows into a numpy array the samples may keep (pageable
+        memory: a pinned buffer held for a sample's lifetime would make the host allocator grow).
+        Blocking: it returns once the device has finished the step up to the capture."""
+        out = np.empty(tuple(self.packed.shape), np.int32)
+        torch.from_numpy(out).copy_(self.packed)
+        return out
+
+
+# a step's packed rows above this size keep only their committed rows (a copy) for the samples
+COMPACT_BYTES = 1 << 20
 
 
 class CommittedMasks(NamedTuple):
-    """One step's masks on the host: the committed rows of every masked entry, compacted (so the
-    step's rejected rows are not kept), each entry's first row among them, and the entries one of
-    whose committed rows overflowed its bound (those samples fail as a whole)."""
+    """One step's masks on the host: the packed rows (every row of the step's mask entries, or only
+    the committed ones when the step's copy is large, so a long sample does not keep every rejected
+    row of a wide support), each entry's first committed row in them, and the entries one of whose
+    committed rows overflowed its bound (those samples fail as a whole)."""
 
     rows: PackedRows
     first: dict[int, int]
@@ -73,16 +83,21 @@ class MaskCapture:
 
 
 def committed_masks(cap: Captured, packed: np.ndarray, counts: dict[int, int]) -> CommittedMasks:
-    # packed: [M, C + C'] int32 host copy of cap.packed
-    """Host side, once per step: `counts[e]` committed tokens of every masked entry e, whose
-    packed rows start at `cap.first_row[e]`. A few numpy calls whatever the batch; the flatten
-    into flat arrays waits until a sample finishes (`assemble_supports`)."""
-    first, index = {}, []
-    for e, n in counts.items():
-        first[e] = len(index)
-        row = cap.first_row[e]
-        index.extend(range(row, row + n))
-    rows = PackedRows(packed[index], cap.width)
-    over = rows.overflowed()
-    failed = {e for e, a in first.items() if over[a:a + counts[e]].any()} if over.any() else set()
+    """Host side, once per step: `counts[e]` committed tokens of every masked entry e, whose packed
+    rows ([M, C + C'] int32, `Captured.to_host`) start at `cap.first_row[e]`. A couple of numpy calls
+    whatever the batch; the flatten into flat arrays waits until a sample finishes
+    (`assemble_supports`)."""
+    first = cap.first_row
+    if packed.nbytes > COMPACT_BYTES:
+        first, index = {}, []
+        for e, n in counts.items():
+            first[e] = len(index)
+            row = cap.first_row[e]
+            index.extend(range(row, row + n))
+        packed = packed[index]
+    rows = PackedRows(packed, cap.width)
+    over = rows.overflowed()  # a bound is the batch's largest top_k: an overflow is never expected
+    failed = set()
+    if over.any():
+        failed = {e for e, n in counts.items() if over[first[e]:first[e] + n].any()}
     return CommittedMasks(rows, first, failed)

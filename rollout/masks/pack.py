@@ -6,9 +6,9 @@ policy's token ids sorted by probability (desc) and their log-probs, with -inf o
 support. Because the order is descending, every support is a prefix of its row, so packing
 to the batch's largest requested top_k is a slice of `width + 1` columns: two kernels (one
 conversion, one concatenation into a single int32 tensor), nothing proportional to the
-vocabulary, no sort. It goes to the host in the step's one copy. On the engine thread a step
-then costs a few numpy calls (`PackedRows`: the committed rows and an overflow test) and one
-tuple per masked sample; the flatten into flat arrays (`Supports`) runs once per
+vocabulary, no sort. It goes to the host in the step's copy, into a numpy array the samples keep
+(only its committed rows when it is large). On the engine thread a step then costs an overflow
+test and one tuple per masked sample; the flatten into flat arrays (`Supports`) runs once per
 sample when it finishes (`assemble_supports`). No per-token Python lists anywhere; lists only
 when someone asks for them.
 
@@ -44,7 +44,9 @@ def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> Tensor
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    logp_bits = sorted_logp[:, : width + 1].float().view(torch.int32)  # [N, C], bit-exact
+    if sorted_logp.dtype != torch.float32:
+        raise TypeError(f"sorted_logp must be float32, got {sorted_logp.dtype}")
+    logp_bits = sorted_logp[:, : width + 1].view(torch.int32)  # [N, C], bit-exact
     return torch.cat([logp_bits, sorted_ids[:, :width].to(torch.int32)], dim=1)
 
 

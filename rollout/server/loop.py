@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engine.outputs import SampleOutput
@@ -266,9 +266,11 @@ class EngineLoop:
 @dataclass
 class _BusyPeriod:
     """Steps from the engine's leaving idle to its return: logged as `engine_idle` (steps, time in
-    `engine.step()`, the period's length), which tells a slow step from time spent between steps."""
+    `engine.step()`, the period's length, the engine thread's CPU time), which tells a slow step
+    from time spent between steps, and host work from waiting (for the GPU or the GIL)."""
 
     started: float
+    cpu_started: float = field(default_factory=time.thread_time)
     steps: int = 0
     step_seconds: float = 0.0
     tokens: int = 0
@@ -279,8 +281,9 @@ class _BusyPeriod:
         self.tokens += sum(len(s.token_ids) for s in finished)
 
     def log(self) -> None:
+        cpu_ms = round((time.thread_time() - self.cpu_started) * 1e3, 2)  # the engine thread's CPU time
         log_event("engine_idle", steps=self.steps, step_ms=round(self.step_seconds * 1e3, 2),
-                  busy_ms=elapsed_ms(self.started), finished_tokens=self.tokens)
+                  busy_ms=elapsed_ms(self.started), cpu_ms=cpu_ms, finished_tokens=self.tokens)
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
