@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -53,7 +54,7 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
     names = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)]
     config = EngineConfig(**{name: getattr(args, name) for name in names})
-    return lambda: LLMEngine(config)
+    return functools.partial(LLMEngine, config)  # picklable: it may be built in the engine process
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -67,7 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidArgument("gil_switch_ms", f"must be > 0, got {args.gil_switch_ms}")
         sys.setswitchinterval(args.gil_switch_ms / 1e3)
     flush = FlushPolicy(rows=args.flush_rows, seconds=args.flush_ms / 1e3)
-    config = ServeConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds, flush=flush)
+    config = ServeConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds, flush=flush,
+                         engine_process=not args.engine_thread)
     return asyncio.run(serve(engine_factory(args), config))
 
 
@@ -152,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--gil-switch-ms", type=float, default=None,
         help="Python's thread switch interval (default 5): how long the engine thread may wait for "
              "the GIL while the gRPC event loop holds it",
+    )
+    serve.add_argument(
+        "--engine-thread", action="store_true",
+        help="run the engine on a thread of the server's process instead of in its own process "
+             "(which keeps the gRPC front end off the engine's GIL)",
     )
 
     gen = sub.add_parser("generate", help="prompts -> Arrow IPC file through a running server")

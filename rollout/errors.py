@@ -12,7 +12,10 @@ class InvalidArgument(RolloutError, ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
+
+    def __reduce__(self):  # (the engine process sends errors to the server's process)
+        return type(self), (self.field, self.message)
 
 
 class ResourceExhausted(RolloutError):
@@ -22,6 +25,10 @@ class ResourceExhausted(RolloutError):
 class FailedPrecondition(RolloutError):
     """A sample failed during generation, e.g. a mask support overflowed its bound
     (gRPC FAILED_PRECONDITION). The whole sample fails; no partial masks."""
+
+
+class Unavailable(RolloutError):
+    """The engine is gone: its process exited (gRPC UNAVAILABLE). Every request fails fast."""
 
 
 class GrammarRejected(FailedPrecondition):

@@ -7,6 +7,7 @@ and weight updates (outputs change, versions never mix, a wrong shape changes no
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 
@@ -37,19 +38,37 @@ def drafters(tiny_random_qwen3, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_random_qwen3, drafters):
-    """servers(spec, **engine_overrides) -> a BackgroundServer, started once per configuration."""
+def _server_pool(model, drafters, engine_process: bool, build=LLMEngine):
+    """get(spec, **engine_overrides) -> a BackgroundServer, started once per configuration, and
+    the servers started. `build(config)` makes the engine (a module-level function: it may run in
+    the engine process)."""
     started: dict[tuple, BackgroundServer] = {}
 
     def get(spec: str = "none", **overrides) -> BackgroundServer:
         key = (spec, *sorted(overrides.items()))
         if key not in started:
             draft = None if spec == "none" else str(drafters / spec)
-            config = EngineConfig(model=str(tiny_random_qwen3), draft=draft, spec=spec, **overrides)
-            started[key] = BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0)).__enter__()
+            config = EngineConfig(model=str(model), draft=draft, spec=spec, **overrides)
+            serve = ServeConfig(port=0, engine_process=engine_process)
+            started[key] = BackgroundServer(functools.partial(build, config), serve).__enter__()
         return started[key]
 
+    return get, started
+
+
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def servers(request, tiny_random_qwen3, drafters):
+    """Every test of the module against both front ends: the engine on a thread of the server's
+    process, and in its own process (what `rollout serve` runs)."""
+    get, started = _server_pool(tiny_random_qwen3, drafters, request.param == "engine-process")
+    yield get
+    for server in started.values():
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def thread_servers(tiny_random_qwen3, drafters):
+    get, started = _server_pool(tiny_random_qwen3, drafters, False)
     yield get
     for server in started.values():
         server.close()
@@ -217,13 +236,35 @@ def test_update_weights_replaces_the_drafter_in_the_same_call_losslessly(servers
         assert client.server_info()["policy_version"] == v0 + 1
 
 
-def test_mask_overflow_during_generation_is_failed_precondition(servers, monkeypatch):
+def _engine_with_mask_bound_2(config: EngineConfig) -> LLMEngine:
+    """An engine process whose mask capture pretends the bound is 2 (runs in the child only)."""
+    import rollout.masks.capture as capture_mod
+
+    capture_mod.mask_width = lambda entries: 2
+    return LLMEngine(config)
+
+
+@pytest.mark.parametrize("engine", ["engine-thread", "engine-process"])
+def test_mask_overflow_during_generation_is_failed_precondition(thread_servers, tiny_random_qwen3, drafters,
+                                                                monkeypatch, engine):
     """A support that exceeds its bound fails that request with FAILED_PRECONDITION (no partial
     masks); a concurrent request on the same engine finishes normally."""
     import rollout.masks.capture as capture_mod
 
-    server = servers("none", num_kv_blocks=512)
-    monkeypatch.setattr(capture_mod, "mask_width", lambda entries: 2)  # pretend the bound is 2
+    if engine == "engine-thread":
+        server = thread_servers("none", num_kv_blocks=512)
+        monkeypatch.setattr(capture_mod, "mask_width", lambda entries: 2)  # pretend the bound is 2
+        _check_overflow_fails_one_request(server)
+        return
+    get, _ = _server_pool(tiny_random_qwen3, drafters, True, build=_engine_with_mask_bound_2)
+    server = get("none", num_kv_blocks=512)
+    try:
+        _check_overflow_fails_one_request(server)
+    finally:
+        server.close()
+
+
+def _check_overflow_fails_one_request(server) -> None:
     wide = dict(temperature=1.5, top_k=64, max_tokens=8, seed=1)
     with RolloutClient(server.address, timeout=120) as client:
         stream = client.stream([[40, 41, 42]], sampling=wide, mask="support", request_id="wide")

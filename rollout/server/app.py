@@ -1,5 +1,5 @@
-"""Assembles and runs a rollout server: the engine loop, the Rollout service, gRPC health and
-server reflection on one grpc.aio server.
+"""Assembles and runs a rollout server: the engine loop (a thread here, or a child process), the
+Rollout service, gRPC health and server reflection on one grpc.aio server.
 
 `serve` is `rollout serve`: it prints `rollout serving on HOST:PORT` once the port is bound and
 the engine is built, then runs until SIGTERM or SIGINT, when it reports NOT_SERVING, refuses new
@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import EngineLoop
 from rollout.server.service import FlushPolicy, Identity, RolloutService
@@ -38,6 +39,9 @@ class ServeConfig:
     port: int = 0
     drain_seconds: float = 300.0
     flush: FlushPolicy = field(default_factory=FlushPolicy)
+    # the engine in a child process (EngineProcess; the factory must then be picklable) rather than
+    # a thread of this one (EngineLoop): `rollout serve` does, see rollout.server.engine_process
+    engine_process: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -55,7 +59,7 @@ class RunningServer:
     """A started server. `address` is HOST:PORT with the bound port."""
 
     server: grpc.aio.Server
-    engine_loop: EngineLoop
+    engine_loop: EngineLoop | EngineProcess
     health: health.aio.HealthServicer
     address: str
 
@@ -67,12 +71,11 @@ class RunningServer:
 
 
 async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -> RunningServer:
-    """Builds the engine (on its own thread), binds the port and starts serving."""
-    engine_loop = EngineLoop(engine_factory, asyncio.get_running_loop())
+    """Builds the engine (on its own thread or in its own process), binds the port and starts serving."""
+    loop_type = EngineProcess if config.engine_process else EngineLoop
+    engine_loop = loop_type(engine_factory, asyncio.get_running_loop())
     await engine_loop.start()
-    identity = await engine_loop.call(
-        lambda e: Identity(e.model_name, e.drafter_name, str(e.info()["spec_method"]))
-    )
+    identity = await engine_loop.call(engine_identity)
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", -1)]
     server = grpc.aio.server(options=options)
     rollout_pb2_grpc.add_RolloutServicer_to_server(
@@ -80,6 +83,8 @@ async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if isinstance(engine_loop, EngineProcess):  # an engine process that dies: NOT_SERVING from then on
+        engine_loop.on_death = lambda: asyncio.ensure_future(_not_serving(health_servicer))
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(config.address(config.port))
     await server.start()
@@ -105,6 +110,17 @@ async def serve(engine_factory: Callable[[], Any], config: ServeConfig) -> int:
     return 0
 
 
+async def _not_serving(health_servicer: health.aio.HealthServicer) -> None:
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def engine_identity(engine) -> Identity:
+    """The names every streamed batch carries (a module-level function: it may run in the engine's
+    process)."""
+    return Identity(engine.model_name, engine.drafter_name, str(engine.info()["spec_method"]))
+
+
 class BackgroundServer:
     """A server on a private event loop in a daemon thread; a context manager.
 
@@ -127,7 +143,8 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(coro_fn(self.running), self._loop).result()
 
     def engine_call(self, fn: Callable[[Any], Any]) -> Any:
-        """Runs fn(engine) on the engine thread, e.g. `lambda e: e.kv_blocks()`."""
+        """Runs fn(engine) on the engine thread, e.g. `lambda e: e.kv_blocks()` (in an engine
+        process: a picklable function)."""
 
         async def call(running: RunningServer):
             return await running.engine_loop.call(fn)

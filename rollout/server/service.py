@@ -24,6 +24,7 @@ from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import schema_with_metadata
 from rollout.server.convert import GenerateCall, encode_samples, parse_generate, server_info_message
+from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop
 from rollout.server.status import to_status
@@ -75,8 +76,13 @@ async def status_on_error(context: grpc.aio.ServicerContext, rpc: str, request_i
         await context.abort(code, message)
 
 
+def engine_info(engine) -> tuple[dict, tuple[int, int]]:
+    """What GetServerInfo reports (module-level: it may run in the engine's process)."""
+    return engine.info(), engine.kv_blocks()
+
+
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, engine_loop: EngineLoop, identity: Identity, flush: FlushPolicy = FlushPolicy()):
+    def __init__(self, engine_loop: EngineLoop | EngineProcess, identity: Identity, flush: FlushPolicy = FlushPolicy()):
         self.engine_loop = engine_loop
         self.identity = identity
         self.flush = flush
@@ -150,11 +156,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             return pb.AbortResponse(num_aborted=aborted)
 
     async def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
-        drafter = self.identity.drafter
         async with status_on_error(context, "GetServerInfo"):
-            return await self.engine_loop.call(
-                lambda e: server_info_message(e.info(), e.kv_blocks(), drafter)
-            )
+            info, kv_blocks = await self.engine_loop.call(engine_info)
+            return server_info_message(info, kv_blocks, self.identity.drafter)
 
     async def UpdateWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
         async with status_on_error(context, "UpdateWeights"):

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import grpc
 
-from rollout.errors import FailedPrecondition, InvalidArgument, LoadError, ResourceExhausted
+from rollout.errors import FailedPrecondition, InvalidArgument, LoadError, ResourceExhausted, Unavailable
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (LoadError, grpc.StatusCode.INVALID_ARGUMENT),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -1,0 +1,88 @@
+"""The engine in its own process (`rollout.server.engine_process`, what `rollout serve` runs): what
+only a process can get wrong. The protocol itself runs through every test of tests/test_server.py
+in both front ends; here: a child that dies mid-request fails its requests with UNAVAILABLE and
+the server keeps answering (health NOT_SERVING), an engine that cannot be built fails the start
+with its own error, a factory that cannot cross the process boundary is refused at once, and the
+errors that do cross it keep their type and field."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import pickle
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.errors import InvalidArgument, LoadError
+from rollout.server.app import BackgroundServer, ServeConfig
+from rollout.server.engine_process import EngineProcess
+from trainer_client import RolloutClient
+
+
+def _engine_pid(engine) -> int:
+    return os.getpid()
+
+
+def test_a_dead_engine_process_fails_requests_with_unavailable(tiny_random_qwen3):
+    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+    with BackgroundServer(factory, ServeConfig(port=0, engine_process=True)) as server:
+        pid = server.engine_call(_engine_pid)
+        assert pid != os.getpid()
+        with RolloutClient(server.address, timeout=60) as client:
+            long = dict(temperature=1.0, top_k=8, max_tokens=500, ignore_eos=True, seed=0)
+            outcome = {}
+
+            def doomed():
+                try:
+                    outcome["batches"] = list(client.stream([[1, 2, 3]], sampling=long, request_id="doomed"))
+                except grpc.RpcError as exc:
+                    outcome["error"] = exc
+
+            worker = threading.Thread(target=doomed)
+            worker.start()
+            deadline = time.monotonic() + 60
+            while client.server_info()["kv_blocks_free"] == 256:  # until it generates
+                assert time.monotonic() < deadline and worker.is_alive(), outcome
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            worker.join(60)
+            err = outcome["error"]
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "exit code -9" in err.details()
+            for call in (lambda: client.generate([[1, 2]], sampling=dict(max_tokens=2)), client.server_info):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            with grpc.insecure_channel(server.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                deadline = time.monotonic() + 10
+                while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != \
+                        health_pb2.HealthCheckResponse.NOT_SERVING:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+
+
+def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error(tmp_path):
+    factory = functools.partial(LLMEngine, EngineConfig(model=str(tmp_path / "missing")))
+    with pytest.raises(LoadError, match="missing"):
+        BackgroundServer(factory, ServeConfig(port=0, engine_process=True)).__enter__()
+
+
+def test_a_factory_that_cannot_cross_the_process_boundary_is_refused_at_once():
+    async def main():
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            await EngineProcess(lambda: None, asyncio.get_running_loop()).start()
+
+    asyncio.run(asyncio.wait_for(main(), 10))  # refused before any child starts
+
+
+def test_errors_keep_their_type_and_field_across_the_process_boundary():
+    err = pickle.loads(pickle.dumps(InvalidArgument("top_k", "must be >= 1")))
+    assert isinstance(err, InvalidArgument) and err.field == "top_k" and str(err) == "top_k: must be >= 1"
