@@ -11,9 +11,8 @@ of each; the table shows the median of `--repeats` per path and the median of th
 service / in-process ratios (each repeat runs both back to back), then each path's steps, time
 per step, the engine thread's CPU time per step and the share of the run spent inside
 `engine.step()` (the server's from its `engine_idle` log lines), which tells more steps from
-slower steps from time between steps. A third path, `loop`, runs the server's engine thread and
-event-loop delivery (with the Arrow encoding) in this process without gRPC: it separates the
-threading from the transport.
+slower steps from time between steps. Also the ratio of the two paths' total times over all
+repeats, and the median per repeat of the engine's CPU time per step, service / in-process.
 Prints the tables, writes JSON (`--out`).
 
     python benchmarks/bench_service.py --device cuda --spec dflash --repeats 5
@@ -32,9 +31,6 @@ from pathlib import Path
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
-from rollout.schema import schema_with_metadata
-from rollout.server.convert import GenerateCall, encode_samples
-from rollout.server.loop import EngineLoop
 from rollout.server.process import ServerProcess
 from trainer_client import AsyncRolloutClient
 
@@ -82,30 +78,6 @@ def run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict, 
     return tokens, time.perf_counter() - start, stats
 
 
-async def run_loop(engine: LLMEngine, prompts: list[list[int]], sampling: dict, tag: str) -> tuple[int, float]:
-    """The server's engine thread and event-loop delivery (EngineLoop, every delivery encoded as the
-    servicer's Arrow message) in this process, without gRPC, the client or a second process."""
-    loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
-    await loop.start()
-    start = time.perf_counter()
-    inboxes = [asyncio.Queue() for _ in prompts]
-    calls = [GenerateCall(f"{tag}-{i}", [p], SamplingParams(**sampling, seed=i), 1, "support", None)
-             for i, p in enumerate(prompts)]  # fmt: skip
-    await asyncio.gather(*(loop.add(call, q.put_nowait) for call, q in zip(calls, inboxes)))
-    schema, tokens = schema_with_metadata("bench", "", "", "support", TOP_K), 0
-    for q in inboxes:
-        while True:
-            delivery = await q.get()
-            if delivery.samples:
-                encode_samples(delivery.samples, schema)
-            tokens += sum(len(s.token_ids) for s in delivery.samples)
-            if delivery.done:
-                break
-    seconds = time.perf_counter() - start
-    await loop.stop()
-    return tokens, seconds
-
-
 def engine_periods(server: ServerProcess, seen: int, timeout: float = 5.0) -> tuple[list[dict], int]:
     """The server's `engine_idle` log lines after the first `seen` of them (waits a little for the
     line of the run that just ended), and the new count."""
@@ -138,7 +110,7 @@ def main() -> None:
     config = EngineConfig(model=args.model, draft=args.draft, spec=args.spec, device=args.device,
                           num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K)  # fmt: skip
     engine = LLMEngine(config)
-    paths = ("in_process", "loop", "service")
+    paths = ("in_process", "service")
     rates: dict[str, list[float]] = {p: [] for p in paths}
     steps: dict[str, list[dict]] = {p: [] for p in paths}
     with ServerProcess(serve_args(args)) as server:
@@ -152,9 +124,6 @@ def main() -> None:
             for path in paths[::-1] if r % 2 else paths:  # alternate the order
                 if path == "in_process":
                     tokens, seconds, stats = run_in_process(engine, prompts, sampling, f"r{r}")
-                elif path == "loop":
-                    tokens, seconds = asyncio.run(run_loop(engine, prompts, sampling, f"l{r}"))
-                    stats = {}
                 else:
                     tokens, seconds = asyncio.run(run_service(server.address, prompts, sampling))
                     periods, seen = engine_periods(server, seen)
@@ -164,7 +133,7 @@ def main() -> None:
                 steps[path].append(dict(stats, seconds=seconds))
             last = {k: round(v[-1]) for k, v in rates.items()}
             ins, svc = steps["in_process"][-1], steps["service"][-1]
-            print(f"repeat {r}: tok/s in-process {last['in_process']}, loop {last['loop']}, service "
+            print(f"repeat {r}: tok/s in-process {last['in_process']}, service "
                   f"{last['service']}; in-process / service: steps {ins['steps']} / {svc['steps']}, step ms "
                   f"{ins['step_ms']:.0f} / {svc['step_ms']:.0f}, engine cpu ms {ins['cpu_ms']:.0f} / "
                   f"{svc['cpu_ms']:.0f}", flush=True)
@@ -177,7 +146,10 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int,
     # drift between repeats that a ratio of the two medians keeps
     pair_ratios = [s / i for s, i in zip(rates["service"], rates["in_process"], strict=True)]
     ratio = statistics.median(pair_ratios)
-    loop_ratio = statistics.median(x / i for x, i in zip(rates["loop"], rates["in_process"], strict=True))
+    total = {p: sum(r["seconds"] for r in steps[p]) for p in steps}
+    total_ratio = total["in_process"] / total["service"]  # the same tokens on both paths
+    cpu_ratios = [s["cpu_ms"] / s["steps"] / (i["cpu_ms"] / i["steps"])
+                  for s, i in zip(steps["service"], steps["in_process"], strict=True)]
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, support masks top_k {TOP_K}, "
           f"spec {args.spec}, {args.device}; median of {args.repeats}")  # fmt: skip
     print(f"{'path':<12} {'tokens/s':>10}")
@@ -185,7 +157,9 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int,
         print(f"{name:<12} {value:>10.0f}")
     print(f"{'ratio':<12} {ratio:>10.3f}   (median of the per-repeat ratios "
           f"{', '.join(f'{r:.3f}' for r in pair_ratios)}; goal >= 0.97)")
-    print(f"{'loop ratio':<12} {loop_ratio:>10.3f}   (engine thread + event loop + Arrow encoding, no gRPC)")
+    print(f"{'total ratio':<12} {total_ratio:>10.3f}   (all repeats' in-process time / service time)")
+    print(f"{'cpu ratio':<12} {statistics.median(cpu_ratios):>10.3f}   (median per repeat of the engine thread's "
+          f"CPU per step, service / in-process)")
     # where the service's time goes: more steps, slower steps, or time outside the steps
     print(f"{'path':<12} {'steps':>7} {'ms/step':>8} {'cpu/step':>8} {'in steps':>9}   (medians over repeats; "
           f"cpu = the engine thread's CPU time; 'in steps' = time inside engine.step() / run time)")
@@ -197,7 +171,7 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int,
               f"{statistics.median(r['step_ms'] / 1e3 / r['seconds'] for r in runs):>9.3f}")
     result = dict(vars(args), tokens_per_run=tokens, tokens_per_s=rates, median_tokens_per_s=median, ratio=ratio,
                   pair_ratios=pair_ratios, ratio_of_medians=median["service"] / median["in_process"], steps=steps,
-                  loop_ratio=loop_ratio)
+                  total_ratio=total_ratio, cpu_ratios=cpu_ratios)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

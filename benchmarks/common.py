@@ -166,6 +166,37 @@ def run_engine(engine: LLMEngine, requests: list[tuple[list[int], object, dict]]
     return Run(outputs, steps, seconds)
 
 
+def run_interleaved(engines: dict[str, LLMEngine], requests: dict[str, list[tuple[list[int], object, dict]]],
+                    tag: str, device: str) -> dict[str, Run]:
+    """Two (or more) engines stepped in turn, one step each, until all are done: each engine's
+    `Run.seconds` is the time inside its own add_request and step calls. A machine whose speed
+    drifts (a shared host) then slows every arm alike, which back-to-back runs cannot promise.
+    Each step ends with the engine's host copy (a device synchronisation), so arms do not overlap
+    on the device either."""
+    outputs = {name: [] for name in engines}
+    steps = dict.fromkeys(engines, 0)
+    seconds = dict.fromkeys(engines, 0.0)
+    sync(device)
+    for name, engine in engines.items():
+        start = time.perf_counter()
+        for i, (prompt, params, extra) in enumerate(requests[name]):
+            engine.add_request(f"{tag}-{name}-{i}", [prompt], params, **extra)
+        seconds[name] += time.perf_counter() - start
+    while any(engine.has_unfinished() for engine in engines.values()):
+        for name, engine in engines.items():
+            if engine.has_unfinished():
+                start = time.perf_counter()
+                outputs[name] += engine.step()
+                seconds[name] += time.perf_counter() - start
+                steps[name] += 1
+    runs = {name: Run(outputs[name], steps[name], seconds[name]) for name in engines}
+    for name, run in runs.items():
+        errors = [o.error for o in run.outputs if o.error]
+        if errors:
+            raise RuntimeError(f"{name}: {len(errors)} sample(s) failed, first: {errors[0]}")
+    return runs
+
+
 def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
     """Rows as a fixed-width table; floats with 3 significant decimals."""
     def cell(v) -> str:

@@ -57,7 +57,9 @@ class _Route:
 class EngineLoop:
     """Owns the engine built by `engine_factory` on its own thread (see module docstring)."""
 
-    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, thread: bool = True):
+        """`thread=False`: no thread of its own; whoever owns the engine calls `run()` (an engine
+        process runs it on its main thread, see rollout.server.engine_process)."""
         self._factory = engine_factory
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -66,19 +68,21 @@ class EngineLoop:
         self._weight_waiters: list[asyncio.Future] = []
         self._stopping = False
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
+        self._finished: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self.run, name="rollout-engine", daemon=True) if thread else None
         self._busy_period: _BusyPeriod | None = None
         self.engine: Any = None
 
     async def start(self) -> None:
         """Builds the engine on the loop thread; raises whatever the factory raised."""
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
         await asyncio.wrap_future(self._ready)
 
     async def stop(self) -> None:
-        """Ends the thread after the commands already queued; running requests are aborted."""
+        """Ends the loop after the commands already queued; running requests are aborted."""
         self._commands.put(None)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.wrap_future(self._finished)
 
     def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
         """Runs fn(engine) on the engine thread; the result (or exception) comes back as a future.
@@ -107,6 +111,14 @@ class EngineLoop:
         return len(self._routes)
 
     # -- engine thread -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The engine loop, until `stop` (or a factory that fails): on the loop's own thread, or
+        on the caller's when built with `thread=False`."""
+        try:
+            self._run()
+        finally:
+            self._finished.set_result(None)
 
     def _run(self) -> None:
         try:
