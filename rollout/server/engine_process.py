@@ -8,14 +8,14 @@ from the steps: the engine runs slower behind a server than in-process. In its o
 engine keeps a GIL to itself; the server's process only parses, encodes and sends.
 
 The child runs the same `EngineLoop` (the engine on its main thread, an asyncio loop on a second)
-on its side of one duplex pipe. The parent sends commands (`add`, `abort`, `call`, `weights`, `stop`), each with an id; the
-child answers each with a result or an error and sends every request's deliveries, in the order
-its event loop produced them, batched per loop iteration. Commands and results are pickled:
-`call` takes a picklable function of the engine (a module-level function or a
-`functools.partial`, not a lambda), and the engine factory must be picklable too. A child that
-dies (a crash, a kill) fails every pending command and running request with `Unavailable`
-(gRPC UNAVAILABLE) naming its exit code, and so does every later call: the server answers
-instead of hanging.
+on its side of one duplex pipe. The parent sends commands (`add`, `abort`, `call`, `weights`,
+`stop`), each with an id; the child answers each with a result or an error, and sends every
+request's deliveries in the order its event loop produced them, batched per loop iteration.
+Commands and results are pickled: `call` takes a picklable function of the engine (a
+module-level function or a `functools.partial`, not a lambda), and the engine factory must be
+picklable too. A child that dies (a crash, a kill) fails every pending command and running
+request with `Unavailable` (gRPC UNAVAILABLE) naming its exit code, and so does every later
+call: the server answers instead of hanging.
 """
 
 from __future__ import annotations
