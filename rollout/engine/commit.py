@@ -37,9 +37,8 @@ class Committer:
                 bound = self.engine.capture.last.width
                 outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
             else:
-                part = (masks.rows, masks.first[e]) if seq.mask else None
                 try:
-                    reason = self._append(seq, tokens[e][:count], logprobs[e][:count], part)
+                    reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks, e)
                 except GrammarRejected as exc:  # never expected (verification applies the bitmask): fail the sample
                     outputs.append(self.fail(seq, str(exc)))
                     continue
@@ -75,9 +74,9 @@ class Committer:
         if copy is not None:
             self.engine.pending_copies.append(copy)
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], part) -> str | None:
-        """Append committed tokens up to the finish; returns the finish reason or None. `part`:
-        (PackedRows, first row) of the tokens' masks, None without masks."""
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks, e: int) -> str | None:
+        """Append committed tokens (entry e of the step) up to the finish; returns the finish reason
+        or None. `masks`: the step's CommittedMasks, None when no entry asked for masks."""
         out, n, reason = seq.output_token_ids, len(tokens), None
         # the finish: the token that reaches max_tokens or the context, unless a stop token
         # comes first (or is that token)
@@ -96,8 +95,8 @@ class Committer:
             tokens, logprobs = tokens[:n], logprobs[:n]
         out += tokens
         seq.output_logprobs += logprobs
-        if part is not None:
-            seq.support_parts.append((*part, n))
+        if seq.mask:
+            seq.support_parts.append((masks.rows, masks.first[e], n))
         seq.accept_lengths.append(n)
         if seq.grammar is not None:
             seq.grammar.commit(tokens)

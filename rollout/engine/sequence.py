@@ -39,6 +39,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     support_parts: list | None = None  # per step: (PackedRows, first row, count) of committed tokens
+    mask_bound: int = 0  # its support's bound when it asked for masks (top_k, 1 if greedy), else 0
     accept_lengths: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -49,6 +50,7 @@ class Sequence:
     def __post_init__(self):
         if self.mask:
             self.support_parts = []
+            self.mask_bound = 1 if self.params.greedy else self.params.top_k
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ from rollout.masks.pack import PackedRows, pack_supports
 @dataclass
 class Captured:
     packed: torch.Tensor  # [M, C + C'] int32 from `pack_supports`, one row per row of the mask entries
-    first_row: dict[int, int]  # entry -> its first packed row
+    first_row: dict[int, int] | list[int]  # entry -> its first packed row
     width: int
 
     def to_host(self) -> np.ndarray:
@@ -46,13 +46,14 @@ class CommittedMasks(NamedTuple):
     committed rows overflowed its bound (those samples fail as a whole)."""
 
     rows: PackedRows
-    first: dict[int, int]
+    first: dict[int, int] | list[int]
     failed: set[int]
 
 
 def mask_width(entries) -> int:
-    """The batch's largest requested support bound: top_k, or 1 for greedy samples."""
-    return max(1 if s.params.greedy else s.params.top_k for s in entries)
+    """The batch's largest requested support bound (top_k, 1 for greedy samples; entries without
+    masks count 0)."""
+    return max(s.mask_bound for s in entries)
 
 
 class MaskCapture:
@@ -61,20 +62,20 @@ class MaskCapture:
         self.last: Captured | None = None
 
     def capture(self, pol: Policy, step) -> Captured | None:
-        entries = [e for e, s in enumerate(step.entries) if s.mask]
-        if not entries:
+        if not any(s.mask for s in step.entries):
             self.last = None
             return None
         self.num_captures += 1
-        width = mask_width([step.entries[e] for e in entries])
+        width = mask_width(step.entries)
         sorted_ids, sorted_logp = pol.sorted_ids, pol.sorted_logp
-        if len(entries) == len(step.entries):  # every row is a mask row: no gather
-            first_row = {e: step.cu_rows[e] for e in entries}
+        if all(s.mask for s in step.entries):  # every row is a mask row: no gather
+            first_row = step.cu_rows
         else:
             first_row, rows = {}, []
-            for e in entries:
-                first_row[e] = len(rows)
-                rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
+            for e, s in enumerate(step.entries):
+                if s.mask:
+                    first_row[e] = len(rows)
+                    rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
             index = upload(rows, torch.int64, sorted_ids.device)
             cols = min(width + 1, sorted_ids.shape[1])
             sorted_ids, sorted_logp = sorted_ids[index, :cols], sorted_logp[index, :cols]
@@ -87,7 +88,7 @@ def committed_masks(cap: Captured, packed: np.ndarray, counts: dict[int, int]) -
     rows ([M, C + C'] int32, `Captured.to_host`) start at `cap.first_row[e]`. A couple of numpy calls
     whatever the batch; the flatten into flat arrays waits until a sample finishes
     (`assemble_supports`)."""
-    first = cap.first_row
+    first = cap.first_row  # (a list when every entry is masked: the step's cu_rows)
     if packed.nbytes > COMPACT_BYTES:
         first, index = {}, []
         for e, n in counts.items():
