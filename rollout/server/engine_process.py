@@ -127,7 +127,7 @@ class EngineProcess:
         message = (op, cmd_id, *args)
         if send_in_thread:  # a large message (weights) must not hold the event loop while it is written
             task = self._loop.create_task(asyncio.to_thread(self._send, message))
-            task.add_done_callback(lambda t: t.exception() and self._settle(cmd_id, None, t.exception()))
+            task.add_done_callback(lambda t: self._settle(cmd_id, None, _send_error(t)) if _send_error(t) else None)
         else:
             try:
                 self._send(message)
@@ -317,6 +317,13 @@ async def _execute(engine_loop: EngineLoop, message: tuple, out: _Outbox) -> Non
         out.post("result", cmd_id, error=exc)
         return
     out.post("result", cmd_id, result)
+
+
+def _send_error(task: asyncio.Task) -> BaseException | None:
+    """Why a threaded send failed (None if it did not)."""
+    if task.cancelled():
+        return asyncio.CancelledError()
+    return task.exception()
 
 
 def _picklable(error: BaseException | None) -> BaseException | None:
