@@ -308,3 +308,23 @@ def _wait_for(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < end, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_stream_encoder_writes_a_standard_ipc_stream_per_response():
+    """Each response is a whole IPC stream (schema with its metadata, one batch, end of stream)
+    that pyarrow's reader takes as it is, response after response of one encoder."""
+    from rollout.masks.pack import Supports
+    from rollout.schema import schema_with_metadata, to_record_batch
+    from rollout.server.convert import StreamEncoder
+
+    schema = schema_with_metadata("m", "d", "dflash", "support", 4)
+    encoder = StreamEncoder(schema)
+    sup = Supports.from_lists([[3, 1], [2]], [[-0.1, -2.4], [0.0]])
+    for k in range(3):
+        samples = [SampleOutput(f"r{k}", 0, j, [1, 2], token_ids=[3, 2], token_logprobs=[-0.1, 0.0],
+                                supports=sup, accept_lengths=[2]) for j in range(k + 1)]
+        message = encoder.encode(samples)
+        table = pa.ipc.open_stream(message.arrow_ipc).read_all()
+        assert message.num_rows == table.num_rows == k + 1
+        assert table.schema.metadata == schema.metadata
+        assert table.equals(pa.Table.from_batches([to_record_batch(samples, schema)]))

@@ -83,13 +83,23 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(logit_bias=dict(msg.logit_bias), stop_token_ids=list(msg.stop_token_ids), **kwargs)
 
 
-def encode_samples(samples: Sequence[SampleOutput], schema: pa.Schema) -> pb.GenerateResponse:
-    """Finished samples -> one response holding an Arrow IPC stream of one record batch."""
-    batch = to_record_batch(samples, schema)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(batch)
-    return pb.GenerateResponse(arrow_ipc=sink.getvalue().to_pybytes(), num_rows=batch.num_rows)
+# the IPC stream format's end-of-stream marker: continuation token, then a zero length
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+class StreamEncoder:
+    """Finished samples -> one response holding an Arrow IPC stream of one record batch (schema
+    message, batch message, end of stream). One per Generate call: the schema message, the same in
+    every response of the call, is serialised once."""
+
+    def __init__(self, schema: pa.Schema):
+        self.schema = schema
+        self._schema_message = schema.serialize().to_pybytes()
+
+    def encode(self, samples: Sequence[SampleOutput]) -> pb.GenerateResponse:
+        batch = to_record_batch(samples, self.schema)
+        stream = b"".join((self._schema_message, batch.serialize().to_pybytes(), _END_OF_STREAM))
+        return pb.GenerateResponse(arrow_ipc=stream, num_rows=batch.num_rows)
 
 
 def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str) -> pb.ServerInfo:

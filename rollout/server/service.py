@@ -23,7 +23,7 @@ from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import schema_with_metadata
-from rollout.server.convert import GenerateCall, encode_samples, parse_generate, server_info_message
+from rollout.server.convert import GenerateCall, StreamEncoder, parse_generate, server_info_message
 from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop
@@ -114,11 +114,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             max_tokens=call.params.max_tokens,
             peer=context.peer(),
         )
-        schema, delivered = self.schema(call), False
+        encoder, delivered = StreamEncoder(self.schema(call)), False
         try:
             async with status_on_error(context, "Generate", call.request_id):
                 async for samples in self._flushes(inbox):
-                    yield encode_samples(samples, schema)
+                    yield encoder.encode(samples)
             delivered = True
         finally:
             if not delivered:
