@@ -32,6 +32,7 @@ def _engine_pid(engine) -> int:
 
 
 def test_a_dead_engine_process_fails_requests_with_unavailable(tiny_random_qwen3):
+    """(On the way: a second request with a running request's id is refused, the first runs on.)"""
     factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
     with BackgroundServer(factory, ServeConfig(port=0, engine_process=True)) as server:
         pid = server.engine_call(_engine_pid)
@@ -52,6 +53,10 @@ def test_a_dead_engine_process_fails_requests_with_unavailable(tiny_random_qwen3
             while client.server_info()["kv_blocks_free"] == 256:  # until it generates
                 assert time.monotonic() < deadline and worker.is_alive(), outcome
                 time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as dup:  # the running request's id: refused, it runs on
+                client.generate([[4, 5]], sampling=dict(max_tokens=2), request_id="doomed")
+            assert dup.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in dup.value.details()
+            assert worker.is_alive() and client.server_info()["kv_blocks_free"] < 256
             os.kill(pid, signal.SIGKILL)
             worker.join(60)
             err = outcome["error"]

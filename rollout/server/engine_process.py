@@ -31,13 +31,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rollout.errors import Unavailable
+from rollout.errors import InvalidArgument, Unavailable
 from rollout.server import logs
 from rollout.server.convert import GenerateCall
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop, Sink
 
 _READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
+STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
 
 
 class EngineProcess:
@@ -75,11 +76,11 @@ class EngineProcess:
         """Ends the child after the commands already sent; running requests are aborted."""
         self._stopping = True
         if self._dead is None:
-            try:
-                await self._command("stop")
-            except Unavailable:
+            try:  # the child answers once its engine loop has ended; a wedged one is killed below
+                await asyncio.wait_for(self._command("stop"), STOP_TIMEOUT_S)
+            except (Unavailable, TimeoutError):
                 pass
-        await asyncio.to_thread(self._proc.join, 30)
+        await asyncio.to_thread(self._proc.join, STOP_TIMEOUT_S)
         if self._proc.is_alive():
             log_event("engine_process_killed", logging.WARNING, pid=self._proc.pid)
             self._proc.kill()
@@ -92,6 +93,8 @@ class EngineProcess:
 
     async def add(self, call: GenerateCall, sink: Sink) -> None:
         """Admits a request (raises the engine's InvalidArgument / ResourceExhausted)."""
+        if call.request_id in self._sinks:  # (the child would refuse it too, but its sink is taken here)
+            raise InvalidArgument("request_id", f"{call.request_id!r} is already running")
         self._sinks[call.request_id] = sink  # before the child can deliver anything for it
         try:
             await self._command("add", call)
