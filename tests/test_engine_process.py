@@ -74,6 +74,37 @@ def test_a_dead_engine_process_fails_requests_with_unavailable(tiny_random_qwen3
                     time.sleep(0.02)
 
 
+def _unfinished(engine) -> bool:
+    return engine.has_unfinished()
+
+
+def test_a_request_whose_admission_is_cancelled_is_aborted_in_the_child(tiny_random_qwen3):
+    """The caller of `add` goes away after the command left: the child has admitted (or will
+    admit) the request, and must not generate it for nobody."""
+    from rollout.engine.params import SamplingParams
+    from rollout.server.convert import GenerateCall
+
+    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+
+    async def main():
+        engine = EngineProcess(factory, asyncio.get_running_loop())
+        await engine.start()
+        try:
+            params = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True, seed=0)
+            add = asyncio.ensure_future(engine.add(GenerateCall("gone", [[1, 2, 3]], params, 1, None, None),
+                                                   lambda delivery: None))
+            await asyncio.sleep(0)  # the add command is sent
+            add.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await add
+            assert engine.num_requests() == 0
+            assert await engine.call(_unfinished) is False  # queued after the abort
+        finally:
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
 def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error(tmp_path):
     factory = functools.partial(LLMEngine, EngineConfig(model=str(tmp_path / "missing")))
     with pytest.raises(LoadError, match="missing"):

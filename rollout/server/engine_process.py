@@ -98,9 +98,12 @@ class EngineProcess:
         self._sinks[call.request_id] = sink  # before the child can deliver anything for it
         try:
             await self._command("add", call)
-        except BaseException:
+        except BaseException as exc:
             if self._sinks.get(call.request_id) is sink:
                 del self._sinks[call.request_id]
+            if isinstance(exc, asyncio.CancelledError) and self._dead is None:
+                # the caller went away while the child admits it: abort it there (after the add)
+                self._command("abort", call.request_id, "client went away during admission")
             raise
 
     def abort(self, request_id: str, reason: str, sink: Sink | None = None) -> asyncio.Future:
