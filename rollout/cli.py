@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--gil-switch-ms", type=float, default=None,
-        help="Python's thread switch interval (default 5): how long the engine thread may wait for "
-             "the GIL while the gRPC event loop holds it",
+        help="Python's thread switch interval (default 5), in the server's and the engine's process: "
+             "how long a thread may wait for the GIL while another holds it (with --engine-thread, "
+             "the engine thread and the gRPC event loop share one)",
     )
     serve.add_argument(
         "--engine-thread", action="store_true",
