@@ -24,13 +24,24 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 from tokenizers import Tokenizer
 from torch import Tensor
 
 from rollout.errors import GrammarRejected, InvalidArgument
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgrammar():
+    """xgrammar, imported on first use: it pulls in transformers (~1.5 s), which a process that
+    never sees a grammar (every engine process, the CLI) should not pay for at start."""
+    import xgrammar
+
+    return xgrammar
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # Whitespace between JSON elements is bounded: a sampled policy can otherwise spend its whole
@@ -71,6 +82,7 @@ def build_tokenizer_info(
     `eos_token_ids`, or beyond the tokenizer's vocabulary) get an empty spelling; non-special
     added tokens are spelled in the vocabulary's own encoding.
     """
+    xgr = _xgrammar()
     # xgrammar's own reading of a tokenizer.json (vocab type, prefix space); private but stable.
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())
     added = tokenizer.get_added_tokens_decoder()
@@ -109,7 +121,7 @@ class GrammarCompilerCache:
             raise InvalidArgument("eos_token_ids", "a grammar needs at least one stop token")
         self.vocab_size = vocab_size
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, eos_token_ids, special_ids)
-        self._compiler = xgr.GrammarCompiler(
+        self._compiler = _xgrammar().GrammarCompiler(
             self.tokenizer_info, max_threads=max_threads, cache_enabled=False
         )
         self._capacity = capacity
@@ -152,7 +164,7 @@ class GrammarState:
     def __init__(
         self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int] | None = None
     ):
-        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        self._matcher = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
         self.vocab_size = vocab_size
         self._stop_only = torch.zeros(bitmask_width(vocab_size), dtype=torch.int32)  # [W]
         for t in self._matcher.stop_token_ids:
@@ -231,7 +243,7 @@ def apply_bitmask(logits: Tensor, bitmask: Tensor, row_has_grammar: Tensor | Non
     if logits.device.type == "cpu":
         indices = None if row_has_grammar is None else row_has_grammar.nonzero().flatten().tolist()
         if indices != []:
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, indices=indices)
+            _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=v, indices=indices)
     else:
         _apply_bitmask_torch(logits, bitmask, row_has_grammar)
 
