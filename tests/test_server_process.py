@@ -1,8 +1,11 @@
 """`rollout serve` as a real process: it prints its address, reports SERVING on gRPC health, and
-on SIGTERM during generation delivers the in-flight samples, then exits 0."""
+on SIGTERM during generation delivers the in-flight samples, then exits 0; killed outright, it
+leaves no engine process behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -39,6 +42,39 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_random_qwen3):
         assert '"event": "draining"' in log and '"event": "server_stopped"' in log
     finally:
         server.stop()
+
+
+def test_a_killed_server_leaves_no_engine_process_behind(tiny_random_qwen3):
+    """`rollout serve` killed outright (no drain): its engine process sees the pipe close and
+    exits, so no orphan keeps the GPU."""
+    server = ServerProcess(["--model", str(tiny_random_qwen3), "--num-kv-blocks", "64"]).start()
+    children = _children(server.proc.pid)
+    assert children, "rollout serve runs its engine in a child process"
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(30)
+    _wait_for(lambda: not any(_running(pid) for pid in children), timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _wait_for(predicate, timeout: float = 60.0) -> None:
