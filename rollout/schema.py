@@ -6,8 +6,8 @@ Everything that writes or reads rollout record batches imports it from here: the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from itertools import accumulate, chain
+from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import pyarrow as pa
@@ -75,7 +75,7 @@ _LIST_TYPES = {np.int16: pa.list_(pa.int16()), np.int32: pa.list_(pa.int32()), n
 
 def _list_array(rows: Sequence[Sequence], dtype: type[np.generic]) -> pa.ListArray:
     """Rows of numbers -> list<dtype>: values [sum of lengths] and offsets [len(rows) + 1]."""
-    offsets = _offsets(map(len, rows), len(rows))
+    offsets = _offsets(np.fromiter(map(len, rows), np.int64, count=len(rows)))
     values = np.fromiter(chain.from_iterable(rows), dtype, count=int(offsets[-1]))
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), type=_LIST_TYPES[dtype])
 
@@ -96,27 +96,21 @@ def _nested_from_flat(per_sample: Sequence[tuple[np.ndarray, np.ndarray] | None]
     dtype = value_type.to_pandas_dtype()
     values = np.concatenate([v for v, _ in present]).astype(dtype, copy=False) if present else np.zeros(0, dtype)
     lens = np.concatenate([n for _, n in present]) if present else np.zeros(0, np.int32)
-    inner_offsets = _offsets_from_lengths(lens)
+    inner_offsets = _offsets(lens)
     inner = pa.ListArray.from_arrays(pa.array(inner_offsets), pa.array(values, value_type),
                                      type=pa.list_(value_type))
-    outer_offsets = _offsets((0 if p is None else len(p[1]) for p in per_sample), len(per_sample))
+    outer_offsets = _offsets(np.fromiter((0 if p is None else len(p[1]) for p in per_sample), np.int64,
+                                         count=len(per_sample)))
     nulls = None
     if len(present) < len(per_sample):
         nulls = pa.array(np.fromiter((p is None for p in per_sample), np.bool_, count=len(per_sample)))
     return pa.ListArray.from_arrays(pa.array(outer_offsets), inner, type=pa.list_(inner.type), mask=nulls)
 
 
-def _offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """[N] lengths -> [N + 1] int32 offsets, 0 first; list<> offsets are 32-bit."""
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] >= 2**31:
         raise ValueError("a record batch column holds 2**31 list values or more; send fewer rows")
     return offsets.astype(np.int32)
-
-
-def _offsets(lengths: Iterable[int], count: int) -> np.ndarray:
-    """[count] lengths -> [count + 1] int32 offsets, 0 first; list<> offsets are 32-bit."""
-    try:
-        return np.fromiter(accumulate(lengths, initial=0), np.int32, count=count + 1)
-    except OverflowError:
-        raise ValueError("a record batch column holds 2**31 list values or more; send fewer rows") from None

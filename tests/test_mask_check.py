@@ -4,7 +4,7 @@ and `rollout validate` reads IPC files and streams with the documented exit code
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -16,21 +16,10 @@ from rollout.schema import ROLLOUT_SCHEMA, schema_with_metadata
 VOCAB = 50
 
 
-@dataclass
-class Row:
-    """One rollout row as plain, freely breakable Python lists (the validator reads Arrow only)."""
-
-    request_id: str
-    prompt_index: int
-    sample_index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    support_ids: list[list[int]] | None = None
-    support_logprobs: list[list[float]] | None = None
-    finish_reason: str = "length"
-    accept_lengths: list[int] = field(default_factory=list)
-    policy_version: int = 0
+def _row(**values) -> SimpleNamespace:
+    """One rollout row as plain, freely breakable Python values, one attribute per column of the
+    schema (the validator reads Arrow only, so rows need not be valid engine outputs)."""
+    return SimpleNamespace(**({f.name: None for f in ROLLOUT_SCHEMA} | values))
 
 
 def _top_k_policy(rng: np.random.Generator, top_k: int):
@@ -43,9 +32,9 @@ def _top_k_policy(rng: np.random.Generator, top_k: int):
     return order, logp.astype(np.float32).tolist()
 
 
-def _sample(rng, request_id="r0", n_tokens=6, top_k=5, greedy_at=(), mode="support") -> Row:
-    s = Row(request_id, prompt_index=0, sample_index=1, prompt_token_ids=[1, 2, 3])
-    s.support_ids, s.support_logprobs = [], []
+def _sample(rng, request_id="r0", n_tokens=6, top_k=5, greedy_at=(), mode="support") -> SimpleNamespace:
+    s = _row(request_id=request_id, prompt_index=0, sample_index=1, prompt_token_ids=[1, 2, 3], token_ids=[],
+             token_logprobs=[], support_ids=[], support_logprobs=[], policy_version=0)
     for j in range(n_tokens):
         ids, logp = ([7], [0.0]) if j in greedy_at else _top_k_policy(rng, top_k)
         pick = int(rng.integers(len(ids)))
@@ -65,7 +54,7 @@ def _table(samples, mode="support", **extra) -> pa.Table:
         schema = schema.with_metadata(
             {**schema.metadata, **{k.encode(): str(v).encode() for k, v in extra.items()}}
         )
-    return pa.Table.from_pylist([asdict(s) for s in samples], schema=schema)
+    return pa.Table.from_pylist([vars(s) for s in samples], schema=schema)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.masks.pack import PackedRows, assemble_supports, pack_supports, unpack_supports
+from rollout.masks.pack import PackedRows, Supports, assemble_supports, flatten_supports, pack_supports
 
 
 def _sorted_policy(n: int, vocab: int, lens: list[int], seed: int = 0):
@@ -35,6 +35,13 @@ def _reference(sorted_ids, sorted_logp, width):
         ids.append([t for t, _ in kept])
         logp.append([lp for _, lp in kept])
     return ids, logp, lens
+
+
+def unpack_supports(ids, logp, lens, with_logprobs: bool):
+    """`flatten_supports` as one list per row."""
+    flat_ids, flat_logp, lens = flatten_supports(ids, logp, lens)
+    sup = Supports(flat_ids, lens, flat_logp if with_logprobs else None)
+    return sup.id_lists(), sup.logprob_lists()
 
 
 def _packed(sorted_ids, sorted_logp, width) -> PackedRows:

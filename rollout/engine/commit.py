@@ -34,7 +34,7 @@ class Committer:
                 outputs.append(self.fail(seq, f"no token is allowed at output position {position}: the grammar and "
                                               f"min_tokens / stop_token_ids exclude every token"))
             elif seq.mask and e in masks.failed:
-                bound = self.engine.capture.last.width
+                bound = masks.rows.width
                 outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
             else:
                 try:

@@ -38,6 +38,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def support_bound(self) -> int:
+        """The most tokens a mask of these parameters may hold (Contract 3): top_k, 1 when greedy."""
+        return 1 if self.greedy else self.top_k
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -137,10 +137,13 @@ def policy(logits: torch.Tensor, rows: RowParams) -> Policy:
     return Policy(sorted_ids, sorted_logp, keep.sum(dim=1), z.shape[1])
 
 
-def sample_sorted(sorted_probs: torch.Tensor, support_len: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw in sorted layout: [N, V] probs (need not be normalised), u [N] ->
-    index [N] into the sorted order, always inside the first support_len entries."""
-    cdf = sorted_probs.cumsum(dim=1)  # [N, V]
-    target = (u * cdf[:, -1])[:, None]
-    idx = (cdf <= target).sum(dim=1)
+def sample_sorted(sorted_probs: torch.Tensor, support_len: torch.Tensor | int, u: torch.Tensor) -> torch.Tensor:
+    """The one inverse-CDF draw: [..., V] probs (need not be normalised), u [...] -> index [...]
+    into the last dimension, always inside the first support_len entries ([...] int64, or one int
+    for every row). Policy rows are in sorted layout; a drafter draws its q in vocabulary order."""
+    cdf = sorted_probs.cumsum(dim=-1)  # [..., V]
+    target = (u * cdf[..., -1])[..., None]
+    idx = (cdf <= target).sum(dim=-1)
+    if isinstance(support_len, int):
+        return idx.clamp(max=support_len - 1)
     return torch.minimum(idx, (support_len - 1).clamp(min=0))

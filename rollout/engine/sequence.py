@@ -50,7 +50,7 @@ class Sequence:
     def __post_init__(self):
         if self.mask:
             self.support_parts = []
-            self.mask_bound = 1 if self.params.greedy else self.params.top_k
+            self.mask_bound = self.params.support_bound
 
     @property
     def num_tokens(self) -> int:

@@ -68,7 +68,7 @@ class PackedRows:
 
     def lens(self) -> np.ndarray:
         """[N] int32 support lengths: exact up to `width`, `width + 1` when longer (overflow)."""
-        return np.isfinite(self.logp).sum(axis=1, dtype=np.int32)
+        return _support_lens(self.logp)
 
     def overflowed(self) -> np.ndarray:
         """[N] bool: rows whose support exceeds `width` (their column `width` is finite)."""
@@ -85,8 +85,7 @@ def assemble_supports(parts: list[tuple[PackedRows, int, int]], with_logprobs: b
         run = list(run)
         ids = np.concatenate([rows.ids[a:a + n] for rows, a, n in run])
         logp = np.concatenate([rows.logp[a:a + n] for rows, a, n in run])
-        lens = np.isfinite(logp).sum(axis=1, dtype=np.int32)
-        flat_ids, flat_logp, lens = flatten_supports(ids, logp[:, :ids.shape[1]], lens)
+        flat_ids, flat_logp, lens = flatten_supports(ids, logp[:, :ids.shape[1]], _support_lens(logp))
         pieces.append(Supports(flat_ids, lens, flat_logp if with_logprobs else None))
     if len(pieces) == 1:
         return pieces[0]
@@ -130,13 +129,6 @@ class Supports:
         logp = np.concatenate([p.logprobs for p in parts]) if with_logprobs else None
         return cls(np.concatenate([p.ids for p in parts]), np.concatenate([p.lens for p in parts]), logp)
 
-    def head(self, n: int) -> Supports:
-        """The first n tokens (views)."""
-        if n >= len(self.lens):
-            return self
-        total = int(self.lens[:n].sum())
-        return Supports(self.ids[:total], self.lens[:n], None if self.logprobs is None else self.logprobs[:total])
-
     def id_lists(self) -> list[list[int]]:
         return _split(self.ids.tolist(), np.cumsum(self.lens).tolist())
 
@@ -161,13 +153,9 @@ def flatten_supports(ids: np.ndarray | Tensor, logp: np.ndarray | Tensor, lens: 
     return ids[keep].astype(np.int32, copy=False), logp[keep].astype(np.float32, copy=False), lens
 
 
-def unpack_supports(
-    ids: np.ndarray | Tensor, logp: np.ndarray | Tensor, lens: np.ndarray | Tensor, with_logprobs: bool
-) -> tuple[list[list[int]], list[list[float]] | None]:
-    """`flatten_supports` as one list per row (see there)."""
-    flat_ids, flat_logp, lens = flatten_supports(ids, logp, lens)
-    sup = Supports(flat_ids, lens, flat_logp if with_logprobs else None)
-    return sup.id_lists(), sup.logprob_lists()
+def _support_lens(logp: np.ndarray) -> np.ndarray:
+    """[N, C] packed log-probs (-inf past the support) -> [N] int32 support lengths."""
+    return np.isfinite(logp).sum(axis=1, dtype=np.int32)
 
 
 def _ties_by_id(ids: np.ndarray, logp: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -2,8 +2,8 @@
 
 The engine is single-threaded. Every call on it (add, abort, info, weight updates, step) runs
 on this thread (a thread of its own, or, in an engine process, that process's main thread: see
-rollout.server.engine_process); the asyncio side submits commands through a queue and gets results back as
-asyncio futures. Finished samples are routed to the request's sink, a callable that is also
+rollout.server.engine_process); the asyncio side submits commands through a queue and gets
+results back as asyncio futures. Finished samples are routed to the request's sink, a callable that is also
 invoked on the event loop, once per request per step, so the event loop never blocks on the
 engine and the engine never waits for a client.
 

@@ -89,9 +89,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
 
     def schema(self, call: GenerateCall):
         ident = self.identity
-        bound = None
-        if call.mask:
-            bound = 1 if call.params.greedy else call.params.top_k
+        bound = call.params.support_bound if call.mask else None
         return schema_with_metadata(ident.model, ident.drafter, ident.spec_method, call.mask or "none", bound)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:

@@ -24,7 +24,7 @@ import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
 from rollout.engine.kv import copy_blocks
-from rollout.engine.sampler import PURPOSE_DRAFT, uniform
+from rollout.engine.sampler import PURPOSE_DRAFT, sample_sorted, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
 from rollout.spec.draft_graphs import DraftGraphs
@@ -215,8 +215,7 @@ def _draw(z: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor, u: torch.Te
     inverse-CDF draw with uniforms u [...] from q = softmax(z / temp). temp broadcasts against z,
     greedy against u. Returns drafts [...] int64 and q [..., V]."""
     q = torch.softmax(z / temp, dim=-1)
-    drawn = (q.cumsum(dim=-1) <= (u[..., None] * q.sum(dim=-1, keepdim=True))).sum(dim=-1)
-    prev = torch.where(greedy, z.argmax(dim=-1), drawn.clamp(max=z.shape[-1] - 1))
+    prev = torch.where(greedy, z.argmax(dim=-1), sample_sorted(q, z.shape[-1], u))
     one_hot = torch.nn.functional.one_hot(prev, z.shape[-1]).to(q.dtype)
     return prev, torch.where(greedy[..., None], one_hot, q)
 
