@@ -34,19 +34,15 @@ class BlockManager:
         need = -(-num_tokens // self.block_size)
         return max(0, need - len(seq.block_table))
 
-    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow the block table to cover positions < num_tokens. False (and no change) if
-        there are not enough free blocks."""
+    def ensure_slots(self, seq: Sequence, num_tokens: int, keep_free: int = 0) -> bool:
+        """Grow the block table to cover positions < num_tokens. False (and no change) if that
+        would leave fewer than `keep_free` blocks free."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > len(self.free_blocks):
+        if need + keep_free > len(self.free_blocks):
             return False
-        self.append_blocks(seq, need)
-        return True
-
-    def append_blocks(self, seq: Sequence, count: int) -> None:
-        """Give `seq` `count` more free blocks (the caller has checked that they exist)."""
-        for _ in range(count):
+        for _ in range(need):
             seq.block_table.append(self._take_free())
+        return True
 
     def allocate_prompt(self, seq: Sequence) -> int:
         """Reuse cached full blocks of seq's prompt prefix; returns the number of prompt

@@ -112,15 +112,13 @@ class Scheduler:
 
     def _reserve(self, item: ScheduledSeq) -> bool:
         seq = item.seq
-        need = self.bm.blocks_needed(seq, seq.num_computed_tokens + item.num_new_tokens + item.num_draft)
-        spare = self.bm.num_free_blocks - self._fork_blocks - need
-        if spare < 0:
+        end = seq.num_computed_tokens + item.num_new_tokens + item.num_draft
+        if not self.bm.ensure_slots(seq, end, keep_free=self._fork_blocks):
             return False
         if seq.children and item.samples:
             # hold one block per forked sample (for its partial-block copy) as far as they go;
             # a sample left without one waits and recomputes its prompt (Committer._fork)
-            self._fork_blocks += min(len(seq.children), spare)
-        self.bm.append_blocks(seq, need)
+            self._fork_blocks += min(len(seq.children), self.bm.num_free_blocks - self._fork_blocks)
         return True
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
