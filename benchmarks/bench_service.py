@@ -128,6 +128,8 @@ def main() -> None:
                     tokens, seconds = asyncio.run(run_service(server.address, prompts, sampling))
                     periods, seen = engine_periods(server, seen)
                     stats = {k: sum(p[k] for p in periods) for k in ("steps", "step_ms", "busy_ms", "cpu_ms")}
+                    # admission of the burst: when its last request came in and the first step began
+                    stats.update({k: periods[0].get(k, 0.0) for k in ("last_admitted_ms", "first_step_ms")})
                 assert tokens == args.requests * args.max_tokens, (path, tokens)
                 rates[path].append(tokens / seconds)
                 steps[path].append(dict(stats, seconds=seconds))
@@ -136,7 +138,8 @@ def main() -> None:
             print(f"repeat {r}: tok/s in-process {last['in_process']}, service "
                   f"{last['service']}; in-process / service: steps {ins['steps']} / {svc['steps']}, step ms "
                   f"{ins['step_ms']:.0f} / {svc['step_ms']:.0f}, engine cpu ms {ins['cpu_ms']:.0f} / "
-                  f"{svc['cpu_ms']:.0f}", flush=True)
+                  f"{svc['cpu_ms']:.0f}; service: last request in at {svc['last_admitted_ms']:.1f} ms, first "
+                  f"step at {svc['first_step_ms']:.1f} ms", flush=True)
     report(args, rates, tokens, steps)
 
 
@@ -169,6 +172,10 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int,
               f"{statistics.median(r['step_ms'] / max(r['steps'], 1) for r in runs):>8.3f} "
               f"{statistics.median(r['cpu_ms'] / max(r['steps'], 1) for r in runs):>8.3f} "
               f"{statistics.median(r['step_ms'] / 1e3 / r['seconds'] for r in runs):>9.3f}")
+    svc = steps["service"]
+    print(f"service admission (medians): last request in at "
+          f"{statistics.median(r['last_admitted_ms'] for r in svc):.1f} ms, first step at "
+          f"{statistics.median(r['first_step_ms'] for r in svc):.1f} ms after the engine left idle")
     result = dict(vars(args), tokens_per_run=tokens, tokens_per_s=rates, median_tokens_per_s=median, ratio=ratio,
                   pair_ratios=pair_ratios, ratio_of_medians=median["service"] / median["in_process"], steps=steps,
                   total_ratio=total_ratio, cpu_ratios=cpu_ratios)

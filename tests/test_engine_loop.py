@@ -112,3 +112,53 @@ def test_a_busy_period_is_logged_when_the_engine_goes_idle(caplog):
     for fields in periods:
         assert fields["steps"] == 1 and fields["finished_tokens"] == 3
         assert 0 <= fields["step_ms"] <= fields["busy_ms"] and fields["cpu_ms"] >= 0
+
+
+def test_a_burst_after_idle_is_admitted_before_the_first_step(monkeypatch):
+    """Requests that keep coming (gaps under BURST_GAP_S) after idle share the first step; with the
+    window at 0 the first request steps alone."""
+    import rollout.server.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "BURST_GAP_S", 1.0)  # far above the 50 ms gaps below, even on a slow host
+
+    async def run(window: float) -> list[int]:
+        engine = ScriptedEngine()
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop(), admission_window_s=window)
+        await loop.start()
+        inboxes = {rid: asyncio.Queue() for rid in "abc"}
+        for rid, inbox in inboxes.items():
+            await loop.add(_call(rid), inbox.put_nowait)
+            await asyncio.sleep(0.05)
+        for rid, inbox in inboxes.items():
+            assert (await inbox.get()).done
+        await loop.stop()
+        return engine.steps
+
+    assert asyncio.run(asyncio.wait_for(run(window=30.0), 30)) == 1
+    assert asyncio.run(asyncio.wait_for(run(window=0.0), 30)) == 3
+
+
+def test_the_admission_window_bounds_the_wait(monkeypatch, caplog):
+    """A gap longer than the window does not hold the first step past the window; the period's log
+    line says when the first step began."""
+    import logging
+
+    import rollout.server.loop as loop_module
+    from rollout.server.logs import LOGGER_NAME
+
+    monkeypatch.setattr(loop_module, "BURST_GAP_S", 60.0)
+
+    async def main():
+        engine = ScriptedEngine()
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop(), admission_window_s=0.2)
+        await loop.start()
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        await loop.add(_call("a"), inbox.put_nowait)
+        assert (await asyncio.wait_for(inbox.get(), 10)).done  # not the 60 s gap
+        await loop.call(lambda e: None)
+        await loop.stop()
+
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        asyncio.run(asyncio.wait_for(main(), 30))
+    (period,) = [r.fields for r in caplog.records if r.getMessage() == "engine_idle"]
+    assert 150 <= period["first_step_ms"] <= 10_000
