@@ -70,8 +70,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     flush = FlushPolicy(rows=args.flush_rows, seconds=args.flush_ms / 1e3)
     config = ServeConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds, flush=flush,
                          engine_process=not args.engine_thread)
-    if args.admission_window_ms is not None:
-        config = dataclasses.replace(config, admission_window_ms=args.admission_window_ms)
     return asyncio.run(serve(engine_factory(args), config))
 
 
@@ -162,12 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-thread", action="store_true",
         help="run the engine on a thread of the server's process instead of in its own process "
              "(which keeps the gRPC front end off the engine's GIL)",
-    )
-
-    serve.add_argument(
-        "--admission-window-ms", type=float, default=None,
-        help="a burst of requests that finds the engine idle is admitted as one, waiting while they keep "
-             "coming (less than 2 ms apart) for at most this long before the first step (default 20); 0: no waiting",
     )
 
     gen = sub.add_parser("generate", help="prompts -> Arrow IPC file through a running server")

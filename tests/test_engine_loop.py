@@ -13,13 +13,15 @@ from rollout.server.loop import Delivery, EngineLoop
 
 
 class ScriptedEngine:
-    """Finishes every running sample in one step; `gate` holds each step until it is set."""
+    """Finishes every running sample in one step, except those of the requests in `keep`; `gate`
+    holds each step until it is set."""
 
     def __init__(self):
         self.running: list[tuple[str, int]] = []
         self.gate = threading.Event()
         self.gate.set()
         self.steps = 0
+        self.keep: set[str] = set()
 
     def add_request(self, request_id, prompts, params, n=1, mask=None, grammar=None) -> None:
         self.running += [(request_id, p) for p in range(len(prompts))]
@@ -27,7 +29,8 @@ class ScriptedEngine:
     def step(self) -> list[SampleOutput]:
         self.gate.wait()
         self.steps += 1
-        done, self.running = self.running, []
+        done = [r for r in self.running if r[0] not in self.keep]
+        self.running = [r for r in self.running if r[0] in self.keep]
         return [SampleOutput(rid, p, 0, [1], token_ids=[2]) for rid, p in done]
 
     def abort(self, request_id) -> list[SampleOutput]:
@@ -114,51 +117,33 @@ def test_a_busy_period_is_logged_when_the_engine_goes_idle(caplog):
         assert 0 <= fields["step_ms"] <= fields["busy_ms"] and fields["cpu_ms"] >= 0
 
 
-def test_a_burst_after_idle_is_admitted_before_the_first_step(monkeypatch):
-    """Requests that keep coming (gaps under BURST_GAP_S) after idle share the first step; with the
-    window at 0 the first request steps alone."""
-    import rollout.server.loop as loop_module
-
-    monkeypatch.setattr(loop_module, "BURST_GAP_S", 1.0)  # far above the 50 ms gaps below, even on a slow host
-
-    async def run(window: float) -> list[int]:
-        engine = ScriptedEngine()
-        loop = EngineLoop(lambda: engine, asyncio.get_running_loop(), admission_window_s=window)
-        await loop.start()
-        inboxes = {rid: asyncio.Queue() for rid in "abc"}
-        for rid, inbox in inboxes.items():
-            await loop.add(_call(rid), inbox.put_nowait)
-            await asyncio.sleep(0.05)
-        for rid, inbox in inboxes.items():
-            assert (await inbox.get()).done
-        await loop.stop()
-        return engine.steps
-
-    assert asyncio.run(asyncio.wait_for(run(window=30.0), 30)) == 1
-    assert asyncio.run(asyncio.wait_for(run(window=0.0), 30)) == 3
-
-
-def test_the_admission_window_bounds_the_wait(monkeypatch, caplog):
-    """A gap longer than the window does not hold the first step past the window; the period's log
-    line says when the first step began."""
+def test_the_busy_period_says_when_its_first_step_began_and_its_last_request_came(caplog):
+    """A request admitted while another runs: the period's log line has the first step at its start
+    and the last admission after the step was let go (both in ms from the period's start)."""
     import logging
 
-    import rollout.server.loop as loop_module
     from rollout.server.logs import LOGGER_NAME
-
-    monkeypatch.setattr(loop_module, "BURST_GAP_S", 60.0)
 
     async def main():
         engine = ScriptedEngine()
-        loop = EngineLoop(lambda: engine, asyncio.get_running_loop(), admission_window_s=0.2)
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
         await loop.start()
-        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
-        await loop.add(_call("a"), inbox.put_nowait)
-        assert (await asyncio.wait_for(inbox.get(), 10)).done  # not the 60 s gap
+        engine.gate.clear()
+        engine.keep.add("a")  # "a" runs until "b" is in
+        inboxes = {rid: asyncio.Queue() for rid in "ab"}
+        await loop.add(_call("a"), inboxes["a"].put_nowait)  # its first step now waits at the gate
+        late = asyncio.ensure_future(loop.add(_call("b"), inboxes["b"].put_nowait))
+        await asyncio.sleep(0.2)
+        engine.gate.set()
+        await late
+        await loop.call(lambda e: e.keep.clear())
+        for inbox in inboxes.values():
+            assert (await inbox.get()).done
         await loop.call(lambda e: None)
         await loop.stop()
 
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         asyncio.run(asyncio.wait_for(main(), 30))
     (period,) = [r.fields for r in caplog.records if r.getMessage() == "engine_idle"]
-    assert 150 <= period["first_step_ms"] <= 10_000
+    assert period["steps"] >= 2
+    assert period["first_step_ms"] < 150 <= period["last_admitted_ms"] <= period["busy_ms"]

@@ -24,7 +24,7 @@ from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
-from rollout.server.loop import ADMISSION_WINDOW_S, EngineLoop
+from rollout.server.loop import EngineLoop
 from rollout.server.service import FlushPolicy, Identity, RolloutService
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
@@ -42,17 +42,12 @@ class ServeConfig:
     # the engine in a child process (EngineProcess; the factory must then be picklable) rather than
     # a thread of this one (EngineLoop): `rollout serve` does, see rollout.server.engine_process
     engine_process: bool = False
-    # a burst of requests finding the engine idle is admitted as one, for up to this long (see
-    # rollout.server.loop); 0 steps as soon as the first request is in
-    admission_window_ms: float = ADMISSION_WINDOW_S * 1e3
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise InvalidArgument("port", f"must be in [0, 65535] (0 = pick a free one), got {self.port}")
         if not self.drain_seconds >= 0:
             raise InvalidArgument("drain_seconds", f"must be >= 0, got {self.drain_seconds}")
-        if not 0 <= self.admission_window_ms <= 1000:
-            raise InvalidArgument("admission_window_ms", f"must be in [0, 1000], got {self.admission_window_ms}")
 
     def address(self, port: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -78,8 +73,7 @@ class RunningServer:
 async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -> RunningServer:
     """Builds the engine (on its own thread or in its own process), binds the port and starts serving."""
     loop_type = EngineProcess if config.engine_process else EngineLoop
-    engine_loop = loop_type(engine_factory, asyncio.get_running_loop(),
-                            admission_window_s=config.admission_window_ms / 1e3)
+    engine_loop = loop_type(engine_factory, asyncio.get_running_loop())
     await engine_loop.start()
     identity = await engine_loop.call(engine_identity)
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", -1)]

@@ -35,7 +35,7 @@ from rollout.errors import InvalidArgument, Unavailable
 from rollout.server import logs
 from rollout.server.convert import GenerateCall
 from rollout.server.logs import log_event
-from rollout.server.loop import ADMISSION_WINDOW_S, Delivery, EngineLoop, Sink
+from rollout.server.loop import Delivery, EngineLoop, Sink
 
 _READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
@@ -45,9 +45,8 @@ class EngineProcess:
     """`EngineLoop`'s interface over a child process (see the module docstring)."""
 
     def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop,
-                 log_level: str | None = None, admission_window_s: float = ADMISSION_WINDOW_S):
+                 log_level: str | None = None):
         self._factory = engine_factory
-        self._admission_window = admission_window_s
         self._loop = loop
         self._log_level = log_level or logging.getLevelName(logging.getLogger(logs.LOGGER_NAME).getEffectiveLevel())
         self._ids = itertools.count(_READY + 1)
@@ -66,8 +65,7 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, name="rollout-engine", daemon=True,
-                                 args=(self._factory, child_conn, self._log_level, sys.getswitchinterval(),
-                                       self._admission_window))
+                                 args=(self._factory, child_conn, self._log_level, sys.getswitchinterval()))
         ready = self._pending[_READY] = self._loop.create_future()
         self._proc.start()
         child_conn.close()
@@ -208,8 +206,7 @@ class EngineProcess:
 # -- child side --------------------------------------------------------------------------------
 
 
-def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval: float,
-                admission_window_s: float) -> None:
+def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval: float) -> None:
     """The child's entry point: the engine loop runs on this, the main thread, and the asyncio side
     (commands in, results and deliveries out) on a second one. The main thread matters: glibc
     gives other threads their own malloc arenas, which return memory to the system and take it
@@ -221,7 +218,7 @@ def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interva
     sys.setswitchinterval(switch_interval)
     logs.configure(log_level)
     loop = asyncio.new_event_loop()
-    engine_loop = EngineLoop(factory, loop, thread=False, admission_window_s=admission_window_s)
+    engine_loop = EngineLoop(factory, loop, thread=False)
     front = threading.Thread(target=loop.run_until_complete, args=(_serve_engine(engine_loop, conn),),
                              name="rollout-engine-front", daemon=True)
     front.start()

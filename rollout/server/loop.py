@@ -12,12 +12,6 @@ goes to the event loop in one `loop.call_soon_threadsafe` per batch of commands 
 each wake-up of the loop is a socket write that lets go of the GIL, and getting it back while
 the event loop runs costs the engine thread up to the interpreter's switch interval (5 ms).
 
-A burst of requests that finds the engine idle is admitted as one: after the first, the loop keeps
-taking commands while they come less than `BURST_GAP_S` apart, for at most the admission window
-(`admission_window_s`), before the first step. Otherwise a trainer's 64 requests, arriving one RPC
-at a time, trickle into a ramp of steps that mix prefills with decodes (eager steps, not CUDA
-graph replays), and the last ones to arrive finish a few steps behind the rest.
-
 Weight updates follow the engine's drain policy: `update_weights` validates synchronously,
 then the engine applies it at a step boundary once running samples have finished; the caller's
 future resolves with the new `policy_version` after that.
@@ -53,9 +47,6 @@ class Delivery:
 
 Sink = Callable[[Delivery], None]
 
-BURST_GAP_S = 0.002  # a burst after idle is over once no command came for this long
-ADMISSION_WINDOW_S = 0.02  # the longest a burst may hold back the first step
-
 
 @dataclass
 class _Route:
@@ -67,13 +58,10 @@ class _Route:
 class EngineLoop:
     """Owns the engine built by `engine_factory` on its own thread (see module docstring)."""
 
-    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, thread: bool = True,
-                 admission_window_s: float = ADMISSION_WINDOW_S):
+    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, thread: bool = True):
         """`thread=False`: no thread of its own; whoever owns the engine calls `run()` (an engine
-        process runs it on its main thread, see rollout.server.engine_process).
-        `admission_window_s`: see the module docstring (0: step as soon as a request is in)."""
+        process runs it on its main thread, see rollout.server.engine_process)."""
         self._factory = engine_factory
-        self._admission_window = admission_window_s
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[Callable[[], None]] = []  # run on the event loop, in order
@@ -145,10 +133,9 @@ class EngineLoop:
             if not busy and self._busy_period is not None:  # idle again: one log line for the period
                 self._busy_period.log()
                 self._busy_period = None
-            self._run_commands(timeout=0 if busy else None)
-            if not busy and self._busy():  # left idle: the rest of a burst comes in before the first step
+            self._run_commands(block=not busy)
+            if not busy and self._busy():  # left idle (a request came in): a busy period begins
                 self._busy_period = _BusyPeriod(time.perf_counter())
-                self._admit_burst()
             self._send_outbox()
             if self._busy() and not self._stopping:
                 self._step()
@@ -162,32 +149,19 @@ class EngineLoop:
     def _busy(self) -> bool:
         return self.engine.has_unfinished() or self.engine.weight_update_pending()
 
-    def _run_commands(self, timeout: float | None) -> bool:
-        """Runs the queued commands, waiting up to `timeout` seconds for the first (None: until one
-        comes, 0: not at all). Returns whether any command came."""
+    def _run_commands(self, block: bool) -> None:
         try:
-            item = self._commands.get(block=timeout != 0, timeout=timeout)
+            item = self._commands.get(block=block)
         except queue.Empty:
-            return False
+            return
         while item is not None:
             fn, fut = item
             self._execute(fn, fut)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
-                return True
-        self._stopping = True
-        return True
-
-    def _admit_burst(self) -> None:
-        """Takes commands while they keep coming (see the module docstring), answering each batch
-        as it runs, until a gap of BURST_GAP_S or the end of the admission window."""
-        deadline = time.perf_counter() + self._admission_window
-        while not self._stopping:
-            self._send_outbox()
-            left = deadline - time.perf_counter()
-            if left <= 0 or not self._run_commands(timeout=min(BURST_GAP_S, left)):
                 return
+        self._stopping = True
 
     def _execute(self, fn: Callable[[Any], Any], fut: asyncio.Future | None) -> None:
         try:
@@ -312,8 +286,8 @@ class _BusyPeriod:
     """Steps from the engine's leaving idle to its return: logged as `engine_idle` (steps, time in
     `engine.step()`, the period's length, the engine thread's CPU time, when the first step began
     and the last request of the period came in, both from its start), which tells a slow step from
-    time spent between steps, host work from waiting (for the GPU or the GIL), and shows the
-    admission of a burst."""
+    time spent between steps, host work from waiting (for the GPU or the GIL), and shows how long
+    a burst of requests took to come in."""
 
     started: float
     cpu_started: float = field(default_factory=time.thread_time)
