@@ -15,6 +15,13 @@ slower steps from time between steps. Also the ratio of the two paths' total tim
 repeats, and the median per repeat of the engine's CPU time per step, service / in-process.
 Prints the tables, writes JSON (`--out`).
 
+Host noise: on a shared (virtualised) host the same engine's CPU time per step moved by tens of
+percent between processes and repeats. With `--pin` (the default where the process may use at
+least 3 CPUs) both engines run on one CPU of their own: the in-process engine's thread during its
+runs, and the server's engine process (its main thread, which steps the engine); every other
+thread of this process and of the server keeps off that CPU. `--no-pin` leaves placement to the OS
+(and `--server-args=--engine-thread` is not pinned: its engine thread is not told apart).
+
     python benchmarks/bench_service.py --device cuda --spec dflash --repeats 5
 """
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -50,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2, help="untimed full runs of each path first")
     p.add_argument("--server-args", default="", help="extra `rollout serve` arguments, e.g. '--gil-switch-ms 0.5'")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                   help="run both engines on one CPU of their own (default: when 3 or more CPUs are usable)")
     p.add_argument("--out", default="benchmarks/results/bench_service.json")
     return p.parse_args()
 
@@ -62,9 +72,70 @@ def workload(args: argparse.Namespace, vocab_size: int, seed: int) -> tuple[list
     return prompts, sampling
 
 
+class Pinning:
+    """One CPU for the engines (see the module docstring), the others for everything else."""
+
+    def __init__(self):
+        cpus = sorted(os.sched_getaffinity(0))
+        self.engine_cpu, self.others = {cpus[-1]}, set(cpus[:-1])
+
+    def threads_of(self, pid: int) -> list[int]:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+    def children_of(self, pid: int) -> list[int]:
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:  # gone meanwhile
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # the field after the state: the parent's pid
+                    out.append(int(entry))
+        return out
+
+    def server(self, pid: int) -> None:
+        """The server process's threads off the engine CPU, its engine process's main thread on it."""
+        for tid in self.threads_of(pid):
+            os.sched_setaffinity(tid, self.others)
+        engines = self.children_of(pid)
+        if not engines:
+            raise RuntimeError("no engine process under the server (is it --engine-thread?): run with --no-pin")
+        for child in engines:
+            for tid in self.threads_of(child):
+                os.sched_setaffinity(tid, self.engine_cpu if tid == child else self.others)
+
+    def this_process(self) -> None:
+        for tid in self.threads_of(os.getpid()):
+            os.sched_setaffinity(tid, self.others)
+
+
+class pinned_to:
+    """`with pinned_to(cpus):` the calling thread runs on `cpus` (None: unchanged), then as before."""
+
+    def __init__(self, cpus: set[int] | None):
+        self.cpus = cpus
+
+    def __enter__(self):
+        if self.cpus is not None:
+            self.before = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cpus)
+
+    def __exit__(self, *exc):
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.before)
+
+
 def run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict, tag: str,
-                   ) -> tuple[int, float, dict]:
-    """Tokens, seconds, and the steps' count and time (as the server's `engine_idle` line has them)."""
+                   cpus: set[int] | None = None) -> tuple[int, float, dict]:
+    """Tokens, seconds, and the steps' count and time (as the server's `engine_idle` line has them);
+    on `cpus` when given."""
+    with pinned_to(cpus):
+        return _run_in_process(engine, prompts, sampling, tag)
+
+
+def _run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict, tag: str,
+                    ) -> tuple[int, float, dict]:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         params = SamplingParams(**sampling, seed=i)
@@ -113,17 +184,25 @@ def main() -> None:
     paths = ("in_process", "service")
     rates: dict[str, list[float]] = {p: [] for p in paths}
     steps: dict[str, list[dict]] = {p: [] for p in paths}
+    pin = args.pin if args.pin is not None else len(os.sched_getaffinity(0)) >= 3
+    args.pin = pin
+    pinning = Pinning() if pin else None
+    engine_cpu = pinning.engine_cpu if pin else None
     with ServerProcess(serve_args(args)) as server:
+        if pin:
+            pinning.server(server.proc.pid)
+            pinning.this_process()
+            print(f"engines pinned to CPU {sorted(pinning.engine_cpu)}, everything else to {sorted(pinning.others)}")
         for w in range(args.warmup):  # first runs pay for lazy initialisation and allocator growth
             prompts, sampling = workload(args, engine.vocab_size, seed=1000 + w)
-            run_in_process(engine, prompts, sampling, f"warm{w}")
+            run_in_process(engine, prompts, sampling, f"warm{w}", engine_cpu)
             asyncio.run(run_service(server.address, prompts, sampling))
         _, seen = engine_periods(server, 0)
         for r in range(args.repeats):
             prompts, sampling = workload(args, engine.vocab_size, seed=r)
             for path in paths[::-1] if r % 2 else paths:  # alternate the order
                 if path == "in_process":
-                    tokens, seconds, stats = run_in_process(engine, prompts, sampling, f"r{r}")
+                    tokens, seconds, stats = run_in_process(engine, prompts, sampling, f"r{r}", engine_cpu)
                 else:
                     tokens, seconds = asyncio.run(run_service(server.address, prompts, sampling))
                     periods, seen = engine_periods(server, seen)

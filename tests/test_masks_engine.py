@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -33,6 +34,8 @@ COLLECTED: list = []
 
 
 def _engine(model, spec="none", draft=None, **kw):
+    """ROLLOUT_TEST_DEVICE=cuda runs this file's engines on a GPU (the pinned host copy of the masks)."""
+    kw.setdefault("device", os.environ.get("ROLLOUT_TEST_DEVICE", "cpu"))
     return LLMEngine(EngineConfig(model=str(model), spec=spec, draft=draft, block_size=4, num_kv_blocks=300,
                                   max_num_batched_tokens=64, **kw))
 
@@ -203,38 +206,32 @@ def test_support_overflow_fails_that_sample_only(tiny_random_qwen3, monkeypatch)
 
 
 @pytest.mark.parametrize("spec", ["none", "dflash"])
-def test_large_steps_keep_only_committed_rows_with_the_same_masks(tiny_random_qwen3, random_drafters, spec,
-                                                                  monkeypatch):
-    """A step's packed copy above COMPACT_BYTES is cut to its committed rows before samples keep
-    it; the masks that come out are the same either way."""
+def test_samples_keep_only_committed_rows(tiny_random_qwen3, random_drafters, spec, monkeypatch):
+    """Each step keeps exactly its masked entries' committed rows (a rejected draft's row is never
+    held by a sample), and the masks are whole."""
     import rollout.engine.commit as commit_mod
 
     real = capture_mod.committed_masks
+    steps = []  # (packed rows copied, rows kept, committed tokens of masked entries)
 
-    def run():
-        eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
-        eng.add_request("sampled", PROMPTS, SAMPLED, n=2, mask="support")
-        eng.add_request("greedy", PROMPTS[:1], GREEDY, mask="selected")
-        eng.add_request("plain", PROMPTS[1:], SAMPLED)
-        kept = []
-        monkeypatch.setattr(commit_mod, "committed_masks", lambda *a: kept.append(real(*a)) or kept[-1])
-        outs = sorted(_run(eng), key=lambda o: (o.request_id, o.prompt_index, o.sample_index))
-        return outs, kept
+    def recording(cap, packed, counts):
+        out = real(cap, packed, counts)
+        steps.append((len(packed), len(out.rows.ids), sum(counts.values())))
+        return out
 
-    whole, kept_whole = run()
-    monkeypatch.setattr(capture_mod, "COMPACT_BYTES", 0)
-    compact, kept_compact = run()
-    assert [o.token_ids for o in whole] == [o.token_ids for o in compact]
-    assert [o.supports for o in whole] == [o.supports for o in compact]
-    assert all(o.supports is not None for o in whole if o.request_id != "plain")
-    # compacted steps keep exactly the committed rows; whole ones every row of the mask entries
-    kept_rows = sum(len(m.rows.ids) for m in kept_compact)
-    committed = sum(len(o.token_ids) for o in compact if o.request_id != "plain")
-    assert kept_rows >= committed  # (tokens past a finish are committed, then trimmed)
+    monkeypatch.setattr(commit_mod, "committed_masks", recording)
+    eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
+    eng.add_request("sampled", PROMPTS, SAMPLED, n=2, mask="support")
+    eng.add_request("greedy", PROMPTS[:1], GREEDY, mask="selected")
+    eng.add_request("plain", PROMPTS[1:], SAMPLED)
+    outs = _run(eng)
+    assert steps and all(kept == committed for _, kept, committed in steps)
+    masked = [o for o in outs if o.request_id != "plain"]
+    assert masked and all(o.supports is not None and len(o.supports) == len(o.token_ids) for o in masked)
     if spec == "none":  # one row per entry and step: every row is committed
-        assert kept_rows == sum(len(m.rows.ids) for m in kept_whole)
+        assert all(copied == kept for copied, kept, _ in steps)
     else:  # rejected drafts' rows are dropped
-        assert kept_rows < sum(len(m.rows.ids) for m in kept_whole)
+        assert sum(kept for _, kept, _ in steps) < sum(copied for copied, _, _ in steps)
 
 
 def test_requests_without_masks_run_no_capture_code(tiny_random_qwen3, random_drafters, monkeypatch):

@@ -126,7 +126,7 @@ class LLMEngine:
         drafts = self._draft(plan, table)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table)
         result, captured = self._run(step, drafts)
-        host = _to_host(result, captured)
+        host = _to_host(result, None if captured is None else self.capture.to_host(captured))
         return self.committer.commit(step, host)
 
     def _draft(self, plan, table) -> Drafts:
@@ -187,15 +187,16 @@ class LLMEngine:
         self.pending_copies = []
 
 
-def _to_host(result: VerifyResult | None, captured):
+def _to_host(result: VerifyResult | None, masks):
     """The step's one device -> host synchronisation: committed tokens, logprobs and
-    acceptance counts, plus the packed masks when the batch has mask requests."""
+    acceptance counts, plus the packed masks' host array (its copy already started: see
+    `MaskCapture.to_host`) when the batch has mask requests."""
     if result is None:
         return None
     tensors = [result.tokens, result.logprobs, result.num_accepted, result.has_support]
     host = [t.to("cpu", non_blocking=True) for t in tensors]
-    if captured is not None:
-        host.append(captured.to_host())  # a numpy array (blocking: after it the step's copies are done)
+    if masks is not None:
+        host.append(masks)
     if tensors[0].is_cuda:
         torch.cuda.current_stream().synchronize()
     return host

@@ -2,8 +2,10 @@
 
 Reads the very policy rows verification used (no recomputation), for the samples that
 asked for masks only, packs them on the device to the batch's largest requested width and
-hands them to the step's host copy. Each masked sample keeps a (rows, first row, count)
-reference per step until it finishes, when its supports are flattened once.
+hands them to the step's host copy (asynchronous, into a pinned buffer: the step's one
+synchronisation completes it). After it, `committed_masks` takes the committed rows out of that
+buffer (a rejected draft's row is never kept) and each masked sample keeps a (rows, first row,
+count) reference per step until it finishes, when its supports are flattened once.
 A batch without mask requests runs none of this: `capture` returns before touching a tensor.
 """
 
@@ -26,30 +28,14 @@ class Captured:
     first_row: dict[int, int] | list[int]  # entry -> its first packed row
     width: int
 
-    def to_host(self) -> np.ndarray:
-        """The step's copy of the packed rows into a numpy array the samples may keep (pageable
-        memory: a pinned buffer held for a sample's lifetime would make the host allocator grow).
-        Blocking: it returns once the device has finished the step up to the capture."""
-        out = np.empty(tuple(self.packed.shape), np.int32)
-        torch.from_numpy(out).copy_(self.packed)
-        return out
-
-
-# a step's packed rows above this size keep only their committed rows (a copy) for the samples.
-# Below it the samples share the whole step copy, rejected draft rows included: with 9 rows per
-# entry (block 8) and ~3 committed, a sample holds ~3x its masks' bytes until it finishes, in
-# exchange for no per-step compaction on the engine thread.
-COMPACT_BYTES = 1 << 20
-
 
 class CommittedMasks(NamedTuple):
-    """One step's masks on the host: the packed rows (every row of the step's mask entries, or only
-    the committed ones when the step's copy is large, so a long sample does not keep every rejected
-    row of a wide support), each entry's first committed row in them, and the entries one of whose
+    """One step's masks on the host: the committed rows of its masked entries (an array of their
+    own, which the samples keep), each entry's first row in them, and the entries one of whose
     committed rows overflowed its bound (those samples fail as a whole)."""
 
     rows: PackedRows
-    first: dict[int, int] | list[int]
+    first: dict[int, int]
     failed: set[int]
 
 
@@ -63,6 +49,7 @@ class MaskCapture:
     def __init__(self):
         self.num_captures = 0
         self.last: Captured | None = None
+        self._staging: torch.Tensor | None = None  # pinned host memory the packed rows are copied into
 
     def capture(self, pol: Policy, step) -> Captured | None:
         if not any(s.mask for s in step.entries):
@@ -85,23 +72,39 @@ class MaskCapture:
         self.last = Captured(pack_supports(sorted_ids, sorted_logp, width), first_row, width)
         return self.last
 
+    def to_host(self, cap: Captured) -> np.ndarray:
+        """Starts the step's copy of the packed rows and returns the host array they land in, valid
+        once the step has synchronised and until the next step's copy (`committed_masks` takes out
+        what the samples keep). On a GPU the copy goes into a pinned buffer without waiting, grown
+        by doubling and reused every step; on the CPU the packed tensor is that array already."""
+        packed = cap.packed
+        if packed.device.type == "cpu":
+            return packed.numpy()
+        n = packed.numel()
+        if self._staging is None or self._staging.numel() < n:
+            size = max(n, 2 * self._staging.numel()) if self._staging is not None else n
+            self._staging = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        host = self._staging[:n].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        return host.numpy()
+
 
 def committed_masks(cap: Captured, packed: np.ndarray, counts: dict[int, int]) -> CommittedMasks:
-    """Host side, once per step: `counts[e]` committed tokens of every masked entry e, whose packed
-    rows ([M, C + C'] int32, `Captured.to_host`) start at `cap.first_row[e]`. A couple of numpy calls
-    whatever the batch; the flatten into flat arrays waits until a sample finishes
-    (`assemble_supports`)."""
-    first = cap.first_row  # (a list when every entry is masked: the step's cu_rows)
-    if packed.nbytes > COMPACT_BYTES:
-        first, index = {}, []
-        for e, n in counts.items():
-            first[e] = len(index)
-            row = cap.first_row[e]
-            index.extend(range(row, row + n))
-        packed = packed[index]
-    rows = PackedRows(packed, cap.width)
+    """Host side, once per step, after the synchronisation: `counts[e]` committed tokens of every
+    masked entry e, whose packed rows ([M, C + C'] int32, `MaskCapture.to_host`) start at
+    `cap.first_row[e]`. The committed rows are taken into an array of their own (one gather, a few
+    numpy calls whatever the batch), so a sample keeps its masks' bytes and no rejected draft's;
+    the flatten into flat arrays waits until a sample finishes (`assemble_supports`)."""
+    entries = list(counts)
+    n = np.fromiter(counts.values(), np.int64, len(entries))
+    ends = np.cumsum(n)
+    starts = ends - n  # each entry's first row among the kept ones
+    src = np.fromiter((cap.first_row[e] for e in entries), np.int64, len(entries))
+    index = np.repeat(src - starts, n) + np.arange(ends[-1] if len(ends) else 0)
+    rows = PackedRows(packed[index], cap.width)
+    first = dict(zip(entries, starts.tolist()))
     over = rows.overflowed()  # a bound is the batch's largest top_k: an overflow is never expected
     failed = set()
     if over.any():
-        failed = {e for e, n in counts.items() if over[first[e]:first[e] + n].any()}
+        failed = {e for e, c in counts.items() if over[first[e]:first[e] + c].any()}
     return CommittedMasks(rows, first, failed)
