@@ -6,8 +6,8 @@ policy's token ids sorted by probability (desc) and their log-probs, with -inf o
 support. Because the order is descending, every support is a prefix of its row, so packing
 to the batch's largest requested top_k is a slice of `width + 1` columns: two kernels (one
 conversion, one concatenation into a single int32 tensor), nothing proportional to the
-vocabulary, no sort. It goes to the host in the step's copy, into a numpy array the samples keep
-(only its committed rows when it is large). On the engine thread a step then costs an overflow
+vocabulary, no sort. It goes to the host in the step's copy; the step's committed rows are taken
+into a numpy array the samples keep. On the engine thread a step then costs a gather, an overflow
 test and one tuple per masked sample; the flatten into flat arrays (`Supports`) runs once per
 sample when it finishes (`assemble_supports`). No per-token Python lists anywhere; lists only
 when someone asks for them.
