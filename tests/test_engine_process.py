@@ -105,6 +105,36 @@ def test_a_request_whose_admission_is_cancelled_is_aborted_in_the_child(tiny_ran
     asyncio.run(asyncio.wait_for(main(), 120))
 
 
+def _answer(engine) -> int:
+    return 42
+
+
+def test_commands_of_one_iteration_go_together_and_one_that_cannot_be_sent_fails_alone(tiny_random_qwen3):
+    """Commands issued in one event-loop iteration cross the pipe as one batch; a command that does
+    not pickle fails with its own error, and the others of its batch still run."""
+    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+
+    async def main():
+        engine = EngineProcess(factory, asyncio.get_running_loop())
+        await engine.start()
+        sent = []
+        real = engine._send
+        engine._send = lambda batch: sent.append(len(batch)) or real(batch)
+        try:
+            futures = [engine.call(_answer), engine.call(lambda e: 0), engine.call(_answer)]
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            assert results[0] == results[2] == 42
+            assert isinstance(results[1], (pickle.PicklingError, AttributeError, TypeError))
+            assert sent[0] == 3  # one batch first (it would not pickle), then one command at a time
+            assert await asyncio.gather(*(engine.call(_answer) for _ in range(5))) == [42] * 5
+            assert sent[-1] == 5
+        finally:
+            engine._send = real
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
 def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error(tmp_path):
     factory = functools.partial(LLMEngine, EngineConfig(model=str(tmp_path / "missing")))
     with pytest.raises(LoadError, match="missing"):

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from rollout.engine.outputs import SampleOutput
 from rollout.engine.params import validate_mask_request
 from rollout.errors import InvalidArgument, ResourceExhausted
-from rollout.schema import ROLLOUT_SCHEMA
+from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.service import FlushPolicy
 from trainer_client import AsyncRolloutClient, RolloutClient
@@ -159,6 +159,11 @@ def test_mask_modes_reach_the_table(client, mask):
     assert table.schema.metadata[b"mask_mode"] == mask.encode()
     assert table.column("support_ids").null_count == 0
     assert (table.column("support_logprobs").null_count == 0) == (mask == "support")
+    # the server keeps one encoder per kind of call: each table still carries its own bound
+    for top_k in (6, 4):
+        again = client.generate([[5, 6]], mask=mask, sampling=dict(top_k=top_k, max_tokens=2))
+        assert again.schema.metadata[MASK_TOP_K_KEY.encode()] == str(top_k).encode()
+        assert again.schema.metadata[b"mask_mode"] == mask.encode()
 
 
 def test_stream_flushes_in_small_batches(client):

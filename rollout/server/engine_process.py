@@ -53,6 +53,7 @@ class EngineProcess:
         self._pending: dict[int, asyncio.Future] = {}
         self._sinks: dict[str, Sink] = {}
         self._send_lock = threading.Lock()
+        self._batch: list[tuple] = []  # commands of this event-loop iteration, sent together
         self._dead: BaseException | None = None
         self._stopping = False
         self._conn = None
@@ -132,19 +133,28 @@ class EngineProcess:
         self._pending[cmd_id] = fut
         message = (op, cmd_id, *args)
         if send_in_thread:  # a large message (weights) must not hold the event loop while it is written
-            task = self._loop.create_task(asyncio.to_thread(self._send, message))
+            task = self._loop.create_task(asyncio.to_thread(self._send, [message]))
             task.add_done_callback(lambda t: self._settle(cmd_id, None, _send_error(t)) if _send_error(t) else None)
-        else:
-            try:
-                self._send(message)
-            except Exception as exc:  # unpicklable arguments, or the pipe is gone
-                self._pending.pop(cmd_id, None)
-                fut.set_exception(exc if not isinstance(exc, OSError) else self._died())
+        else:  # one pickle and one write per event-loop iteration (a burst of Generate calls)
+            if not self._batch:
+                self._loop.call_soon(self._flush)
+            self._batch.append(message)
         return fut
 
-    def _send(self, message: tuple) -> None:
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        try:
+            self._send(batch)
+        except Exception:  # a command that does not pickle (nothing was written), or the pipe is gone
+            for message in batch:
+                try:
+                    self._send([message])
+                except Exception as exc:
+                    self._settle(message[1], None, self._died() if isinstance(exc, OSError) else exc)
+
+    def _send(self, batch: list[tuple]) -> None:
         with self._send_lock:
-            self._conn.send(message)
+            self._conn.send(batch)
 
     def _read(self) -> None:
         """Reader thread: hands every batch of messages to the event loop; EOF means the child died."""
@@ -294,14 +304,20 @@ async def _serve_engine(engine_loop: EngineLoop, conn) -> None:
 
 
 def _read_commands(conn, loop: asyncio.AbstractEventLoop, commands: asyncio.Queue) -> None:
+    """The parent's batches of commands into `commands`, one message at a time (None: EOF)."""
     while True:
         try:
-            message = conn.recv()
+            batch = conn.recv()
         except (EOFError, OSError):
-            message = None
-        loop.call_soon_threadsafe(commands.put_nowait, message)
-        if message is None or message[0] == "stop":
+            batch = [None]
+        loop.call_soon_threadsafe(_put_all, commands, batch)
+        if any(message is None or message[0] == "stop" for message in batch):
             return
+
+
+def _put_all(commands: asyncio.Queue, batch: list) -> None:
+    for message in batch:
+        commands.put_nowait(message)
 
 
 async def _execute(engine_loop: EngineLoop, message: tuple, out: _Outbox) -> None:

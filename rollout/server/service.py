@@ -86,11 +86,23 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.engine_loop = engine_loop
         self.identity = identity
         self.flush = flush
+        self._encoders: dict[tuple[str, int | None], StreamEncoder] = {}
 
     def schema(self, call: GenerateCall):
-        ident = self.identity
-        bound = call.params.support_bound if call.mask else None
-        return schema_with_metadata(ident.model, ident.drafter, ident.spec_method, call.mask or "none", bound)
+        return self.encoder(call).schema
+
+    def encoder(self, call: GenerateCall) -> StreamEncoder:
+        """The call's encoder (its schema's metadata: the mask mode and bound), made once per kind of
+        call: a burst of requests does not rebuild and reserialise the same schema each time."""
+        key = (call.mask or "none", call.params.support_bound if call.mask else None)
+        encoder = self._encoders.get(key)
+        if encoder is None:
+            if len(self._encoders) >= 256:  # (bounds up to --max-mask-tokens: keep it small)
+                self._encoders.clear()
+            ident = self.identity
+            schema = schema_with_metadata(ident.model, ident.drafter, ident.spec_method, key[0], key[1])
+            encoder = self._encoders[key] = StreamEncoder(schema)
+        return encoder
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         async with status_on_error(context, "Generate", request.request_id):
@@ -103,8 +115,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except asyncio.CancelledError:
             self.engine_loop.abort(call.request_id, "client went away during admission", sink)
             raise
-        log_event(
+        log_event(  # debug: at info, a burst of requests would spend ~40 us each formatting and writing it
             "request_admitted",
+            logging.DEBUG,
             request_id=call.request_id,
             prompts=len(call.prompts),
             n=call.n,
@@ -112,7 +125,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             max_tokens=call.params.max_tokens,
             peer=context.peer(),
         )
-        encoder, delivered = StreamEncoder(self.schema(call)), False
+        encoder, delivered = self.encoder(call), False
         try:
             async with status_on_error(context, "Generate", call.request_id):
                 async for samples in self._flushes(inbox):
@@ -128,13 +141,15 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         pending: list[SampleOutput] = []
         deadline = 0.0
         while True:
-            timeout = max(0.0, deadline - time.monotonic()) if pending else None
-            try:
-                delivery = await asyncio.wait_for(inbox.get(), timeout)
-            except TimeoutError:
-                yield pending
-                pending = []
-                continue
+            if not pending:
+                delivery = await inbox.get()  # (no wait_for: it costs a task per wait)
+            else:
+                try:
+                    delivery = await asyncio.wait_for(inbox.get(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    yield pending
+                    pending = []
+                    continue
             if delivery.error is not None:
                 raise delivery.error
             if not pending:
