@@ -1,8 +1,9 @@
 """Host time of one engine step, phase by phase: the Python/CPU work between CUDA-graph
 forwards (the gap between a ~7 ms 8B decode forward and the 9.9 ms step on an H200).
 
-Builds an engine on CPU with a tiny random Qwen3 (hidden 64, 2 layers, vocabulary 264: the
-forward and the Contract-1 sort are small, so the numbers are mostly host cost) and, with
+Builds an engine (on CPU by default) with a tiny random Qwen3 (hidden 64, 2 layers, vocabulary
+264: the forward and the Contract-1 sort are small, so the numbers are mostly host cost; `--shape`
+picks a larger random one, e.g. qwen3-8b on a GPU) and, with
 `--spec dflash`, an untrained one-layer DFlash drafter (block 8). B samples (`--prompt-len`
 tokens, 32 by default; EOS ignored) are prefilled, a few decode steps warm up, then every
 phase of `LLMEngine.step()` is wrapped with a timer for the timed decode steps: schedule,
@@ -79,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per case")
     p.add_argument("--warmup", type=int, default=5, help="decode steps before timing")
     p.add_argument("--embedded", action="store_true", help="embedded tiny-qwen3 + its trained DFlash drafter")
+    p.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES],
+                   help="random target shape (default: the tiny one above; e.g. qwen3-8b on a GPU)")
     p.add_argument("--profile", action="store_true", help="print the top cProfile entries of the timed steps")
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                    help="cpu: this process's CPU time, which other processes on a shared machine do not inflate")
@@ -155,10 +158,10 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tiny_dirs(root: Path, block: int) -> tuple[str, str]:
-    """A config-only tiny target (random weights at load) and an untrained DFlash drafter for it."""
-    model = write_config_dir(TINY, root / "target")
-    target = load_model(model, torch.device("cpu"), load_format="random")
+def random_dirs(root: Path, block: int, shape: dict, device: str) -> tuple[str, str]:
+    """A config-only target (random weights at load) and an untrained DFlash drafter for it."""
+    model = write_config_dir(shape, root / "target")
+    target = load_model(model, torch.device(device), load_format="random")
     draft = root / "dflash"
     save_drafter(random_drafter(target, "dflash", block_size=block, num_layers=1), draft)
     return str(model), str(draft)
@@ -230,7 +233,8 @@ def main() -> None:
     max_tokens = (args.warmup + args.steps + 4) * args.block + 8
     profile = cProfile.Profile() if args.profile else None
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = None if args.embedded else tiny_dirs(Path(tmp), args.block)
+        shape = TINY if args.shape == "tiny" else SHAPES[args.shape]
+        dirs = None if args.embedded else random_dirs(Path(tmp), args.block, shape, args.device)
         for spec in args.specs:
             engine = build_engine(spec, dirs, args, max_tokens)
             for mode in args.sampling:
@@ -243,7 +247,7 @@ def main() -> None:
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     columns = ["spec", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other", "tokens_per_step"]
     print_table(f"ms per decode step by phase ({args.device}, one thread, {args.clock} clock, "
-                f"{'embedded tiny-qwen3' if args.embedded else 'tiny random Qwen3'}, masks {args.mask})",
+                f"{'embedded tiny-qwen3' if args.embedded else f'{args.shape} random Qwen3'}, masks {args.mask})",
                 result["rows"], columns)
     print_table("aten ops dispatched per decode step by phase (one step counted)",
                 [dict(spec=r["spec"], sampling=r["sampling"], batch=r["batch"], **r["ops"]) for r in result["rows"]],

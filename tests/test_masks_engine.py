@@ -34,7 +34,9 @@ COLLECTED: list = []
 
 
 def _engine(model, spec="none", draft=None, **kw):
-    """ROLLOUT_TEST_DEVICE=cuda runs this file's engines on a GPU (the pinned host copy of the masks)."""
+    """ROLLOUT_TEST_DEVICE=cuda runs this file's engines on a GPU (the pinned host copy of the masks).
+    There the engine computes in bfloat16, so the recomputation tests, which compare with a float32
+    transformers forward, do not apply: `-k "not recomputation"`."""
     kw.setdefault("device", os.environ.get("ROLLOUT_TEST_DEVICE", "cpu"))
     return LLMEngine(EngineConfig(model=str(model), spec=spec, draft=draft, block_size=4, num_kv_blocks=300,
                                   max_num_batched_tokens=64, **kw))

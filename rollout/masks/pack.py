@@ -58,10 +58,11 @@ class PackedRows:
     assembled; per step only the overflow column is read.
     """
 
-    __slots__ = ("ids", "logp", "width")
+    __slots__ = ("packed", "ids", "logp", "width")
 
     def __init__(self, packed: np.ndarray, width: int):
         c = (packed.shape[1] + 1) // 2  # C = C' + 1 when V > width, else C = C' = V
+        self.packed = packed
         self.logp = packed[:, :c].view(np.float32)
         self.ids = packed[:, c:]
         self.width = width
@@ -79,12 +80,12 @@ class PackedRows:
 
 def assemble_supports(parts: list[tuple[PackedRows, int, int]], with_logprobs: bool) -> Supports:
     """A sample's supports from the (rows, first row, count) parts its steps committed: one
-    flatten per run of parts of equal packed shape (one run unless the batch's bound changed)."""
+    concatenation and one flatten per run of parts of equal packed width (one run unless the
+    batch's bound changed)."""
     pieces = []
-    for _, run in groupby(parts, key=lambda part: part[0].logp.shape[1] + part[0].ids.shape[1]):
-        run = list(run)
-        ids = np.concatenate([rows.ids[a:a + n] for rows, a, n in run])
-        logp = np.concatenate([rows.logp[a:a + n] for rows, a, n in run])
+    for width, run in groupby(parts, key=lambda part: part[0].packed.shape[1]):
+        rows = PackedRows(np.concatenate([rows.packed[a:a + n] for rows, a, n in run]), width)
+        ids, logp = rows.ids, rows.logp
         flat_ids, flat_logp, lens = flatten_supports(ids, logp[:, :ids.shape[1]], _support_lens(logp))
         pieces.append(Supports(flat_ids, lens, flat_logp if with_logprobs else None))
     if len(pieces) == 1:
