@@ -207,6 +207,51 @@ def test_support_overflow_fails_that_sample_only(tiny_random_qwen3, monkeypatch)
     assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
 
 
+def test_an_overflow_fails_its_sample_at_the_next_step(tiny_random_qwen3, monkeypatch):
+    """A step's masks are handed over during the next step: an overflow in the first step's masks
+    fails the sample in the second step's output, not at the end."""
+    monkeypatch.setattr(capture_mod, "mask_width", lambda entries: 2)  # pretend the bound is 2
+    eng = _engine(tiny_random_qwen3)
+    eng.add_request("wide", PROMPTS[:1], SamplingParams(temperature=1.5, top_k=50, max_tokens=8, seed=1),
+                    mask="support")
+    first, second = eng.step(), eng.step()
+    assert first == [] and [(o.request_id, o.finish_reason) for o in second] == [("wide", "error")]
+    assert not eng.has_unfinished() and eng.kv_blocks()[0] == eng.kv_blocks()[1]
+
+
+@pytest.mark.parametrize("spec", ["none", "dspark"])
+def test_masks_reach_their_samples_one_step_late_and_whole_at_every_end(tiny_random_qwen3, random_drafters,
+                                                                       spec):
+    """While no masked sample finishes, a step's masks wait for the next step (`pending`); a finish
+    and an abort hand them over first, so every output has one mask per token."""
+    eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
+    long = SamplingParams(temperature=1.0, top_k=8, max_tokens=40, ignore_eos=True, seed=3)
+    eng.add_request("kept", PROMPTS[:1], long, mask="support")
+    eng.add_request("short", PROMPTS[1:2], SamplingParams(temperature=1.0, top_k=8, max_tokens=3, ignore_eos=True,
+                                                          seed=4), mask="selected")
+    eng.add_request("cut", PROMPTS[2:3], long, mask="support")
+    outs = []
+    for _ in range(3):
+        outs += eng.step()
+        kept = next(s for s in eng.scheduler.running if s.request_id == "kept")
+        if eng.committer.pending is not None:  # the last step's parts are not in yet
+            assert len(kept.support_parts) == len(kept.accept_lengths) - 1
+    while not outs:  # "short" finishes: its masks are handed over at once
+        outs += eng.step()
+    assert [o.request_id for o in outs] == ["short"] and len(outs[0].supports) == len(outs[0].token_ids) == 3
+    eng.step()
+    assert eng.committer.pending is not None
+    aborted = eng.abort("cut")
+    assert len(aborted) == 1 and aborted[0].finish_reason == "abort"
+    assert len(aborted[0].supports) == len(aborted[0].token_ids) > 0
+    outs = aborted + _run(eng)
+    for o in outs:
+        assert len(o.supports) == len(o.token_ids) == len(o.token_logprobs)
+        for j, tok in enumerate(o.token_ids):
+            assert tok in o.support_ids[j]
+    assert eng.committer.pending is None and eng.kv_blocks()[0] == eng.kv_blocks()[1]
+
+
 @pytest.mark.parametrize("spec", ["none", "dflash"])
 def test_samples_keep_only_committed_rows(tiny_random_qwen3, random_drafters, spec, monkeypatch):
     """Each step keeps exactly its masked entries' committed rows (a rejected draft's row is never

@@ -1,6 +1,13 @@
 """After the step's one host copy: advance the sequences, append committed tokens with
 their logprobs and masks, stop at the finish, fork the samples of freshly prefilled
-prompts, roll back the KV of rejected drafts, and emit finished samples."""
+prompts, roll back the KV of rejected drafts, and emit finished samples.
+
+A step's masks reach its samples one step late, unless one of its masked samples finishes
+(then at once): `hand_over_masks` runs while the device computes the next step, so their host
+work (the gather of the committed rows, a support's overflow test, one part per sample) hides
+behind a wait the engine has anyway. Anything that reads a sample's masks hands over first (a
+finish, an abort); a sample whose support overflowed fails as a whole at its next step (or its
+finish)."""
 
 from __future__ import annotations
 
@@ -12,9 +19,21 @@ from rollout.masks.capture import committed_masks
 from rollout.masks.pack import assemble_supports
 
 
+class StepMasks:
+    """One step's masks on their way to its samples: the host array the step's copy of the packed
+    rows lands in, and the (sample, entry, committed count) of every masked sample that took tokens."""
+
+    __slots__ = ("captured", "packed", "taken")
+
+    def __init__(self, captured, packed):
+        self.captured, self.packed = captured, packed
+        self.taken: list[tuple[Sequence, int, int]] = []
+
+
 class Committer:
     def __init__(self, engine):
         self.engine = engine
+        self.pending: StepMasks | None = None  # the last step's masks, not yet handed to its samples
 
     def commit(self, step: StepBatch, host) -> list[SampleOutput]:
         if not host:
@@ -22,20 +41,16 @@ class Committer:
             return []
         tokens, logprobs, num_accepted, has_support = (h.tolist() for h in host[:4])
         self._advance(step, num_accepted)
-        masks = None
-        if len(host) > 4:
-            counts = {e: num_accepted[e] + 1 for e, s in enumerate(step.entries) if s.mask}
-            masks = committed_masks(self.engine.capture.last, host[4], counts)
-        outputs = []
+        masks = StepMasks(self.engine.capture.last, host[4]) if len(host) > 4 else None
+        outputs, finishing = [], []
         for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1
             if not has_support[e]:
                 position = seq.num_output_tokens + num_accepted[e]
                 outputs.append(self.fail(seq, f"no token is allowed at output position {position}: the grammar and "
                                               f"min_tokens / stop_token_ids exclude every token"))
-            elif seq.mask and e in masks.failed:
-                bound = masks.rows.width
-                outputs.append(self.fail(seq, f"mask support exceeded its bound of {bound}"))
+            elif seq.mask_error is not None:  # found while this step ran, in the previous step's masks
+                outputs.append(self.fail(seq, seq.mask_error))
             else:
                 try:
                     reason = self._append(seq, tokens[e][:count], logprobs[e][:count], masks, e)
@@ -43,7 +58,11 @@ class Committer:
                     outputs.append(self.fail(seq, str(exc)))
                     continue
                 if reason:
-                    outputs.append(self.finish(seq, reason))
+                    finishing.append((seq, reason))
+        self.pending = masks
+        if any(seq.mask for seq, _ in finishing):
+            self.hand_over_masks()  # a finishing sample's masks are read now
+        outputs += [self.finish(seq, reason) for seq, reason in finishing]
         for item in step.items:  # only blocks reserved for drafts can lie past the committed tokens
             if item.num_draft and not item.seq.is_finished:
                 self.engine.block_manager.truncate(item.seq, item.seq.num_tokens)
@@ -76,7 +95,7 @@ class Committer:
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks, e: int) -> str | None:
         """Append committed tokens (entry e of the step) up to the finish; returns the finish reason
-        or None. `masks`: the step's CommittedMasks, None when no entry asked for masks."""
+        or None. `masks`: the step's StepMasks, None when no entry asked for masks."""
         out, n, reason = seq.output_token_ids, len(tokens), None
         # the finish: the token that reaches max_tokens or the context, unless a stop token
         # comes first (or is that token)
@@ -96,13 +115,27 @@ class Committer:
         out += tokens
         seq.output_logprobs += logprobs
         if seq.mask:
-            seq.support_parts.append((masks.rows, masks.first[e], n))
+            masks.taken.append((seq, e, n))
         seq.accept_lengths.append(n)
         if seq.grammar is not None:
             seq.grammar.commit(tokens)
         return reason
 
+    def hand_over_masks(self) -> None:
+        """Gives the pending step's committed mask rows to its samples (one part each); a sample one
+        of whose rows overflowed its bound is marked to fail as a whole."""
+        masks, self.pending = self.pending, None
+        if masks is None or not masks.taken:
+            return
+        kept = committed_masks(masks.captured, masks.packed, {e: n for _, e, n in masks.taken})
+        for seq, e, n in masks.taken:
+            seq.support_parts.append((kept.rows, kept.first[e], n))
+            if e in kept.failed:
+                seq.mask_error = f"mask support exceeded its bound of {kept.rows.width}"
+
     def finish(self, seq: Sequence, reason: str) -> SampleOutput:
+        if seq.mask_error is not None and reason != "error":  # its masks overflowed: the sample fails
+            return self.fail(seq, seq.mask_error)
         self.engine.scheduler.finish(seq)
         self.engine.intake.done(seq)
         seq.finish_reason = reason

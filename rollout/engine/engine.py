@@ -1,6 +1,6 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    schedule -> draft -> forward -> policy -> verify -> capture -> sync -> commit/emit
+    schedule -> draft -> forward -> policy -> verify -> capture -> (last step's masks) -> sync -> commit/emit
 
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and
 draft blocks mixed), one Contract-1 policy over the rows that sample, one verification, one
@@ -89,6 +89,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[SampleOutput]:
         """Stop a request now and free its KV blocks; returns its unfinished samples."""
+        self.committer.hand_over_masks()
         return [self.committer.finish(s, "abort") for s in self.intake.pop_unfinished(request_id)]
 
     def has_unfinished(self) -> bool:
@@ -120,13 +121,16 @@ class LLMEngine:
         self.weights.apply_if_drained()
         plan = self.scheduler.schedule()
         if not plan:
+            self.committer.hand_over_masks()
             return []
         self._copy_pending_blocks()  # forked samples' partial blocks, before anyone reads them
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
         drafts = self._draft(plan, table)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table)
         result, captured = self._run(step, drafts)
-        host = _to_host(result, None if captured is None else self.capture.to_host(captured))
+        masks = None if captured is None else self.capture.to_host(captured)
+        self.committer.hand_over_masks()  # the last step's masks, while the device computes this step
+        host = _to_host(result, masks)
         return self.committer.commit(step, host)
 
     def _draft(self, plan, table) -> Drafts:

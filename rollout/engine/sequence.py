@@ -40,6 +40,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     support_parts: list | None = None  # per step: (PackedRows, first row, count) of committed tokens
     mask_bound: int = 0  # its support's bound when it asked for masks (top_k, 1 if greedy), else 0
+    mask_error: str | None = None  # a committed support overflowed its bound: the sample fails
     accept_lengths: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -3,9 +3,10 @@
 Reads the very policy rows verification used (no recomputation), for the samples that
 asked for masks only, packs them on the device to the batch's largest requested width and
 hands them to the step's host copy (asynchronous, into a pinned buffer: the step's one
-synchronisation completes it). After it, `committed_masks` takes the committed rows out of that
-buffer (a rejected draft's row is never kept) and each masked sample keeps a (rows, first row,
-count) reference per step until it finishes, when its supports are flattened once.
+synchronisation completes it). Then, during the next step (see rollout.engine.commit),
+`committed_masks` takes the committed rows out of that buffer (a rejected draft's row is never
+kept) and each masked sample keeps a (rows, first row, count) reference per step until it
+finishes, when its supports are flattened once.
 A batch without mask requests runs none of this: `capture` returns before touching a tensor.
 """
 
@@ -49,7 +50,10 @@ class MaskCapture:
     def __init__(self):
         self.num_captures = 0
         self.last: Captured | None = None
-        self._staging: torch.Tensor | None = None  # pinned host memory the packed rows are copied into
+        # pinned host memory the packed rows are copied into: two, used in turn, since a step's
+        # rows are read during the next step (see rollout.engine.commit)
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
 
     def capture(self, pol: Policy, step) -> Captured | None:
         if not any(s.mask for s in step.entries):
@@ -74,17 +78,18 @@ class MaskCapture:
 
     def to_host(self, cap: Captured) -> np.ndarray:
         """Starts the step's copy of the packed rows and returns the host array they land in, valid
-        once the step has synchronised and until the next step's copy (`committed_masks` takes out
-        what the samples keep). On a GPU the copy goes into a pinned buffer without waiting, grown
-        by doubling and reused every step; on the CPU the packed tensor is that array already."""
+        once the step has synchronised and until the copy after next (`committed_masks` takes out
+        what the samples keep). On a GPU the copy goes into a pinned buffer without waiting, one of
+        two used in turn, each grown by doubling; on the CPU the packed tensor is that array already."""
         packed = cap.packed
         if packed.device.type == "cpu":
             return packed.numpy()
-        n = packed.numel()
-        if self._staging is None or self._staging.numel() < n:
-            size = max(n, 2 * self._staging.numel()) if self._staging is not None else n
-            self._staging = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        host = self._staging[:n].view(packed.shape)
+        n, self._turn = packed.numel(), 1 - self._turn
+        staging = self._staging[self._turn]
+        if staging is None or staging.numel() < n:
+            size = max(n, 2 * staging.numel()) if staging is not None else n
+            staging = self._staging[self._turn] = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        host = staging[:n].view(packed.shape)
         host.copy_(packed, non_blocking=True)
         return host.numpy()
 
