@@ -147,3 +147,20 @@ def test_assemble_across_steps_of_different_widths():
     assert assemble_supports(parts, with_logprobs=False).logprobs is None
     empty = assemble_supports([], with_logprobs=True)
     assert len(empty) == 0 and empty.logprobs is not None
+
+
+def test_mask_capture_host_buffers_alternate_so_a_step_survives_the_next_copy():
+    """A step's packed rows are read during the next step (rollout.engine.commit): the next copy
+    must land in the other buffer, and a grown buffer must not move the previous step's rows."""
+    from rollout.masks.capture import Captured, MaskCapture
+
+    capture = MaskCapture()
+    first = torch.arange(12, dtype=torch.int32).view(3, 4)
+    second = torch.full((5, 4), -7, dtype=torch.int32)  # larger: its buffer grows
+    third = torch.full((2, 4), 9, dtype=torch.int32)
+    a = capture.to_host(Captured(first, [0, 3], 2))
+    b = capture.to_host(Captured(second, [0, 5], 2))
+    assert a.tolist() == first.tolist() and b.tolist() == second.tolist()
+    c = capture.to_host(Captured(third, [0, 2], 2))  # reuses the first buffer: `a` is done with
+    assert b.tolist() == second.tolist() and c.tolist() == third.tolist()
+    assert not np.shares_memory(b, c) and np.shares_memory(a, c)

@@ -79,18 +79,18 @@ class MaskCapture:
     def to_host(self, cap: Captured) -> np.ndarray:
         """Starts the step's copy of the packed rows and returns the host array they land in, valid
         once the step has synchronised and until the copy after next (`committed_masks` takes out
-        what the samples keep). On a GPU the copy goes into a pinned buffer without waiting, one of
-        two used in turn, each grown by doubling; on the CPU the packed tensor is that array already."""
+        what the samples keep): one of two buffers used in turn, each grown by doubling. On a GPU
+        they are pinned and the copy does not wait; on the CPU it is a plain copy (the same buffers,
+        so CPU tests run the GPU's path)."""
         packed = cap.packed
-        if packed.device.type == "cpu":
-            return packed.numpy()
         n, self._turn = packed.numel(), 1 - self._turn
         staging = self._staging[self._turn]
         if staging is None or staging.numel() < n:
             size = max(n, 2 * staging.numel()) if staging is not None else n
-            staging = self._staging[self._turn] = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            staging = torch.empty(size, dtype=torch.int32, pin_memory=packed.is_cuda)
+            self._staging[self._turn] = staging
         host = staging[:n].view(packed.shape)
-        host.copy_(packed, non_blocking=True)
+        host.copy_(packed, non_blocking=packed.is_cuda)
         return host.numpy()
 
 
