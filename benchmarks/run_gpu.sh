@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the GPU benchmarks of issues 2-5 in one go (masks and grammar, speculative decoding, engine vs
-# transformers, gRPC service), each bounded by `timeout` so the whole script stays under
-# 8 minutes on one H200. Writes $OUT/bench_{engine,spec,masks,service}.json and one combined log
+# Runs the GPU benchmarks of issues 2-5 in one go (an acceptance check, masks and grammar,
+# speculative decoding, engine vs transformers, gRPC service), each bounded by `timeout` so the
+# whole script stays under 10 minutes on one H200. Writes $OUT/check_acceptance.json,
+# $OUT/bench_{engine,spec,masks,service}.json and one combined log
 # $OUT/bench_gpu.log (also echoed to stdout). A carried .whl/ directory (xgrammar and its
 # dependencies) is installed into /tmp/site first.
 #
@@ -25,10 +26,12 @@ fi
 
 quick=()
 service_size=()
+accept_size=()
 scale=1
 if [ -n "${BENCH_QUICK:-}" ]; then
     quick=(--quick)
     service_size=(--requests 4 --max-tokens 8 --repeats 1)
+    accept_size=(--requests 4 --tokens 16)
     scale=4  # a 2-core CPU is slower than the H200 the limits are set for
 fi
 
@@ -46,6 +49,10 @@ step() {
     echo "=== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) device=$DEVICE ==="
     [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     # Most needed first (see BENCHMARKS.md: masks and the 8B verify cost at batch 64 were cut).
+    # The acceptance check first: an acceptance that depends on the execution path is a bug to chase
+    # before any speculative number means anything (BENCHMARKS.md, issue 4, fourth session).
+    step acceptance 90 benchmarks/check_acceptance.py --device "$DEVICE" "${accept_size[@]}" \
+        --out "$OUT/check_acceptance.json"
     step masks 150 benchmarks/bench_masks.py --device "$DEVICE" "${quick[@]}" --out "$OUT/bench_masks.json"
     step spec 200 benchmarks/bench_spec.py --device "$DEVICE" "${quick[@]}" --out "$OUT/bench_spec.json"
     step engine 120 benchmarks/bench_engine.py --device "$DEVICE" "${quick[@]}" --out "$OUT/bench_engine.json"
