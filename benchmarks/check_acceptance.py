@@ -6,8 +6,11 @@ Workload: `--requests` held-out prompts (256 tokens) x `--tokens` output tokens,
 top_k 64, top_p 0.95, min_tokens = max_tokens, seeded; one engine per configuration, each run
 alone. Configurations (what the device allows): the kernel backend (torch, triton) x the step's
 execution (eager; the CUDA-graph code path, captured on a GPU, run eagerly with `capture=False`
-elsewhere). The acceptance (committed tokens per verify step) should not depend on any of them
-beyond sampling noise: the same model, drafter and seeds. Prints a table, writes JSON.
+elsewhere) x the SDPA backend the drafter's attention may use (PyTorch's choice, or MATH only: a
+lead, pytorch/pytorch#191937 reports EFFICIENT_ATTENTION corrupting bf16 outputs with a boolean
+mask and broadcast K/V on CUDA, which is the drafter's call with GQA). The acceptance (committed
+tokens per verify step) should not depend on any of them beyond sampling noise: the same model,
+drafter and seeds. Prints a table, writes JSON.
 
     python benchmarks/check_acceptance.py --device cuda
     python benchmarks/check_acceptance.py --device cpu --requests 8 --tokens 64
@@ -16,11 +19,13 @@ beyond sampling noise: the same model, drafter and seeds. Prints a table, writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 from common import embedded_draft, environment, heldout_prompts, print_table, write_json
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
@@ -33,11 +38,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--backends", nargs="+", default=["torch", "triton"], choices=["torch", "triton"])
+    p.add_argument("--sdpa", nargs="+", default=["auto", "math"], choices=["auto", "math"])
     p.add_argument("--out", default="benchmarks/results/check_acceptance.json")
     return p.parse_args()
 
 
-def run(args: argparse.Namespace, backend: str, graphs: bool) -> dict:
+def run(args: argparse.Namespace, backend: str, graphs: bool, sdpa: str) -> dict:
+    with sdpa_kernel(SDPBackend.MATH) if sdpa == "math" else contextlib.nullcontext():  # (graphs capture in here)
+        return _run(args, backend, graphs, sdpa)
+
+
+def _run(args: argparse.Namespace, backend: str, graphs: bool, sdpa: str) -> dict:
     on_gpu = args.device == "cuda"
     engine = LLMEngine(EngineConfig(
         spec="dflash", draft=embedded_draft("dflash"), device=args.device, kernel_backend=backend,
@@ -58,7 +69,7 @@ def run(args: argparse.Namespace, backend: str, graphs: bool) -> dict:
     seconds = time.perf_counter() - start
     accepted = [n for o in outputs for n in o.accept_lengths[1:]]
     replays = engine.graphs.num_replays if engine.graphs is not None else 0
-    return dict(backend=backend, graphs=("captured" if on_gpu else "eager path") if graphs else "off",
+    return dict(backend=backend, sdpa=sdpa, graphs=("captured" if on_gpu else "eager path") if graphs else "off",
                 steps=steps, acceptance=statistics.fmean(accepted), graph_replays=replays,
                 tokens_per_s=sum(len(o.token_ids) for o in outputs) / seconds)
 
@@ -68,14 +79,15 @@ def main() -> None:
     torch.manual_seed(0)
     result = dict(args=vars(args), env=environment(args.device), rows=[])
     backends = args.backends if args.device == "cuda" else ["torch"]  # (triton on CPU: interpreted, slow)
-    for backend in backends:
-        for graphs in (False, True):
-            row = run(args, backend, graphs)
-            result["rows"].append(row)
-            print(row, flush=True)
-            write_json(args.out, result)
+    for sdpa in args.sdpa:
+        for backend in backends:
+            for graphs in (False, True):
+                row = run(args, backend, graphs, sdpa)
+                result["rows"].append(row)
+                print(row, flush=True)
+                write_json(args.out, result)
     print_table(f"DFlash acceptance by execution path ({args.device}, {args.requests} x {args.tokens} tokens)",
-                result["rows"], ["backend", "graphs", "steps", "acceptance", "graph_replays", "tokens_per_s"])
+                result["rows"], ["sdpa", "backend", "graphs", "steps", "acceptance", "graph_replays", "tokens_per_s"])
     print(f"wrote {args.out}")
 
 
