@@ -147,3 +147,30 @@ def test_the_busy_period_says_when_its_first_step_began_and_its_last_request_cam
     (period,) = [r.fields for r in caplog.records if r.getMessage() == "engine_idle"]
     assert period["steps"] >= 2
     assert period["first_step_ms"] < 150 <= period["last_admitted_ms"] <= period["busy_ms"]
+
+
+def test_an_abort_that_returns_a_failed_sample_fails_the_request():
+    """`engine.abort` may hand back a sample that failed (its masks overflowed): the request then
+    ends with FAILED_PRECONDITION, as a failed step's sample does, not with a bad row."""
+    from rollout.errors import FailedPrecondition
+
+    class FailingAbort(ScriptedEngine):
+        def abort(self, request_id):
+            self.running = []
+            return [SampleOutput(request_id, 0, 0, [1], token_ids=[], finish_reason="error",
+                                 error="mask support exceeded its bound of 2")]
+
+    async def main():
+        engine = FailingAbort()
+        engine.keep.add("a")
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
+        await loop.start()
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        await loop.add(_call("a"), inbox.put_nowait)
+        assert await loop.abort("a", "test") == 1
+        delivery = await inbox.get()
+        assert delivery.done and delivery.samples == []
+        assert isinstance(delivery.error, FailedPrecondition) and "bound" in str(delivery.error)
+        await loop.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -219,6 +219,20 @@ def test_an_overflow_fails_its_sample_at_the_next_step(tiny_random_qwen3, monkey
     assert not eng.has_unfinished() and eng.kv_blocks()[0] == eng.kv_blocks()[1]
 
 
+def test_an_overflow_found_at_an_abort_fails_the_sample(tiny_random_qwen3, monkeypatch):
+    """An overflow still waiting in the last step's masks when its request is aborted: the abort
+    hands the masks over first, and the sample fails as a whole instead of ending with a bad mask."""
+    monkeypatch.setattr(capture_mod, "mask_width", lambda entries: 2)  # pretend the bound is 2
+    eng = _engine(tiny_random_qwen3)
+    eng.add_request("wide", PROMPTS[:1], SamplingParams(temperature=1.5, top_k=50, max_tokens=8, seed=1),
+                    mask="support")
+    assert eng.step() == [] and eng.committer.pending is not None
+    (out,) = eng.abort("wide")
+    assert out.finish_reason == "error" and "bound" in out.error
+    assert out.token_ids == [] and out.supports is None
+    assert not eng.has_unfinished() and eng.kv_blocks()[0] == eng.kv_blocks()[1]
+
+
 @pytest.mark.parametrize("spec", ["none", "dspark"])
 def test_masks_reach_their_samples_one_step_late_and_whole_at_every_end(tiny_random_qwen3, random_drafters,
                                                                        spec):

@@ -214,12 +214,9 @@ class EngineLoop:
             route = self._routes.get(request_id)
             if route is None:
                 continue
-            failed = next((s for s in samples if s.error is not None), None)
+            failed = _failure(samples)
             if failed is not None:
-                self._fail(
-                    request_id,
-                    FailedPrecondition(f"sample {failed.prompt_index}/{failed.sample_index}: {failed.error}"),
-                )
+                self._fail(request_id, failed)
                 continue
             route.remaining -= len(samples)
             done = route.remaining <= 0
@@ -249,7 +246,8 @@ class EngineLoop:
         del self._routes[request_id]
         aborted = engine.abort(request_id)
         log_event("request_aborted", request_id=request_id, reason=reason, samples=len(aborted))
-        self._post(route.sink, Delivery(aborted, done=True))
+        failed = _failure(aborted)  # (a sample whose masks overflowed fails even when aborted)
+        self._post(route.sink, Delivery([] if failed else aborted, done=True, error=failed))
         return len(aborted)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
@@ -308,6 +306,14 @@ class _BusyPeriod:
                  (("first_step_ms", self.first_step), ("last_admitted_ms", self.last_admitted))}
         log_event("engine_idle", steps=self.steps, step_ms=round(self.step_seconds * 1e3, 2),
                   busy_ms=elapsed_ms(self.started), cpu_ms=cpu_ms, finished_tokens=self.tokens, **since)
+
+
+def _failure(samples: list[SampleOutput]) -> FailedPrecondition | None:
+    """The error of a request one of whose samples failed (it fails as a whole), else None."""
+    failed = next((s for s in samples if s.error is not None), None)
+    if failed is None:
+        return None
+    return FailedPrecondition(f"sample {failed.prompt_index}/{failed.sample_index}: {failed.error}")
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
