@@ -98,7 +98,8 @@ class Pinning:
         """The server process's threads off the engine CPU, its engine process's main thread on it."""
         for tid in self.threads_of(pid):
             os.sched_setaffinity(tid, self.others)
-        engines = self.children_of(pid)
+        engines = [c for c in self.children_of(pid)  # (not multiprocessing's resource tracker)
+                   if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
         if not engines:
             raise RuntimeError("no engine process under the server (is it --engine-thread?): run with --no-pin")
         for child in engines:

@@ -46,7 +46,6 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
-    error: str | None = None
 
     def __post_init__(self):
         if self.mask:

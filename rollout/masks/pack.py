@@ -85,8 +85,7 @@ def assemble_supports(parts: list[tuple[PackedRows, int, int]], with_logprobs: b
     pieces = []
     for width, run in groupby(parts, key=lambda part: part[0].packed.shape[1]):
         rows = PackedRows(np.concatenate([rows.packed[a:a + n] for rows, a, n in run]), width)
-        ids, logp = rows.ids, rows.logp
-        flat_ids, flat_logp, lens = flatten_supports(ids, logp[:, :ids.shape[1]], _support_lens(logp))
+        flat_ids, flat_logp, lens = flatten_supports(rows.ids, rows.logp[:, :rows.ids.shape[1]], rows.lens())
         pieces.append(Supports(flat_ids, lens, flat_logp if with_logprobs else None))
     if len(pieces) == 1:
         return pieces[0]

@@ -134,7 +134,7 @@ class EngineLoop:
                 self._busy_period.log()
                 self._busy_period = None
             self._run_commands(block=not busy)
-            if not busy and self._busy():  # left idle (a request came in): a busy period begins
+            if self._busy_period is None and self._busy():  # left idle (a request came in): a period begins
                 self._busy_period = _BusyPeriod(time.perf_counter())
             self._send_outbox()
             if self._busy() and not self._stopping:
@@ -192,10 +192,9 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_run_all, calls)
 
     def _step(self) -> None:
-        if self._busy_period is None:
-            self._busy_period = _BusyPeriod(time.perf_counter())
-        self._busy_period.first_step = self._busy_period.first_step or time.perf_counter()
         start = time.perf_counter()
+        if self._busy_period.steps == 0:
+            self._busy_period.first_step = start
         try:
             finished = self.engine.step()
             self._busy_period.add(start, finished)
