@@ -11,6 +11,8 @@ backend, with and without a drafter, and through the static-buffer graph path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_spec_engine import PROMPTS, _generate
@@ -78,6 +80,23 @@ def test_kernel_equals_the_torch_reference(name):
     got = paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
                                  meta.max_query_len, meta.max_context_len, scale)
     assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("longer", [40, 300])  # the other sequence's keys: one program, split and merged
+def test_queries_that_see_no_key_give_zero_like_the_torch_path(longer):
+    """A query whose position precedes every key gets 0, as in the torch path, not 0/0 = NaN: a
+    padded row of a CUDA-graph verify step (context 1, q queries) is such a row, and its NaN,
+    written to the scratch blocks, reached the drafter's context on the H200 (test_graphs.py)."""
+    q, k, v, k_cache, v_cache, meta = _ragged_case([4, 4], [4, longer], 4, 2, 16, 4)
+    meta = dataclasses.replace(meta, context_lens=torch.tensor([1, longer], device=DEVICE))
+    assert (plan_grid(2, 2, 2, 4, longer)[2] > 1) == (longer > 64)
+    want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    got = paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                                 meta.max_query_len, meta.max_context_len, 0.25)
+    assert bool(torch.isfinite(got).all())
+    assert not got[:3].any() and got[3].abs().sum() > 0  # queries 0-2 of the first sequence see nothing
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

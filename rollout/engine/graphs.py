@@ -3,7 +3,10 @@
 A step where every sequence computes the same number of tokens q (1 for plain decode, K+1
 for a verify block) replays a graph captured for (batch bucket, q, context bucket). Inputs
 are copied into static buffers; rows past the real batch are padding that reads and writes a
-scratch KV block no sequence owns, so they can never touch real cache entries. Prefill and
+scratch KV block no sequence owns, so they can never touch real cache entries. A padded row is a
+well-formed sequence of q tokens with context q, so each of its queries sees at least one key:
+with context 1 its first q-1 queries saw none, the Triton kernel divided 0 by 0, and the NaN,
+written to the scratch blocks, reached the drafter's masked context reads (0 * NaN). Prefill and
 ragged steps run eagerly. With `capture=False` the same static-buffer path runs eagerly, which
 is how the padding is tested on CPU.
 """
@@ -74,7 +77,7 @@ class StepGraphs:
         self.slot_mapping[t:t_pad].fill_(self.scratch_slot)
         self.positions[t:t_pad].fill_(0)
         self.context_lens[:s].copy_(meta.context_lens)
-        self.context_lens[s:s_pad].fill_(1)
+        self.context_lens[s:s_pad].fill_(q)  # a padded row's q queries see keys 0..j of the scratch block
         width = meta.block_tables.shape[1]
         self.block_tables[:s, :width].copy_(meta.block_tables)
         self.block_tables[s:s_pad].fill_(self.scratch_block)

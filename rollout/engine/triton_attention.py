@@ -6,7 +6,8 @@ owns (sequence, KV head, query tile, key split): its rows are the (query token, 
 of that KV head, so GQA shares every key load across the G query heads; it walks the sequence's
 block table in chunks of BLOCK_N keys with an online softmax in float32. Causality is by
 position: query j of a sequence with q_len queries and context_len keys sits at position
-context_len - q_len + j and sees keys 0..position, exactly like the torch path's mask.
+context_len - q_len + j and sees keys 0..position, exactly like the torch path's mask; a query
+that sees no key (position < 0) gets 0, as the torch path's SDPA gives.
 
 Decode and verify steps have few query rows per sequence, so at small batch a (sequence, head)
 grid leaves most of the GPU idle; the key range is then split over several programs whose
@@ -100,8 +101,8 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
                 m_i = m_new
             token = q_start + tok
-            if NUM_SPLITS == 1:
-                out = acc / l_i[:, None]
+            if NUM_SPLITS == 1:  # a row that saw no key has acc = 0, l = 0: it gives 0 (torch's SDPA too)
+                out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
                 tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
             else:  # partials [splits, T, Hq, D] and [splits, T, Hq, 2] (max, sum), merged by _merge_kernel
@@ -125,7 +126,8 @@ if triton is not None:
         weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # splits that saw no key weigh 0
         dims = tl.arange(0, HEAD_DIM)
         acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :])  # [P, D]
-        out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_split * weight, 0)
+        total = tl.sum(l_split * weight, 0)
+        out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # no key anywhere: 0
         tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
