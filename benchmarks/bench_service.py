@@ -22,7 +22,14 @@ runs, and the server's engine process (its main thread, which steps the engine);
 thread of this process and of the server keeps off that CPU. `--no-pin` leaves placement to the OS
 (and `--server-args=--engine-thread` is not pinned: its engine thread is not told apart).
 
+A GPU-bound target: `--shape qwen3-8b` (or qwen3-0.6b) runs both paths on random weights of that
+shape (`--load-format random`, nothing downloaded) with an untrained one-layer DFlash drafter
+saved to a temporary directory; its drafts are almost never accepted, so a step commits about
+one token per sequence while the target verifies a whole block. There the step is device time,
+as with a real policy, and the host noise above moves the ratio much less.
+
     python benchmarks/bench_service.py --device cuda --spec dflash --repeats 5
+    python benchmarks/bench_service.py --device cuda --shape qwen3-8b --max-tokens 256 --repeats 5
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import json
 import os
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +62,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-kv-blocks", type=int, default=2048, help="fixed, so both engines fit side by side")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="fixed, so both engines fit side by side (default: every request's whole sequence)")
+    p.add_argument("--shape", default=None, choices=("qwen3-0.6b", "qwen3-8b", "tiny"),
+                   help="random target weights of this shape and an untrained DFlash drafter (see above; "
+                        "tiny: a CPU check of the script)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2, help="untimed full runs of each path first")
     p.add_argument("--server-args", default="", help="extra `rollout serve` arguments, e.g. '--gil-switch-ms 0.5'")
@@ -173,14 +185,40 @@ async def run_service(address: str, prompts: list[list[int]], sampling: dict) ->
 
 def serve_args(args: argparse.Namespace) -> list[str]:
     out = ["--spec", args.spec, "--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks)]
-    out += ["--max-mask-tokens", str(TOP_K)] + args.server_args.split()
+    out += ["--max-mask-tokens", str(TOP_K), "--load-format", args.load_format] + args.server_args.split()
     return out + (["--model", args.model] if args.model else []) + (["--draft", args.draft] if args.draft else [])
+
+
+def random_shape(args: argparse.Namespace, root: Path) -> None:
+    """`--shape`: a config-only target directory (random weights at load) and an untrained DFlash
+    drafter for it, both under `root`; points args.model / args.draft / args.load_format there."""
+    from common import SHAPES, free_memory, write_config_dir
+
+    from rollout.engine.loader import load_model
+    from rollout.spec.draft_loader import random_drafter, save_drafter
+
+    model_dir = write_config_dir(SHAPES[args.shape], root / "target")
+    target = load_model(model_dir, args.device, load_format="random")
+    save_drafter(random_drafter(target, "dflash", block_size=8, num_layers=1, seed=1), root / "dflash")
+    del target
+    free_memory()
+    args.model, args.draft, args.load_format, args.spec = str(model_dir), str(root / "dflash"), "random", "dflash"
 
 
 def main() -> None:
     args = parse_args()
+    args.load_format = "safetensors"
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = args.requests * (-(-(args.prompt_len + args.max_tokens + 16) // 16) + 1) + 64
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.shape:
+            random_shape(args, Path(tmp))
+        bench(args)
+
+
+def bench(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, draft=args.draft, spec=args.spec, device=args.device,
-                          num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K)  # fmt: skip
+                          num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K, load_format=args.load_format)
     engine = LLMEngine(config)
     paths = ("in_process", "service")
     rates: dict[str, list[float]] = {p: [] for p in paths}
@@ -233,8 +271,9 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]], tokens: int,
     total_ratio = total["in_process"] / total["service"]  # the same tokens on both paths
     cpu_ratios = [s["cpu_ms"] / s["steps"] / (i["cpu_ms"] / i["steps"])
                   for s, i in zip(steps["service"], steps["in_process"], strict=True)]
+    model = f"{args.shape} random + untrained dflash" if args.shape else "embedded"
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, support masks top_k {TOP_K}, "
-          f"spec {args.spec}, {args.device}; median of {args.repeats}")  # fmt: skip
+          f"{model}, spec {args.spec}, {args.device}; median of {args.repeats}")  # fmt: skip
     print(f"{'path':<12} {'tokens/s':>10}")
     for name, value in median.items():
         print(f"{name:<12} {value:>10.0f}")
