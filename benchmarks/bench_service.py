@@ -13,6 +13,8 @@ per step, the engine thread's CPU time per step and the share of the run spent i
 `engine.step()` (the server's from its `engine_idle` log lines), which tells more steps from
 slower steps from time between steps. Also the ratio of the two paths' total times over all
 repeats, and the median per repeat of the engine's CPU time per step, service / in-process.
+Each repeat's line also says how many CUDA graphs each engine captured during it (a capture
+makes its step slow; the two engines see different batch shapes as the burst comes in).
 Prints the tables, writes JSON (`--out`).
 
 Host noise: on a shared (virtualised) host the same engine's CPU time per step moved by tens of
@@ -153,12 +155,13 @@ def _run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict,
     for i, prompt in enumerate(prompts):
         params = SamplingParams(**sampling, seed=i)
         engine.add_request(f"{tag}-{i}", [prompt], params, n=1, mask="support")
-    tokens, steps, step_seconds, cpu = 0, 0, 0.0, time.thread_time()
+    tokens, steps, step_seconds, cpu, graphs = 0, 0, 0.0, time.thread_time(), engine.num_graphs()
     while engine.has_unfinished():
         t = time.perf_counter()
         tokens += sum(len(s.token_ids) for s in engine.step())
         steps, step_seconds = steps + 1, step_seconds + time.perf_counter() - t
-    stats = dict(steps=steps, step_ms=step_seconds * 1e3, cpu_ms=(time.thread_time() - cpu) * 1e3)
+    stats = dict(steps=steps, step_ms=step_seconds * 1e3, cpu_ms=(time.thread_time() - cpu) * 1e3,
+                 new_graphs=engine.num_graphs() - graphs)
     return tokens, time.perf_counter() - start, stats
 
 
@@ -245,7 +248,8 @@ def bench(args: argparse.Namespace) -> None:
                 else:
                     tokens, seconds = asyncio.run(run_service(server.address, prompts, sampling))
                     periods, seen = engine_periods(server, seen)
-                    stats = {k: sum(p[k] for p in periods) for k in ("steps", "step_ms", "busy_ms", "cpu_ms")}
+                    stats = {k: sum(p[k] for p in periods)
+                             for k in ("steps", "step_ms", "busy_ms", "cpu_ms", "new_graphs")}
                     # admission of the burst: when its last request came in and the first step began
                     stats.update({k: periods[0].get(k, 0.0) for k in ("last_admitted_ms", "first_step_ms")})
                 assert tokens == args.requests * args.max_tokens, (path, tokens)
@@ -256,8 +260,9 @@ def bench(args: argparse.Namespace) -> None:
             print(f"repeat {r}: tok/s in-process {last['in_process']}, service "
                   f"{last['service']}; in-process / service: steps {ins['steps']} / {svc['steps']}, step ms "
                   f"{ins['step_ms']:.0f} / {svc['step_ms']:.0f}, engine cpu ms {ins['cpu_ms']:.0f} / "
-                  f"{svc['cpu_ms']:.0f}; service: last request in at {svc['last_admitted_ms']:.1f} ms, first "
-                  f"step at {svc['first_step_ms']:.1f} ms", flush=True)
+                  f"{svc['cpu_ms']:.0f}, graphs captured {ins['new_graphs']} / {svc['new_graphs']}; service: last "
+                  f"request in at {svc['last_admitted_ms']:.1f} ms, first step at {svc['first_step_ms']:.1f} ms",
+                  flush=True)
     report(args, rates, tokens, steps)
 
 

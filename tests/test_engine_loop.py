@@ -42,6 +42,9 @@ class ScriptedEngine:
     def weight_update_pending(self) -> bool:
         return False
 
+    def num_graphs(self) -> int:  # as if the first step captured one CUDA graph
+        return min(self.steps, 1)
+
 
 def _call(request_id: str, prompts: int = 1) -> GenerateCall:
     return GenerateCall(request_id, [[1]] * prompts, params=None, n=1, mask=None, grammar=None)
@@ -92,7 +95,8 @@ def test_one_step_delivers_every_request_in_one_wake_up():
 
 
 def test_a_busy_period_is_logged_when_the_engine_goes_idle(caplog):
-    """`engine_idle` carries the period's steps and the tokens it finished, once per period."""
+    """`engine_idle` carries the period's steps, the tokens it finished and the CUDA graphs it
+    captured, once per period."""
     import logging
 
     from rollout.server.logs import LOGGER_NAME
@@ -115,6 +119,7 @@ def test_a_busy_period_is_logged_when_the_engine_goes_idle(caplog):
     for fields in periods:
         assert fields["steps"] == 1 and fields["finished_tokens"] == 3
         assert 0 <= fields["step_ms"] <= fields["busy_ms"] and fields["cpu_ms"] >= 0
+    assert [p["new_graphs"] for p in periods] == [1, 0]  # captured in the first period only
 
 
 def test_the_busy_period_says_when_its_first_step_began_and_its_last_request_came(caplog):

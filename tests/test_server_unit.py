@@ -125,6 +125,9 @@ class FakeEngine:
     def weight_update_pending(self) -> bool:
         return self.pending is not None
 
+    def num_graphs(self) -> int:
+        return 0
+
 
 @pytest.fixture(scope="module")
 def server():

@@ -98,6 +98,12 @@ class LLMEngine:
     def kv_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_free_blocks, self.block_manager.num_blocks
 
+    def num_graphs(self) -> int:
+        """CUDA graphs held (target steps and the drafter's block forward): each one was captured
+        inside the step that first needed its shape, which made that step slow."""
+        drafter = getattr(self.drafter, "graphs", None)
+        return sum(len(g.graphs) for g in (self.graphs, drafter) if g is not None)
+
     def update_weights(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
         """Validate now; apply once running samples drained (see WeightUpdater)."""
         self.weights.submit(state, draft_state)
