@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--server-args", default="", help="extra `rollout serve` arguments, e.g. '--gil-switch-ms 0.5'")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                    help="run both engines on one CPU of their own (default: when 3 or more CPUs are usable)")
+    p.add_argument("--server-log", default=None,
+                   help="copy the server's JSON log here at the end (with --server-args='--log-level debug' it "
+                        "has each request's admission)")
     p.add_argument("--out", default="benchmarks/results/bench_service.json")
     return p.parse_args()
 
@@ -263,6 +266,8 @@ def bench(args: argparse.Namespace) -> None:
                   f"{svc['cpu_ms']:.0f}, graphs captured {ins['new_graphs']} / {svc['new_graphs']}; service: last "
                   f"request in at {svc['last_admitted_ms']:.1f} ms, first step at {svc['first_step_ms']:.1f} ms",
                   flush=True)
+        if args.server_log:
+            Path(args.server_log).write_bytes(Path(server.log_path).read_bytes())
     report(args, rates, tokens, steps)
 
 
