@@ -13,8 +13,9 @@ per step, the engine thread's CPU time per step and the share of the run spent i
 `engine.step()` (the server's from its `engine_idle` log lines), which tells more steps from
 slower steps from time between steps. Also the ratio of the two paths' total times over all
 repeats, and the median per repeat of the engine's CPU time per step, service / in-process.
-Each repeat's line also says how many CUDA graphs each engine captured during it (a capture
-makes its step slow; the two engines see different batch shapes as the burst comes in).
+Each repeat's line also says how many CUDA graphs and Triton kernel variants each engine built
+during it (a build makes its step slow; the two engines see different batch shapes as the burst
+comes in).
 Prints the tables, writes JSON (`--out`).
 
 Host noise: on a shared (virtualised) host the same engine's CPU time per step moved by tens of
@@ -158,13 +159,13 @@ def _run_in_process(engine: LLMEngine, prompts: list[list[int]], sampling: dict,
     for i, prompt in enumerate(prompts):
         params = SamplingParams(**sampling, seed=i)
         engine.add_request(f"{tag}-{i}", [prompt], params, n=1, mask="support")
-    tokens, steps, step_seconds, cpu, graphs = 0, 0, 0.0, time.thread_time(), engine.num_graphs()
+    tokens, steps, step_seconds, cpu, compiled = 0, 0, 0.0, time.thread_time(), engine.compiled()
     while engine.has_unfinished():
         t = time.perf_counter()
         tokens += sum(len(s.token_ids) for s in engine.step())
         steps, step_seconds = steps + 1, step_seconds + time.perf_counter() - t
     stats = dict(steps=steps, step_ms=step_seconds * 1e3, cpu_ms=(time.thread_time() - cpu) * 1e3,
-                 new_graphs=engine.num_graphs() - graphs)
+                 **{f"new_{k}": n - compiled[k] for k, n in engine.compiled().items()})
     return tokens, time.perf_counter() - start, stats
 
 
@@ -252,7 +253,7 @@ def bench(args: argparse.Namespace) -> None:
                     tokens, seconds = asyncio.run(run_service(server.address, prompts, sampling))
                     periods, seen = engine_periods(server, seen)
                     stats = {k: sum(p[k] for p in periods)
-                             for k in ("steps", "step_ms", "busy_ms", "cpu_ms", "new_graphs")}
+                             for k in ("steps", "step_ms", "busy_ms", "cpu_ms", "new_graphs", "new_kernels")}
                     # admission of the burst: when its last request came in and the first step began
                     stats.update({k: periods[0].get(k, 0.0) for k in ("last_admitted_ms", "first_step_ms")})
                 assert tokens == args.requests * args.max_tokens, (path, tokens)
@@ -263,7 +264,8 @@ def bench(args: argparse.Namespace) -> None:
             print(f"repeat {r}: tok/s in-process {last['in_process']}, service "
                   f"{last['service']}; in-process / service: steps {ins['steps']} / {svc['steps']}, step ms "
                   f"{ins['step_ms']:.0f} / {svc['step_ms']:.0f}, engine cpu ms {ins['cpu_ms']:.0f} / "
-                  f"{svc['cpu_ms']:.0f}, graphs captured {ins['new_graphs']} / {svc['new_graphs']}; service: last "
+                  f"{svc['cpu_ms']:.0f}, graphs captured {ins['new_graphs']} / {svc['new_graphs']}, Triton kernels "
+                  f"compiled {ins['new_kernels']} / {svc['new_kernels']}; service: last "
                   f"request in at {svc['last_admitted_ms']:.1f} ms, first step at {svc['first_step_ms']:.1f} ms",
                   flush=True)
         if args.server_log:

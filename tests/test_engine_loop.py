@@ -42,8 +42,8 @@ class ScriptedEngine:
     def weight_update_pending(self) -> bool:
         return False
 
-    def num_graphs(self) -> int:  # as if the first step captured one CUDA graph
-        return min(self.steps, 1)
+    def compiled(self) -> dict[str, int]:  # as if the first step captured one CUDA graph
+        return dict(graphs=min(self.steps, 1), kernels=0)
 
 
 def _call(request_id: str, prompts: int = 1) -> GenerateCall:
@@ -119,7 +119,7 @@ def test_a_busy_period_is_logged_when_the_engine_goes_idle(caplog):
     for fields in periods:
         assert fields["steps"] == 1 and fields["finished_tokens"] == 3
         assert 0 <= fields["step_ms"] <= fields["busy_ms"] and fields["cpu_ms"] >= 0
-    assert [p["new_graphs"] for p in periods] == [1, 0]  # captured in the first period only
+    assert [(p["new_graphs"], p["new_kernels"]) for p in periods] == [(1, 0), (0, 0)]  # the first period's
 
 
 def test_the_busy_period_says_when_its_first_step_began_and_its_last_request_came(caplog):

@@ -74,8 +74,8 @@ def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, ran
     outs, eng = _run(tiny_random_qwen3, static=True, after_step=_assert_finite, **kw)
     assert eng.graphs.num_replays > 0 and any(k[1] == 4 for k in eng.graphs.graphs)
     assert eng.drafter.graphs.num_replays > 0 and len(eng.drafter.graphs.graphs) >= 2  # drafter graphs too
-    assert eng.num_graphs() == len(eng.graphs.graphs) + len(eng.drafter.graphs.graphs)
-    assert base_eng.num_graphs() == 0
+    assert eng.compiled()["graphs"] == len(eng.graphs.graphs) + len(eng.drafter.graphs.graphs)
+    assert base_eng.compiled()["graphs"] == 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in base]
 

@@ -125,8 +125,8 @@ class FakeEngine:
     def weight_update_pending(self) -> bool:
         return self.pending is not None
 
-    def num_graphs(self) -> int:
-        return 0
+    def compiled(self) -> dict[str, int]:
+        return dict(graphs=0, kernels=0)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from rollout.engine import triton_ops
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.commit import Committer
@@ -98,11 +99,13 @@ class LLMEngine:
     def kv_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_free_blocks, self.block_manager.num_blocks
 
-    def num_graphs(self) -> int:
-        """CUDA graphs held (target steps and the drafter's block forward): each one was captured
-        inside the step that first needed its shape, which made that step slow."""
+    def compiled(self) -> dict[str, int]:
+        """What steps have had to build so far, each inside the step that first needed it, which
+        made that step slow: `graphs`, the CUDA graphs held (target steps and the drafter's block
+        forward), and `kernels`, the Triton kernel variants of this process."""
         drafter = getattr(self.drafter, "graphs", None)
-        return sum(len(g.graphs) for g in (self.graphs, drafter) if g is not None)
+        graphs = sum(len(g.graphs) for g in (self.graphs, drafter) if g is not None)
+        return dict(graphs=graphs, kernels=triton_ops.compiled_variants())
 
     def update_weights(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
         """Validate now; apply once running samples drained (see WeightUpdater)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollout.engine import triton_attention
 from rollout.engine.triton_attention import triton
 
 if triton is not None:
@@ -138,3 +139,15 @@ def silu_mul(gate_up: Tensor) -> Tensor:
         _silu_mul_kernel[(num_tokens, triton.cdiv(size, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), SIZE=size, BLOCK=block)
     return out
+
+
+def compiled_variants() -> int:
+    """Specialisations of this package's Triton kernels that this process has compiled (or loaded
+    from Triton's disk cache) so far. A launch needing a new one compiles it first, inside its
+    step: constexprs and integer arguments equal to 1 or divisible by 16 pick the variant. Read
+    from Triton's per-device kernel caches; 0 under the interpreter, which compiles nothing."""
+    if triton is None:
+        return 0
+    kernels = (_qk_norm_rope_store_kernel, _add_rms_norm_kernel, _silu_mul_kernel,
+               triton_attention._attn_kernel, triton_attention._merge_kernel)
+    return sum(len(cache[0]) for k in kernels for cache in getattr(k, "device_caches", {}).values())

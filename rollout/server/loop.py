@@ -131,11 +131,11 @@ class EngineLoop:
         while not self._stopping:
             busy = self._busy()
             if not busy and self._busy_period is not None:  # idle again: one log line for the period
-                self._busy_period.log(self.engine.num_graphs())
+                self._busy_period.log(self.engine.compiled())
                 self._busy_period = None
             self._run_commands(block=not busy)
             if self._busy_period is None and self._busy():  # left idle (a request came in): a period begins
-                self._busy_period = _BusyPeriod(time.perf_counter(), self.engine.num_graphs())
+                self._busy_period = _BusyPeriod(time.perf_counter(), self.engine.compiled())
             self._send_outbox()
             if self._busy() and not self._stopping:
                 self._step()
@@ -282,13 +282,13 @@ class EngineLoop:
 class _BusyPeriod:
     """Steps from the engine's leaving idle to its return: logged as `engine_idle` (steps, time in
     `engine.step()`, the period's length, the engine thread's CPU time, when the first step began
-    and the last request of the period came in, both from its start, and the CUDA graphs captured
-    meanwhile), which tells a slow step from time spent between steps, host work from waiting (for
+    and the last request of the period came in, both from its start, and the CUDA graphs and Triton
+    kernel variants built meanwhile), which tells a slow step from time spent between steps, host work from waiting (for
     the GPU or the GIL), shows how long a burst of requests took to come in, and which periods paid
     for captures."""
 
     started: float
-    graphs_before: int = 0
+    compiled_before: dict[str, int] = field(default_factory=dict)
     cpu_started: float = field(default_factory=time.thread_time)
     steps: int = 0
     step_seconds: float = 0.0
@@ -301,13 +301,13 @@ class _BusyPeriod:
         self.step_seconds += time.perf_counter() - start
         self.tokens += sum(len(s.token_ids) for s in finished)
 
-    def log(self, graphs: int) -> None:
+    def log(self, compiled: dict[str, int]) -> None:
         cpu_ms = round((time.thread_time() - self.cpu_started) * 1e3, 2)  # the engine thread's CPU time
         since = {name: round(max(t - self.started, 0.0) * 1e3, 2) for name, t in
                  (("first_step_ms", self.first_step), ("last_admitted_ms", self.last_admitted))}
         log_event("engine_idle", steps=self.steps, step_ms=round(self.step_seconds * 1e3, 2),
                   busy_ms=elapsed_ms(self.started), cpu_ms=cpu_ms, finished_tokens=self.tokens,
-                  new_graphs=graphs - self.graphs_before, **since)
+                  **{f"new_{k}": n - self.compiled_before.get(k, 0) for k, n in compiled.items()}, **since)
 
 
 def _failure(samples: list[SampleOutput]) -> FailedPrecondition | None:
