@@ -9,6 +9,11 @@ position: query j of a sequence with q_len queries and context_len keys sits at 
 context_len - q_len + j and sees keys 0..position, exactly like the torch path's mask; a query
 that sees no key (position < 0) gets 0, as the torch path's SDPA gives.
 
+Triton compiles a variant per constexpr combination and per integer argument that equals 1 or
+is divisible by 16. The token count and the block table's width change with every batch, so
+those two are not specialised. Otherwise a serving engine kept meeting new variants, each
+compiled inside a step (~0.5 s on the H200; see BENCHMARKS.md, issue 5).
+
 Decode and verify steps have few query rows per sequence, so at small batch a (sequence, head)
 grid leaves most of the GPU idle; the key range is then split over several programs whose
 partial (max, sum, accumulator) are merged by a second small kernel (flash-decoding).
@@ -47,7 +52,7 @@ def supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens", "stride_bt"])
     def _attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
@@ -111,7 +116,7 @@ if triton is not None:
                 tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
                 tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _merge_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
