@@ -192,13 +192,17 @@ async def run_service(address: str, prompts: list[list[int]], sampling: dict) ->
 
 def serve_args(args: argparse.Namespace) -> list[str]:
     out = ["--spec", args.spec, "--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks)]
-    out += ["--max-mask-tokens", str(TOP_K), "--load-format", args.load_format] + args.server_args.split()
+    out += ["--max-mask-tokens", str(TOP_K), "--load-format", load_format(args)] + args.server_args.split()
     return out + (["--model", args.model] if args.model else []) + (["--draft", args.draft] if args.draft else [])
+
+
+def load_format(args: argparse.Namespace) -> str:
+    return "random" if args.shape else "safetensors"
 
 
 def random_shape(args: argparse.Namespace, root: Path) -> None:
     """`--shape`: a config-only target directory (random weights at load) and an untrained DFlash
-    drafter for it, both under `root`; points args.model / args.draft / args.load_format there."""
+    drafter for it, both under `root`; points args.model / args.draft there (spec dflash)."""
     from common import SHAPES, free_memory, write_config_dir
 
     from rollout.engine.loader import load_model
@@ -209,12 +213,11 @@ def random_shape(args: argparse.Namespace, root: Path) -> None:
     save_drafter(random_drafter(target, "dflash", block_size=8, num_layers=1, seed=1), root / "dflash")
     del target
     free_memory()
-    args.model, args.draft, args.load_format, args.spec = str(model_dir), str(root / "dflash"), "random", "dflash"
+    args.model, args.draft, args.spec = str(model_dir), str(root / "dflash"), "dflash"
 
 
 def main() -> None:
     args = parse_args()
-    args.load_format = "safetensors"
     if args.num_kv_blocks is None:
         args.num_kv_blocks = args.requests * (-(-(args.prompt_len + args.max_tokens + 16) // 16) + 1) + 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,7 +228,7 @@ def main() -> None:
 
 def bench(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, draft=args.draft, spec=args.spec, device=args.device,
-                          num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K, load_format=args.load_format)
+                          num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K, load_format=load_format(args))
     engine = LLMEngine(config)
     paths = ("in_process", "service")
     rates: dict[str, list[float]] = {p: [] for p in paths}

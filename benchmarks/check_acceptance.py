@@ -48,7 +48,9 @@ def run(args: argparse.Namespace, backend: str, graphs: bool, sdpa: str) -> dict
         return _run(args, backend, graphs, sdpa)
 
 
-def _run(args: argparse.Namespace, backend: str, graphs: bool, sdpa: str) -> dict:
+def workload_engine(args: argparse.Namespace, backend: str, graphs: bool) -> LLMEngine:
+    """The embedded DFlash engine with the workload queued (`--requests` x `--tokens`, seeded);
+    `graphs`: captured on a GPU, the same static-buffer path run eagerly elsewhere."""
     on_gpu = args.device == "cuda"
     engine = LLMEngine(EngineConfig(
         spec="dflash", draft=embedded_draft("dflash"), device=args.device, kernel_backend=backend,
@@ -57,20 +59,33 @@ def _run(args: argparse.Namespace, backend: str, graphs: bool, sdpa: str) -> dic
         enable_prefix_caching=False,
     ))  # fmt: skip
     if graphs and not on_gpu:
-        engine.graphs = engine.make_step_graphs(capture=False)  # the same static-buffer path, eagerly
+        engine.graphs = engine.make_step_graphs(capture=False)
     for i, prompt in enumerate(heldout_prompts(args.requests)):
         params = SamplingParams(temperature=1.0, top_k=64, top_p=0.95, max_tokens=args.tokens,
                                 min_tokens=args.tokens, seed=i)
         engine.add_request(f"r{i}", [prompt], params)
-    outputs, steps, start = [], 0, time.perf_counter()
+    return engine
+
+
+def run_to_end(engine: LLMEngine) -> tuple[list, int, float]:
+    """(finished samples, steps, mean acceptance: committed tokens per verify step, prefill left out)."""
+    outputs, steps = [], 0
     while engine.has_unfinished():
         outputs += engine.step()
         steps += 1
-    seconds = time.perf_counter() - start
     accepted = [n for o in outputs for n in o.accept_lengths[1:]]
+    return outputs, steps, statistics.fmean(accepted) if accepted else 0.0
+
+
+def _run(args: argparse.Namespace, backend: str, graphs: bool, sdpa: str) -> dict:
+    on_gpu = args.device == "cuda"
+    engine = workload_engine(args, backend, graphs)
+    start = time.perf_counter()
+    outputs, steps, acceptance = run_to_end(engine)
+    seconds = time.perf_counter() - start
     replays = engine.graphs.num_replays if engine.graphs is not None else 0
     return dict(backend=backend, sdpa=sdpa, graphs=("captured" if on_gpu else "eager path") if graphs else "off",
-                steps=steps, acceptance=statistics.fmean(accepted), graph_replays=replays,
+                steps=steps, acceptance=acceptance, graph_replays=replays,
                 tokens_per_s=sum(len(o.token_ids) for o in outputs) / seconds)
 
 

@@ -19,11 +19,8 @@ import argparse
 import collections
 
 import torch
-from common import embedded_draft, environment, heldout_prompts, print_table, write_json
-
-from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
-from rollout.engine.params import SamplingParams
+from check_acceptance import run_to_end, workload_engine
+from common import environment, print_table, write_json
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,14 +43,7 @@ def relative(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
-    engine = LLMEngine(EngineConfig(
-        spec="dflash", draft=embedded_draft("dflash"), device=args.device, kernel_backend=args.backend,
-        cuda_graphs=True, num_kv_blocks=args.requests * ((256 + args.tokens) // 16 + 4) + 8,
-        max_num_seqs=args.requests, max_num_batched_tokens=max(2048, 256 * args.requests),
-        enable_prefix_caching=False,
-    ))  # fmt: skip
-    if engine.graphs is None:
-        engine.graphs = engine.make_step_graphs(capture=False)
+    engine = workload_engine(args, args.backend, graphs=True)
     diffs: dict[tuple, list[float]] = collections.defaultdict(list)
 
     target_run = engine.graphs.run
@@ -77,18 +67,11 @@ def main() -> None:
         return hidden, logits
 
     drafter.graphs.run = checked_draft
-    for i, prompt in enumerate(heldout_prompts(args.requests)):
-        params = SamplingParams(temperature=1.0, top_k=64, top_p=0.95, max_tokens=args.tokens,
-                                min_tokens=args.tokens, seed=i)
-        engine.add_request(f"r{i}", [prompt], params)
-    outputs = []
-    while engine.has_unfinished():
-        outputs += engine.step()
-    accepted = [n for o in outputs for n in o.accept_lengths[1:]]
+    _, _, acceptance = run_to_end(engine)
     rows = [dict(graph=k[0], key=str(k[1:]), replays=len(v), max_rel_diff=max(v), mean_rel_diff=sum(v) / len(v))
             for k, v in sorted(diffs.items())]
     result = dict(args=vars(args), env=environment(args.device), rows=rows,
-                  acceptance=sum(accepted) / max(1, len(accepted)))
+                  acceptance=acceptance)
     print_table(f"graph replay vs eager ({args.device}, {args.backend}); acceptance {result['acceptance']:.3f}",
                 rows, ["graph", "key", "replays", "max_rel_diff", "mean_rel_diff"])
     write_json(args.out, result)

@@ -35,13 +35,15 @@ class Committer:
         self.engine = engine
         self.pending: StepMasks | None = None  # the last step's masks, not yet handed to its samples
 
-    def commit(self, step: StepBatch, host) -> list[SampleOutput]:
+    def commit(self, step: StepBatch, host, captured) -> list[SampleOutput]:
+        """`host`: the step's host copies (`_to_host`); `captured`: its packed masks (the last of
+        `host` is their host array), None when no entry asked for masks."""
         if not host:
             self._advance(step, [])
             return []
         tokens, logprobs, num_accepted, has_support = (h.tolist() for h in host[:4])
         self._advance(step, num_accepted)
-        masks = StepMasks(self.engine.capture.last, host[4]) if len(host) > 4 else None
+        masks = StepMasks(captured, host[4]) if captured is not None else None
         outputs, finishing = [], []
         for e, seq in enumerate(step.entries):
             count = num_accepted[e] + 1

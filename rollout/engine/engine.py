@@ -140,7 +140,7 @@ class LLMEngine:
         masks = None if captured is None else self.capture.to_host(captured)
         self.committer.hand_over_masks()  # the last step's masks, while the device computes this step
         host = _to_host(result, masks)
-        return self.committer.commit(step, host)
+        return self.committer.commit(step, host, captured)
 
     def _draft(self, plan, table) -> Drafts:
         if self.drafter is None:

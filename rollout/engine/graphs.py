@@ -4,9 +4,9 @@ A step where every sequence computes the same number of tokens q (1 for plain de
 for a verify block) replays a graph captured for (batch bucket, q, context bucket). Inputs
 are copied into static buffers; rows past the real batch are padding that reads and writes a
 scratch KV block no sequence owns, so they can never touch real cache entries. A padded row is a
-well-formed sequence of q tokens with context q, so each of its queries sees at least one key:
-with context 1 its first q-1 queries saw none, the Triton kernel divided 0 by 0, and the NaN,
-written to the scratch blocks, reached the drafter's masked context reads (0 * NaN). Prefill and
+well-formed sequence of q tokens with context q, so each of its queries sees at least one key (a
+query seeing none would make a NaN that reaches the drafter's context through the scratch
+block). Prefill and
 ragged steps run eagerly. With `capture=False` the same static-buffer path runs eagerly, which
 is how the padding is tested on CPU.
 """

@@ -49,7 +49,6 @@ def mask_width(entries) -> int:
 class MaskCapture:
     def __init__(self):
         self.num_captures = 0
-        self.last: Captured | None = None
         # pinned host memory the packed rows are copied into: two, used in turn, since a step's
         # rows are read during the next step (see rollout.engine.commit)
         self._staging: list[torch.Tensor | None] = [None, None]
@@ -57,7 +56,6 @@ class MaskCapture:
 
     def capture(self, pol: Policy, step) -> Captured | None:
         if not any(s.mask for s in step.entries):
-            self.last = None
             return None
         self.num_captures += 1
         width = mask_width(step.entries)
@@ -73,8 +71,7 @@ class MaskCapture:
             index = upload(rows, torch.int64, sorted_ids.device)
             cols = min(width + 1, sorted_ids.shape[1])
             sorted_ids, sorted_logp = sorted_ids[index, :cols], sorted_logp[index, :cols]
-        self.last = Captured(pack_supports(sorted_ids, sorted_logp, width), first_row, width)
-        return self.last
+        return Captured(pack_supports(sorted_ids, sorted_logp, width), first_row, width)
 
     def to_host(self, cap: Captured) -> np.ndarray:
         """Starts the step's copy of the packed rows and returns the host array they land in, valid
