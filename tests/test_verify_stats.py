@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from spec_helpers import proposal
 from spec_helpers import verify_rows as verify
 
 import rollout.spec.verify as verify_mod
@@ -69,6 +70,7 @@ def _sample_two_tokens(q_onehot: bool, seed: int = 0) -> torch.Tensor:
     judge = rows[:, :2].reshape(-1)
     seeds = (torch.arange(N) * 7919 + 12345).repeat_interleave(3)
     positions = torch.tensor([10, 11, 12]).repeat(N)
+    q = None if q is None else proposal(q, drafts)
     res = verify(pol, drafts, q, [2] * N, cu, judge, torch.arange(2 * N), seeds, positions)
     t1, t2 = res.tokens[:, 0].clone(), res.tokens[:, 1].clone()
     short = res.num_accepted == 0  # the block committed only t1: a plain step draws t2 given t1
