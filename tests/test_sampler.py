@@ -358,15 +358,29 @@ def _critical(df: int, z: float = 4.0) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def _expected() -> dict[int, float]:
-    probs = reference_policy(_stat_logits().tolist(), **STAT_PARAMS)
-    assert 5 <= len(probs) < 10 and min(probs.values()) * N_DRAWS > 50  # a test with teeth
+# one case per path of the policy (rollout.engine.sampler): top-k candidates, the vocabulary in
+# vocabulary order (no truncation; min-p only), and top-p rows that sort
+STAT_PATHS = {
+    "top_k": STAT_PARAMS,
+    "dense": dict(temperature=0.8),
+    "min_p": dict(temperature=0.8, min_p=0.15),
+    "top_p": dict(temperature=0.8, top_p=0.8),
+}
+
+
+def _expected(params: dict = STAT_PARAMS) -> dict[int, float]:
+    probs = reference_policy(_stat_logits().tolist(), **params)
+    assert 5 <= len(probs) and min(probs.values()) * N_DRAWS > 20  # a test with teeth
     return probs
 
 
+@pytest.mark.parametrize("path", STAT_PATHS)
 @pytest.mark.parametrize("axis", ["seeds", "positions"])
-def test_sampled_frequencies_follow_contract_1(axis):
-    stat, df = _chi2(_draws(policy, axis), _expected())
+def test_sampled_frequencies_follow_contract_1(axis, path):
+    params = STAT_PATHS[path]
+    if path != "dense":  # the truncation removes tokens: a draw outside the support is a failure
+        assert len(_expected(params)) < SV
+    stat, df = _chi2(_draws(policy, axis, params), _expected(params))
     assert stat < _critical(df), f"chi2 {stat:.1f} with {df} dof"
 
 

@@ -43,14 +43,16 @@ def truncate_sorted(vals: Tensor, top_k: Tensor | None, top_p: Tensor, min_p: Te
     if top_k is not None:
         keep &= torch.arange(vals.shape[1], device=vals.device) < top_k[:, None]
     masked = vals.masked_fill(~keep, NEG_INF)
-    probs = torch.softmax(masked, dim=1)
-    mass_before = probs.cumsum(dim=1).sub_(probs)
-    del probs
-    # top_p == 1 is off: a float32 cumsum reaches 1 before the tail, which must stay
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    del mass_before
+    mass = torch.softmax(masked, dim=1).cumsum_(dim=1)  # [N, W] float32 running sums
+    # a token stays while the running sum before it is short of top_p: the prefix ends at the
+    # first token whose running sum reaches top_p (the sum compared is exactly the one the
+    # prefix reaches). top_p == 1 is off: a float32 sum reaches 1 before the tail, which stays.
+    keep[:, 1:] &= (mass[:, :-1] < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    del mass
     keep &= min_p_keeps(vals, min_p)
-    return torch.log_softmax(masked.masked_fill_(~keep, NEG_INF), dim=1)
+    masked.masked_fill_(~keep, NEG_INF)
+    lse = torch.logsumexp(masked, dim=1, keepdim=True)  # [N, 1]; -inf: no token left, log p stays -inf
+    return masked.sub_(lse.masked_fill_(lse == NEG_INF, 0.0))
 
 
 def top_candidates(z: Tensor, width: int) -> Tensor:
