@@ -45,23 +45,35 @@ def _specs_cutting_ties(vocab: int, rows: int, **extra) -> list[dict]:
     return [dict(top_k=1 + (7 * r) % (vocab - 1), **extra) for r in range(rows)]
 
 
-def test_ties_at_the_kth_value_keep_the_lowest_ids():
+def _topk_highest_id_ties(z: torch.Tensor, k: int, dim: int = 1):
+    """torch.topk as it is allowed to behave: values desc, ties at the cutoff to the highest ids."""
+    flipped = z.flip(dims=[dim])  # equal values: the highest id comes first in a stable order
+    vals, order = flipped.sort(dim=dim, descending=True, stable=True)
+    return vals[:, :k], z.shape[dim] - 1 - order[:, :k]
+
+
+@pytest.mark.parametrize("topk", ["torch", "highest-id-ties"])
+@pytest.mark.parametrize("chunk_rows", [None, 5])
+def test_ties_at_the_kth_value_keep_the_lowest_ids(topk, chunk_rows, monkeypatch):
+    """Whichever tied tokens torch.topk returns (here also one that takes the highest ids), the
+    candidates are those of a stable sort; rows also in chunks of 5."""
+    if topk != "torch":
+        monkeypatch.setattr(torch.Tensor, "topk", _topk_highest_id_ties)
+    if chunk_rows:
+        monkeypatch.setattr(truncation, "CHUNK_BYTES", 48 * truncation.TOPK_BYTES * chunk_rows)
     z = _tied_logits(64, 48, seed=1)
     assert _mismatches(z, _specs_cutting_ties(48, 64)) == 0
     assert _mismatches(z, _specs_cutting_ties(48, 64, top_p=0.7, min_p=0.1, temperature=0.7)) == 0
     wide = torch.randn(8, 3000, generator=torch.Generator().manual_seed(2)).bfloat16().float()  # bf16: ties
     assert _mismatches(wide, [dict(top_k=k) for k in (1, 2, 64, 200, 512, 999, 2048, 2999)]) == 0
+    signed_zeros = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0, -1.0]])
+    assert _mismatches(signed_zeros, [dict(top_k=3)]) == 0  # -0.0 == 0.0: a tie, by id
 
 
 def test_a_selection_that_breaks_ties_by_highest_id_is_detected(monkeypatch):
     """Negative control: the same check fails for a top-k whose ties at the cutoff go to the
     highest ids (what a bare torch.topk may do)."""
-    def highest_ids(z, width):
-        flipped = z.flip(dims=[1])  # equal values: the highest id comes first in a stable order
-        order = flipped.sort(dim=1, descending=True, stable=True).indices[:, :width]
-        return z.shape[1] - 1 - order
-
-    monkeypatch.setattr(sampler, "top_candidates", highest_ids)
+    monkeypatch.setattr(sampler, "top_candidates", lambda z, width: _topk_highest_id_ties(z, width)[1])
     assert _mismatches(_tied_logits(64, 48, seed=1), _specs_cutting_ties(48, 64)) > 20
 
 
@@ -110,7 +122,7 @@ def test_top_p_only_rows_of_every_support_size(chunk_rows, monkeypatch):
     a few tokens, tied rows cut inside a run of ties; alone, mixed with other rows, and in chunks
     of 3 rows (the batch's rows then sort in several pieces)."""
     if chunk_rows:
-        monkeypatch.setattr(truncation, "CHUNK_ELEMENTS", 48 * chunk_rows)
+        monkeypatch.setattr(truncation, "CHUNK_BYTES", 48 * truncation.SORT_BYTES * chunk_rows)
     g = torch.Generator().manual_seed(6)
     z = torch.cat([torch.randn(4, 48, generator=g) * 0.1, torch.randn(4, 48, generator=g) * 6,
                    _tied_logits(4, 48, seed=7)])  # flat, peaked, tied
@@ -132,7 +144,7 @@ def test_top_p_only_rows_of_every_support_size(chunk_rows, monkeypatch):
 @pytest.mark.parametrize("chunk_rows", [None, 2])
 def test_every_kind_of_row_in_one_batch(chunk_rows, monkeypatch):
     if chunk_rows:
-        monkeypatch.setattr(truncation, "CHUNK_ELEMENTS", 48 * chunk_rows)
+        monkeypatch.setattr(truncation, "CHUNK_BYTES", 48 * truncation.SORT_BYTES * chunk_rows)
     specs = list(CASES.values()) + [dict(top_p=0.6, min_p=0.05), dict(min_p=0.2, temperature=1.4),
                                     dict(top_k=47), dict(top_k=2, temperature=0.5)]
     z = torch.randn(len(specs), 48, generator=torch.Generator().manual_seed(8)) * 2
@@ -236,3 +248,29 @@ def test_engine_batch_of_every_kind_of_request(tiny_random_qwen3, random_drafter
     alone.add_request("greedy", prompt, greedy)
     want = {o.prompt_index: o.token_ids for o in _run(alone)}
     assert all(o.token_ids == want[o.prompt_index] for o in outs if o.request_id == "greedy")
+
+
+def test_drafter_draws_follow_the_q_it_hands_over(monkeypatch):
+    """A sampling drafter's drafts follow q = softmax(z / T), the Proposal it hands to verify holds
+    that q (tempered logits scaled in place, their logsumexp), greedy rows draft the argmax; the
+    rows are drawn in chunks of 7."""
+    from rollout.engine.sampler import PURPOSE_DRAFT, uniform
+    from rollout.spec.proposer import _draw
+
+    monkeypatch.setattr(truncation, "CHUNK_BYTES", 16 * truncation.ELEMENTWISE_BYTES * 7)
+    n, vocab = 20000, 16
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(12)).expand(n, 2, vocab).clone()
+    temp = torch.tensor([0.7, 1.0]).repeat(n // 2)[:, None, None]  # [n, 1, 1]
+    greedy = (torch.arange(n) % 10 == 0)[:, None]  # [n, 1]
+    u = uniform(torch.arange(n)[:, None].expand(n, 2), torch.arange(2).expand(n, 2), PURPOSE_DRAFT)
+    raw = logits.clone()
+    drafts, lse = _draw(logits, temp, greedy, u)
+    assert torch.allclose(logits, raw / temp) and torch.allclose(lse, torch.logsumexp(raw / temp, dim=-1))
+    assert (drafts[greedy[:, 0]] == raw[0, 0].argmax()).all()
+    for t in (0.7, 1.0):
+        rows = (temp[:, 0, 0] == t) & ~greedy[:, 0]
+        tokens = drafts[rows].flatten()
+        q = torch.softmax(raw[0, 0] / t, dim=0)
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        stat = float(((counts - len(tokens) * q) ** 2 / (len(tokens) * q)).sum())
+        assert stat < 60, f"T={t}: chi2 {stat:.1f} with {vocab - 1} dof"  # ~1e-6 tail at 15 dof

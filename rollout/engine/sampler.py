@@ -21,17 +21,21 @@ Draws are inverse-CDF draws in the layout's own order (any fixed order gives an 
 for p(draft). Random draws come from a counter-based hash of (seed, position, purpose), so a
 seeded sample never depends on what else is in the batch, or on preemption.
 
-Memory, in [R, V] float32-sized tensors alive at once (R rows; the caller's logits not counted;
-with `overwrite` a float32 input is worked on in place and the copy goes too):
-* before this layout (everything sorted): the copy z, z / T, sorted_z, sorted_ids (int64: 2),
-  softmax, cumsum, cumsum - probs, the masked copy and sorted_logp, ~7-8 at the peak, then the
-  draw's exp and cumsum of the sorted rows.
-* no truncation (vocab): the copy z, made log p in place; logsumexp's temporary: 2 at the peak.
-  The draw reads E rows (E <= R entries): their copy, exponentiated and summed in place.
-* top-k (cand): the copy z plus one row chunk's int64 key (<= 1 GiB, `CHUNK_ELEMENTS`): ~1;
-  everything after is [R, C].
-* top-p without top-k: the copy z plus one chunk's sort temporaries (~10 x 64 MiB).
-* mixed batches add a copy of the cand rows' logits ([Rc, V]) for their selection.
+Memory, in [R, V] float32-sized tensors alive above the step's logits (R rows, E <= R sampling
+entries, D drafts; "chunk": a row chunk's temporaries, <= CHUNK_BYTES = 1 GiB, whatever R):
+* before (every non-greedy row sorted): the copy z, z / T, sorted_z, sorted_ids (int64: 2),
+  softmax, cumsum, cumsum - probs and masks: ~8 at the peak, then the draw's exp and cumsum of
+  the E final sorted rows plus their int64 ids, and the drafter's q [D, V] gathered per judging
+  row ([D, V] again).
+* now, with the engine's `overwrite` (compute_logits' float32 logits become z and then log p):
+  - vocab rows (no truncation, min-p): 0 + a chunk (logsumexp, min-p). Plain sampling (E = R)
+    then copies the rows to exponentiate and sum them: 1.25. With drafts, only the E final rows
+    are read: ~4.25 x [E, V] (p, the rejected draft's q row, the residual, its fallback pick).
+  - cand rows (top-k): 0 + a chunk (the tie mask and its running count) + topk's own; then
+    [R, C]. Draws and verification read [E, C].
+  - top-p rows without top-k: 0 + a chunk of sort temporaries.
+  - a batch mixing cand and vocab rows adds a copy of the cand rows' logits ([Rc, V]).
+  Without `overwrite` add 1 (the copy). The drafter keeps no q beside its logits (`Proposal`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,14 @@ import torch
 from torch import Tensor
 
 from rollout.engine.transfer import upload
-from rollout.engine.truncation import NEG_INF, min_p_in_vocab_order, top_candidates, top_p_by_sort, truncate_sorted
+from rollout.engine.truncation import (
+    NEG_INF,
+    logsumexp_rows,
+    min_p_in_vocab_order,
+    top_candidates,
+    top_p_by_sort,
+    truncate_sorted,
+)
 from rollout.spec.grammar import apply_bitmask
 
 PURPOSE_SAMPLE = 1  # the token drawn from p (or from the residual after a rejection)
@@ -292,6 +303,6 @@ def _vocab_layout(z: Tensor, rows: RowParams, plan: RowPlan) -> tuple[Tensor, Te
         top_p_by_sort(z, sort, rows.top_p, rows.min_p)
     if plan.min_p:
         min_p_in_vocab_order(z, rows.min_p)
-    lse = torch.logsumexp(z, dim=1, keepdim=True)  # [R, 1]
+    lse = logsumexp_rows(z)  # [R, 1]
     has_support = lse[:, 0] > NEG_INF
     return z.sub_(lse.masked_fill_(~has_support[:, None], 0.0)), has_support

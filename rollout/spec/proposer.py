@@ -27,6 +27,7 @@ from rollout.engine.kv import copy_blocks
 from rollout.engine.sampler import PURPOSE_DRAFT, draw_index, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
+from rollout.engine.truncation import chunk_rows, logsumexp_rows
 from rollout.spec.draft_graphs import DraftGraphs
 from rollout.spec.draft_model import DraftModel
 from rollout.spec.verify import Proposal
@@ -218,11 +219,16 @@ class BlockDrafter(Drafter):
 def _draw(z: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor):
     """Drafts from logits z [..., V], divided by temp in place (so z becomes q's logits): the argmax
     where `greedy` (one-hot q), else an inverse-CDF draw with uniforms u [...] from q = softmax(z).
-    temp broadcasts against z, greedy against u. Returns drafts [...] int64 and logsumexp(z) [...]."""
+    temp broadcasts against z, greedy against u. Rows are drawn in chunks (rollout.engine.truncation),
+    so the temporaries stay bounded. Returns drafts [...] int64 and logsumexp(z) [...]."""
     z.div_(temp)
-    lse = torch.logsumexp(z, dim=-1)
-    drawn = draw_index((z - lse[..., None]).exp_(), u)
-    return torch.where(greedy, z.argmax(dim=-1), drawn), lse
+    flat = z.flatten(0, -2)  # [N, V], a view
+    lse = logsumexp_rows(flat)[:, 0]  # [N]
+    u = u.expand(z.shape[:-1]).flatten()  # [N]
+    step = chunk_rows(flat.shape[1])
+    drawn = torch.cat([draw_index((flat[a:a + step] - lse[a:a + step, None]).exp_(), u[a:a + step])
+                       for a in range(0, flat.shape[0], step)])
+    return torch.where(greedy, z.argmax(dim=-1), drawn.view(z.shape[:-1])), lse.view(z.shape[:-1])
 
 
 def _flatten(drafts: torch.Tensor, q: Proposal | None, counts: list[int]):

@@ -46,19 +46,19 @@ class Proposal:
     def prob_of(self, idx: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """q_idx(token): idx, tokens [M] -> [M] float32."""
         soft = (self.z[idx, tokens] - self.lse[idx]).exp()
-        return torch.where(self.one_hot[idx], (tokens == self.tokens[idx]).float(), soft)
+        return torch.where(self.one_hot[idx], tokens == self.tokens[idx], soft)
 
     def probs(self, idx: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         """q_idx at `ids` [M, C], or over the vocabulary when ids is None: [M, C] or [M, V]."""
-        z = self.z[idx] if ids is None else self.z[idx[:, None], ids]
-        soft = (z - self.lse[idx][:, None]).exp_()
+        z = self.z[idx] if ids is None else self.z[idx[:, None], ids]  # a copy: [M, C] or [M, V]
+        soft = z.sub_(self.lse[idx][:, None]).exp_()
         return torch.where(self.one_hot[idx][:, None], _one_hot_at(self.tokens[idx], ids, z.shape[1]), soft)
 
 
 def _one_hot_at(tokens: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """1.0 where ids [M, C] (or every id, [M, V] when None) equals tokens [M]."""
+    """Where ids [M, C] (or every id, [M, V] when None) equals tokens [M]: [M, C] or [M, V] bool."""
     ids = torch.arange(vocab, device=tokens.device) if ids is None else ids
-    return (ids == tokens[:, None]).float()
+    return ids == tokens[:, None]
 
 
 @dataclass
@@ -141,7 +141,7 @@ def _final_token(pol: Policy, final_rows, num_accepted, num_draft, first_draft, 
 
     def minus(ids: torch.Tensor | None) -> torch.Tensor:  # q at ids [E, C] (None: [E, V]); 0 for a bonus
         if draft_q is None:
-            return _one_hot_at(drafts[at], ids, pol.vocab_size).mul_(rejected)
+            return _one_hot_at(drafts[at], ids, pol.vocab_size) * rejected
         return draft_q.probs(at, ids).mul_(rejected)
 
     return pol.draw(final_rows, uniform_of_keys(keys[final_rows], PURPOSE_SAMPLE), minus)
