@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from rollout.spec.proposer import Drafter, Drafts
-from rollout.spec.verify import verify
+from rollout.spec.verify import Proposal, verify
 
 
 class RepeatDrafter(Drafter):
@@ -48,3 +48,11 @@ def verify_rows(pol, drafts, draft_q, num_draft: list[int], cu_rows: list[int], 
                              row_seed=row_seed, row_position=row_position, entry_first_row=as_t(cu_rows[:-1]),
                              entry_num_draft=as_t(num_draft), entry_first_draft=as_t(first_draft))
     return verify(pol, drafts, draft_q, layout)
+
+
+def proposal(q: torch.Tensor, drafts: torch.Tensor, one_hot: torch.Tensor | None = None) -> Proposal:
+    """A Proposal for drafts [D] drawn from probabilities q [D, V] (rows of `one_hot` [D] bool:
+    greedy drafts, q one-hot at the draft)."""
+    z = q.log()
+    one_hot = torch.zeros(len(drafts), dtype=torch.bool) if one_hot is None else one_hot
+    return Proposal(z, torch.logsumexp(z, dim=1), one_hot, drafts)

@@ -23,8 +23,8 @@ from rollout.engine.sampler import (
     PURPOSE_SAMPLE,
     Policy,
     RowParams,
+    draw_index,
     policy,
-    sample_sorted,
     uniform,
 )
 
@@ -84,19 +84,30 @@ def ref_keywords(spec: dict) -> dict:
         p in spec for p in ("repetition_penalty", "frequency_penalty", "presence_penalty"))}
 
 
+def support(pol: Policy, r: int) -> tuple[list[int], torch.Tensor]:
+    """Row r's support sorted by probability desc, ties by id, and its log-probs, from whichever
+    layout holds the row. A cand row must already be in that order, a prefix of its columns
+    (-inf after it), without repeated ids; a vocab row is sorted here."""
+    if pol.cand_ids is not None and (pol.in_cand is None or bool(pol.in_cand[r])):
+        ids, logp = pol.cand_ids[r].tolist(), pol.cand_logp[r]
+        n = int(torch.isfinite(logp).sum())
+        assert torch.isfinite(logp[:n]).all() and torch.isneginf(logp[n:]).all(), f"row {r}: not a prefix"
+        assert len(set(ids)) == len(ids) and all(0 <= t < pol.vocab_size for t in ids)
+        return ids[:n], logp[:n]
+    logp = pol.vocab_logp[r]
+    ids = sorted(torch.isfinite(logp).nonzero()[:, 0].tolist(), key=lambda t: (-float(logp[t]), t))
+    return ids, logp[ids]
+
+
 def assert_row_matches(pol: Policy, r: int, ref: dict[int, float]) -> None:
-    n = int(pol.support_len[r])
-    ids = pol.sorted_ids[r].tolist()
-    logp = pol.sorted_logp[r]
-    assert set(ids[:n]) == set(ref), f"row {r}: support {sorted(ids[:n])} != {sorted(ref)}"
-    assert sorted(ids) == list(range(pol.sorted_ids.shape[1]))
-    assert torch.isfinite(logp[:n]).all() and torch.isneginf(logp[n:]).all()
-    assert ids[:n] == sorted(ref, key=lambda t: (-ref[t], t)), f"row {r}: not sorted by prob, ties by id"
-    got = logp[:n].exp().tolist()
-    for tok, p in zip(ids[:n], got):
+    ids, logp = support(pol, r)
+    assert set(ids) == set(ref), f"row {r}: support {sorted(ids)} != {sorted(ref)}"
+    assert ids == sorted(ref, key=lambda t: (-ref[t], t)), f"row {r}: not sorted by prob, ties by id"
+    for tok, p in zip(ids, logp.exp().tolist()):
         assert abs(p - ref[tok]) <= 1e-5 + 1e-5 * ref[tok], f"row {r} token {tok}: {p} != {ref[tok]}"
     probs = pol.probs()[r]
     assert abs(float(probs.sum()) - 1.0) < 1e-5
+    assert bool(pol.has_support[r])
 
 
 def random_logits(n: int, seed: int, scale: float = 2.5) -> torch.Tensor:
@@ -175,19 +186,19 @@ def test_processors_change_what_they_should():
 def test_greedy_ties_go_to_the_lowest_id():
     z = torch.tensor([[0.0, 2.0, 5.0, 5.0, 1.0, 5.0]])
     pol = policy(z.clone(), row_params([dict(temperature=0.0)], vocab=6))
-    assert int(pol.support_len[0]) == 1 and int(pol.sorted_ids[0, 0]) == 2
-    assert float(pol.sorted_logp[0, 0]) == 0.0
+    ids, logp = support(pol, 0)
+    assert ids == [2] and logp.tolist() == [0.0]
     biased = policy(z.clone(), row_params([dict(temperature=0.0, logit_bias={1: 3.0})], vocab=6))
-    assert int(biased.sorted_ids[0, 0]) == 1  # 2 + 3 = 5: tie with 2, 3, 5, and 1 is lowest
+    assert support(biased, 0)[0] == [1]  # 2 + 3 = 5: tie with 2, 3, 5, and 1 is lowest
 
 
 def test_top_k_ties_at_the_cutoff_keep_the_lowest_ids():
     z = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0, 2.0]])
     for k, want in [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (4, [1, 2, 3, 4]), (6, [1, 2, 3, 4, 6, 0])]:
         pol = policy(z.clone(), row_params([dict(top_k=k)], vocab=7))
-        n = int(pol.support_len[0])
-        assert pol.sorted_ids[0, :n].tolist() == want, f"top_k={k}"
-        tied = pol.sorted_logp[0, 1:n][pol.sorted_ids[0, 1:n] != 0]
+        ids, logp = support(pol, 0)
+        assert ids == want, f"top_k={k}"
+        tied = logp[1:][torch.tensor(ids[1:], dtype=torch.int64) != 0]
         assert torch.allclose(tied, tied[:1].expand_as(tied)), "tied tokens must keep equal probability"
 
 
@@ -196,7 +207,7 @@ def test_top_p_keeps_the_shortest_prefix_reaching_the_mass():
     z = p.log()[None]
     for top_p, want in [(0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.96, 4), (1.0, 4)]:
         pol = policy(z.clone(), row_params([dict(top_p=top_p)], vocab=4))
-        assert int(pol.support_len[0]) == want, f"top_p={top_p}"
+        assert len(support(pol, 0)[0]) == want, f"top_p={top_p}"
 
 
 def test_min_p_is_relative_to_the_most_likely_token():
@@ -204,26 +215,28 @@ def test_min_p_is_relative_to_the_most_likely_token():
     z = p.log()[None]
     for min_p, want in [(0.0, {0, 1, 2, 3}), (0.26, {0, 3, 1}), (0.5, {0, 3}), (0.76, {0}), (1.0, {0})]:
         pol = policy(z.clone(), row_params([dict(min_p=min_p)], vocab=4))
-        assert set(pol.sorted_ids[0, : int(pol.support_len[0])].tolist()) == want, f"min_p={min_p}"
+        assert set(support(pol, 0)[0]) == want, f"min_p={min_p}"
 
 
 def test_logprob_of_is_minus_infinity_outside_the_support():
     z = random_logits(2, seed=5)
     pol = policy(z.clone(), row_params([dict(top_k=3)] * 2))
-    inside = pol.sorted_ids[:, 0]
-    outside = pol.sorted_ids[:, 10]
+    inside = torch.tensor([support(pol, r)[0][-1] for r in range(2)])
+    outside = torch.tensor([min(set(range(V)) - set(support(pol, r)[0])) for r in range(2)])
     rows = torch.tensor([0, 1])
-    assert torch.allclose(pol.logprob_of(rows, inside), pol.sorted_logp[:, 0])
+    assert torch.equal(pol.logprob_of(rows, inside), torch.stack([support(pol, r)[1][-1] for r in range(2)]))
     assert torch.isneginf(pol.logprob_of(rows, outside)).all()
 
 
-def test_sample_sorted_stays_inside_the_support():
-    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.2, 0.2, 0.3, 0.3]])  # row 1: mass past its support
-    support = torch.tensor([3, 2])
-    u = torch.tensor([1e-7, 0.999999])
-    assert sample_sorted(probs, support, u).tolist() == [0, 1]
-    u = torch.tensor([0.6, 0.3])
-    assert sample_sorted(probs, support, u).tolist() == [1, 1]
+def test_draw_index_lands_on_positive_weights_only():
+    weights = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.0, 0.2, 0.0, 0.3], [0.0, 1e-30, 0.0, 0.0]])
+    u = torch.tensor([1e-7, 1e-7, 1e-7])
+    assert draw_index(weights.clone(), u).tolist() == [0, 1, 1]
+    u = torch.full((3,), 1 - 2**-24)  # the largest uniform: never past the last positive weight
+    assert draw_index(weights.clone(), u).tolist() == [2, 3, 1]
+    u = torch.tensor([0.6, 0.3, 0.5])
+    assert draw_index(weights.clone(), u).tolist() == [1, 1, 1]
+    assert draw_index(torch.zeros(1, 4), torch.tensor([0.5])).tolist() == [3]  # no support: the last column
 
 
 # -- the random stream --------------------------------------------------------------------------
@@ -345,15 +358,29 @@ def _critical(df: int, z: float = 4.0) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def _expected() -> dict[int, float]:
-    probs = reference_policy(_stat_logits().tolist(), **STAT_PARAMS)
-    assert 5 <= len(probs) < 10 and min(probs.values()) * N_DRAWS > 50  # a test with teeth
+# one case per path of the policy (rollout.engine.sampler): top-k candidates, the vocabulary in
+# vocabulary order (no truncation; min-p only), and top-p rows that sort
+STAT_PATHS = {
+    "top_k": STAT_PARAMS,
+    "dense": dict(temperature=0.8),
+    "min_p": dict(temperature=0.8, min_p=0.15),
+    "top_p": dict(temperature=0.8, top_p=0.8),
+}
+
+
+def _expected(params: dict = STAT_PARAMS) -> dict[int, float]:
+    probs = reference_policy(_stat_logits().tolist(), **params)
+    assert 5 <= len(probs) and min(probs.values()) * N_DRAWS > 20  # a test with teeth
     return probs
 
 
+@pytest.mark.parametrize("path", STAT_PATHS)
 @pytest.mark.parametrize("axis", ["seeds", "positions"])
-def test_sampled_frequencies_follow_contract_1(axis):
-    stat, df = _chi2(_draws(policy, axis), _expected())
+def test_sampled_frequencies_follow_contract_1(axis, path):
+    params = STAT_PATHS[path]
+    if path != "dense":  # the truncation removes tokens: a draw outside the support is a failure
+        assert len(_expected(params)) < SV
+    stat, df = _chi2(_draws(policy, axis, params), _expected(params))
     assert stat < _critical(df), f"chi2 {stat:.1f} with {df} dof"
 
 
@@ -366,7 +393,7 @@ def _top_p_before_top_k(logits: torch.Tensor, rows: RowParams) -> Policy:
     keep &= torch.arange(z.shape[1])[None] < rows.top_k[:, None]
     keep &= probs >= rows.min_p[:, None] * probs[:, :1]
     logp = torch.log_softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=1)
-    return Policy(ids, logp, keep.sum(dim=1), z.shape[1])
+    return Policy(ids, logp, None, None, keep.any(dim=1), z.shape[1])
 
 
 def _wrong_temperature(logits: torch.Tensor, rows: RowParams) -> Policy:
@@ -390,9 +417,9 @@ def test_all_greedy_fast_path_equals_the_full_policy():
                 min_p=torch.zeros(n), bias=(torch.arange(n), torch.full((n,), 7), torch.full((n,), 2.0)))
     full = policy(logits.clone(), RowParams(**base))
     fast = policy(logits.clone(), RowParams(**base, all_greedy=True))
-    assert fast.sorted_ids.shape == (n, 1)
-    assert torch.equal(fast.sorted_ids[:, 0], full.sorted_ids[:, 0])
-    assert torch.equal(fast.support_len, full.support_len) and torch.all(fast.sorted_logp == 0)
+    assert fast.cand_ids.shape == (n, 1) and fast.all_greedy
+    assert [support(fast, r)[0] for r in range(n)] == [support(full, r)[0] for r in range(n)]
+    assert torch.equal(fast.has_support, full.has_support) and torch.all(fast.cand_logp == 0)
     assert torch.equal(fast.probs(), full.probs())
-    rows, toks = torch.arange(n), full.sorted_ids[:, 0]
+    rows, toks = torch.arange(n), fast.cand_ids[:, 0]
     assert torch.equal(fast.logprob_of(rows, toks), full.logprob_of(rows, toks))

@@ -156,7 +156,7 @@ class LLMEngine:
         logits = self.model.compute_logits(hidden[step.logits_index])  # [R, V]
         bitmask = self.intake.grammar_bitmask(step, drafts)
         rows = build_row_params(step, drafts.tokens, self.vocab_size, bitmask, self.device)
-        pol = policy(logits, rows)
+        pol = policy(logits, rows, overwrite=True)  # logits are not read again
         result = verify(pol, drafts.tokens, drafts.q, step)
         return result, self.capture.capture(pol, step)
 

@@ -8,11 +8,12 @@ Processors no row needs are left out entirely.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rollout.engine.batch import StepBatch
 from rollout.engine.params import SamplingParams
-from rollout.engine.sampler import RowParams
+from rollout.engine.sampler import RowParams, RowPlan
 from rollout.engine.transfer import upload
 
 
@@ -50,7 +51,7 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
     as_f = lambda x: upload(x, torch.float32, device)  # noqa: E731
     as_i = lambda x: upload(x, torch.int64, device)  # noqa: E731
     params = RowParams(temperature=floats[0], top_k=top_k, top_p=floats[1], min_p=floats[2],
-                       all_greedy=all_greedy)
+                       all_greedy=all_greedy, plan=None if all_greedy else _plan(step, per_entry, vocab_size))
     if bias_r:
         params.bias = (as_i(bias_r), as_i(bias_t), as_f(bias_v))
     if ban_r:
@@ -59,6 +60,16 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
         params.counts, params.penalties = _penalty_counts(step, pen_entries, drafts, vocab_size, device)
     params.bitmask = bitmask
     return params
+
+
+def _plan(step: StepBatch, per_entry: list[tuple], vocab_size: int) -> RowPlan:
+    """Each row's truncation path, from its entry's (temperature, top_p, min_p, top_k) and mask
+    request (a mask row needs the candidates' sorted support), on the host."""
+    _, top_p, min_p, top_k = (np.asarray(x) for x in zip(*per_entry))
+    masked = np.fromiter((bool(s.mask) for s in step.entries), bool, len(per_entry))
+    rows = np.diff(step.cu_rows)  # [E] rows of each entry
+    top_k, top_p, min_p, masked = (np.repeat(x, rows) for x in (top_k, top_p, min_p, masked))
+    return RowPlan.of(top_k, top_p, min_p, vocab_size, masked)
 
 
 def _truncation(sp: SamplingParams, vocab_size: int) -> tuple[float, float, float, int]:

@@ -3,18 +3,59 @@ speculative verification and mask capture (DESIGN.md).
 
 `policy(logits, rows)` applies the logit processors (bias, penalties, grammar bitmask,
 min_tokens) and the truncation (temperature, top-k, top-p, min-p) to raw float32 logits and
-returns the distribution in *sorted* layout: token ids by probability (desc, ties by id)
-with log-probabilities, -inf outside the support. Greedy rows are top-k 1, which picks the
-lowest-id argmax. Random draws come from a counter-based hash of (seed, position,
-purpose), so a seeded sample never depends on what else is in the batch, or on preemption.
+returns p_j of every row in the layout its truncation needs, so that a row costs what its
+request asks for. Which path a row takes is known on the host from the request parameters
+(`RowPlan`), without reading the device:
+
+* cand layout, rows with a top-k (greedy rows are top-1; mask rows always have one): the k most
+  probable tokens, found without sorting the vocabulary (ties at the k-th value to the lowest
+  ids, as a stable sort would), sorted by probability desc, ties by id, with top-p and min-p
+  applied inside them: [R, C] ids and log-probs, C the batch's largest top_k. Mask capture reads
+  these columns as they are.
+* vocab layout, every other row: log p over the vocabulary in vocabulary order, -inf outside the
+  support. No truncation (the RL default) or min-p only: no sort at all. Top-p without top-k
+  sorts those rows only, in bounded chunks (rollout.engine.truncation.top_p_by_sort says why).
+
+Draws are inverse-CDF draws in the layout's own order (any fixed order gives an exact draw):
+`Policy.draw` for plain sampling and for the verifier's residual / bonus, `Policy.logprob_of`
+for p(draft). Random draws come from a counter-based hash of (seed, position, purpose), so a
+seeded sample never depends on what else is in the batch, or on preemption.
+
+Memory, in [R, V] float32-sized tensors alive above the step's logits (R rows, E <= R sampling
+entries, D drafts; "chunk": a row chunk's temporaries, <= CHUNK_BYTES = 1 GiB, whatever R):
+* before (every non-greedy row sorted): the copy z, z / T, sorted_z, sorted_ids (int64: 2),
+  softmax, cumsum, cumsum - probs and masks: ~8 at the peak, then the draw's exp and cumsum of
+  the E final sorted rows plus their int64 ids, and the drafter's q [D, V] gathered per judging
+  row ([D, V] again).
+* now, with the engine's `overwrite` (compute_logits' float32 logits become z and then log p):
+  - vocab rows (no truncation, min-p): 0 + a chunk (logsumexp, min-p). Plain sampling (E = R)
+    then copies the rows to exponentiate and sum them: 1.25. With drafts, only the E final rows
+    are read: ~4.25 x [E, V] (p, the rejected draft's q row, the residual, its fallback pick).
+  - cand rows (top-k): 0 + a chunk (the tie mask and its running count) + topk's own; then
+    [R, C]. Draws and verification read [E, C].
+  - top-p rows without top-k: 0 + a chunk of sort temporaries.
+  - a batch mixing cand and vocab rows adds a copy of the cand rows' logits ([Rc, V]).
+  Without `overwrite` add 1 (the copy). The drafter keeps no q beside its logits (`Proposal`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch import Tensor
 
+from rollout.engine.transfer import upload
+from rollout.engine.truncation import (
+    NEG_INF,
+    logsumexp_rows,
+    min_p_in_vocab_order,
+    top_candidates,
+    top_p_by_sort,
+    truncate_sorted,
+)
 from rollout.spec.grammar import apply_bitmask
 
 PURPOSE_SAMPLE = 1  # the token drawn from p (or from the residual after a rejection)
@@ -57,6 +98,29 @@ def uniform_of_keys(keys: torch.Tensor, purpose: int) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # 23 bits: k + 0.5 is exact in float32
 
 
+CAND, SORT, VOCAB = 0, 1, 2  # RowPlan.kind: top-k candidates; top-p by sorting; vocabulary order
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Host side: the truncation path of every row, from the request parameters (no device read)."""
+
+    kind: np.ndarray  # [R] int8: CAND (top-k, greedy, or a mask row), SORT (top-p, no top-k), VOCAB (the rest)
+    width: int  # C: the largest top_k among CAND rows (0 without any)
+    min_p: bool  # some VOCAB row has min_p > 0
+
+    @classmethod
+    def of(cls, top_k, top_p, min_p, vocab_size: int, masked=None) -> RowPlan:
+        """top_k [R] (>= vocab_size: off), top_p, min_p [R], masked [R] bool or None: host arrays."""
+        top_k, top_p, min_p = np.asarray(top_k), np.asarray(top_p), np.asarray(min_p)
+        cand = top_k < vocab_size
+        if masked is not None:
+            cand |= np.asarray(masked, dtype=bool)
+        kind = np.where(cand, CAND, np.where(top_p < 1.0, SORT, VOCAB)).astype(np.int8)
+        width = int(np.minimum(top_k[cand], vocab_size).max()) if cand.any() else 0
+        return cls(kind, width, bool((min_p[kind == VOCAB] > 0).any()))
+
+
 @dataclass
 class RowParams:
     """Per-row sampling parameters on the device (one row per logits row).
@@ -75,27 +139,91 @@ class RowParams:
     bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 grammar bitmask, -1 = all allowed
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, token ids: min_tokens EOS / stop ids
     all_greedy: bool = False  # host flag: every row is greedy, so p is the argmax alone
+    plan: RowPlan | None = None  # host: each row's path; None = read from the tensors (a device read:
+    # for tests and tools only; the engine builds it from the requests, rollout.engine.rows)
 
 
 @dataclass
 class Policy:
-    """p_j for every row, in sorted layout. The first `support_len` columns are the support; a
-    batch of greedy rows only carries that one column (V' = 1), any other batch all V."""
+    """p_j for every row [R] (module docstring): rows of the cand layout read `cand_ids` /
+    `cand_logp`, the others `vocab_logp`; a layout no row uses is None."""
 
-    sorted_ids: torch.Tensor  # [N, V'] int64, by probability desc, ties by id
-    sorted_logp: torch.Tensor  # [N, V'] float32, -inf outside the support
-    support_len: torch.Tensor  # [N] int64, the support is the first support_len entries
+    cand_ids: Tensor | None  # [R, C] int64 by probability desc, ties by id (vocab rows: unused)
+    cand_logp: Tensor | None  # [R, C] float32, the support first, then -inf
+    vocab_logp: Tensor | None  # [R, V] float32 in vocabulary order, -inf outside the support (cand rows: unused)
+    in_cand: Tensor | None  # [R] bool: the row is in the cand layout; only when both layouts are used
+    has_support: Tensor  # [R] bool: False when the processors left the row no token at all
     vocab_size: int
 
-    def probs(self) -> torch.Tensor:
-        """p in vocabulary layout: [N, V] float32."""
-        out = self.sorted_logp.new_zeros(self.sorted_logp.shape[0], self.vocab_size)
-        return out.scatter_(1, self.sorted_ids, self.sorted_logp.exp())
+    @property
+    def all_greedy(self) -> bool:
+        """Every row is one column (greedy, top-1): p is 1 on it."""
+        return self.vocab_logp is None and self.cand_ids.shape[1] == 1
 
-    def logprob_of(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def logprob_of(self, rows: Tensor, tokens: Tensor) -> Tensor:
         """log p_row(token): rows, tokens [M] -> [M] float32 (-inf outside the support)."""
-        hit = self.sorted_ids[rows] == tokens[:, None]  # [M, V']
-        return torch.where(hit, self.sorted_logp[rows], float("-inf")).amax(dim=1)
+        def cand():
+            hit = self.cand_ids[rows] == tokens[:, None]  # [M, C]
+            return (torch.where(hit, self.cand_logp[rows], NEG_INF).amax(dim=1),)
+        return self._either(rows, cand, lambda: (self.vocab_logp[rows, tokens],))[0]
+
+    def draw(self, rows: Tensor, u: Tensor, minus: Callable[[Tensor | None], Tensor] | None = None):
+        """A token from p_row by inverse CDF with uniforms u, or with `minus` from
+        normalise(max(p_row - q, 0)) (p_row where that is empty), q = minus(ids): q at the cand
+        ids [M, C], or minus(None): over the vocabulary [M, V]. rows, u: [M] ->
+        (tokens [M] int64, log p_row(token) [M] float32)."""
+        def cand():
+            ids, logp = self.cand_ids[rows], self.cand_logp[rows]  # [M, C]
+            weights = logp.exp()
+            if minus is not None:
+                weights = _residual(weights, minus(ids))
+            idx = draw_index(weights, u)[:, None]
+            return ids.gather(1, idx)[:, 0], logp.gather(1, idx)[:, 0]
+
+        def vocab():
+            weights = self.vocab_logp[rows].exp_()  # [M, V]: the one copy, exponentiated in place
+            if minus is not None:
+                weights = _residual(weights, minus(None))
+            tokens = draw_index(weights, u)
+            return tokens, self.vocab_logp[rows, tokens]
+
+        return self._either(rows, cand, vocab)
+
+    def probs(self) -> Tensor:
+        """p in vocabulary layout: [R, V] float32."""
+        out = self.vocab_logp.exp() if self.vocab_logp is not None else None
+        if self.cand_ids is not None:
+            cand = torch.zeros(self.has_support.shape[0], self.vocab_size, device=self.has_support.device)
+            cand.scatter_(1, self.cand_ids, self.cand_logp.exp())
+            out = cand if out is None else torch.where(self.in_cand[:, None], cand, out)
+        return out
+
+    def _either(self, rows: Tensor, cand: Callable[[], tuple], vocab: Callable[[], tuple]) -> tuple:
+        """Results per row [M] from the layout of each row: cand() and vocab() each return a tuple
+        of [M] tensors; a batch with both layouts computes both (over its M rows) and picks."""
+        if self.vocab_logp is None:
+            return cand()
+        if self.cand_ids is None:
+            return vocab()
+        pick = self.in_cand[rows]
+        return tuple(torch.where(pick, a, b) for a, b in zip(cand(), vocab()))
+
+
+def _residual(p: Tensor, q: Tensor) -> Tensor:
+    """max(p - q, 0), or p where that is all zero (p == q up to rounding). [M, W] -> [M, W]."""
+    residual = (p - q).clamp_(min=0)
+    return torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
+
+
+def draw_index(weights: Tensor, u: Tensor) -> Tensor:
+    """The one inverse-CDF draw: weights [..., W] >= 0 (need not be normalised; overwritten with
+    their running sums), u [...] in (0, 1) -> [...] int64 index of a positive weight (W - 1 when
+    all are 0). Exact in any fixed order of the columns: probability order (cand rows) or
+    vocabulary order (vocab rows, a drafter's q)."""
+    cdf = weights.cumsum_(dim=-1)
+    total = cdf[..., -1:]
+    target = torch.minimum(u[..., None] * total, total.nextafter(torch.zeros_like(total)))  # < total
+    return (cdf <= target).sum(dim=-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def apply_processors(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
@@ -117,33 +245,64 @@ def apply_processors(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return logits
 
 
-def policy(logits: torch.Tensor, rows: RowParams) -> Policy:
-    """Contract 1: raw logits [N, V] float32 -> p_j in sorted layout."""
-    z = apply_processors(logits.float().clone(), rows)
-    if rows.all_greedy:  # {argmax z} with probability 1; argmax takes the lowest id among ties
-        ids = z.argmax(dim=1, keepdim=True)  # [N, 1]
-        allowed = z.gather(1, ids) > float("-inf")  # [N, 1]; False: the processors left no token
-        logp = torch.zeros(ids.shape, device=z.device).masked_fill_(~allowed, float("-inf"))
-        return Policy(ids, logp, allowed[:, 0].long(), z.shape[1])
-    z = z / rows.temperature[:, None]
-    sorted_z, sorted_ids = torch.sort(z, dim=1, descending=True, stable=True)
-    rank = torch.arange(z.shape[1], device=z.device)
-    keep = (rank[None, :] < rows.top_k[:, None]) & (sorted_z > float("-inf"))
-    probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=1)
-    # top_p == 1 is off: a float32 cumsum reaches 1 before the tail, which must stay
-    keep &= ((probs.cumsum(dim=1) - probs) < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
-    keep &= probs >= rows.min_p[:, None] * probs[:, :1]
-    sorted_logp = torch.log_softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=1)
-    return Policy(sorted_ids, sorted_logp, keep.sum(dim=1), z.shape[1])
+def policy(logits: Tensor, rows: RowParams, overwrite: bool = False) -> Policy:
+    """Contract 1: raw logits [R, V] -> p_j of every row (module docstring). `overwrite`: the
+    caller does not read float32 `logits` again, so they are worked on in place."""
+    z = logits.float()
+    if z is logits and not overwrite:
+        z = z.clone()
+    z = apply_processors(z, rows)
+    if rows.all_greedy:  # {argmax z} with probability 1
+        ids, logp = _argmax(z)
+        return Policy(ids, logp, None, None, logp[:, 0] == 0, z.shape[1])
+    z.div_(rows.temperature[:, None])
+    plan = rows.plan if rows.plan is not None else RowPlan.of(
+        rows.top_k.tolist(), rows.top_p.tolist(), rows.min_p.tolist(), z.shape[1])
+    cand = _cand_layout(z, rows, plan) if plan.width else None  # (ids, log p), [R, C] each
+    vocab = _vocab_layout(z, rows, plan) if (plan.kind != CAND).any() else None  # (log p [R, V], support [R])
+    if vocab is None:
+        return Policy(*cand, None, None, cand[1][:, 0] > NEG_INF, z.shape[1])
+    if cand is None:
+        return Policy(None, None, *vocab[:1], None, vocab[1], z.shape[1])
+    in_cand = upload(plan.kind == CAND, torch.bool, z.device)  # [R]
+    has_support = torch.where(in_cand, cand[1][:, 0] > NEG_INF, vocab[1])
+    return Policy(*cand, vocab[0], in_cand, has_support, z.shape[1])
 
 
-def sample_sorted(sorted_probs: torch.Tensor, support_len: torch.Tensor | int, u: torch.Tensor) -> torch.Tensor:
-    """The one inverse-CDF draw: [..., V] probs (need not be normalised), u [...] -> index [...]
-    into the last dimension, always inside the first support_len entries ([...] int64, or one int
-    for every row). Policy rows are in sorted layout; a drafter draws its q in vocabulary order."""
-    cdf = sorted_probs.cumsum(dim=-1)  # [..., V]
-    target = (u * cdf[..., -1])[..., None]
-    idx = (cdf <= target).sum(dim=-1)
-    if isinstance(support_len, int):
-        return idx.clamp(max=support_len - 1)
-    return torch.minimum(idx, (support_len - 1).clamp(min=0))
+def _argmax(z: Tensor) -> tuple[Tensor, Tensor]:
+    """The one-column policy: ids [R, 1] (argmax takes the lowest id among ties), log p [R, 1]:
+    0, or -inf where the processors left the row no token."""
+    ids = z.argmax(dim=1, keepdim=True)
+    logp = torch.zeros(ids.shape, device=z.device)
+    return ids, logp.masked_fill_(z.gather(1, ids) == NEG_INF, NEG_INF)
+
+
+def _cand_layout(z: Tensor, rows: RowParams, plan: RowPlan) -> tuple[Tensor, Tensor]:
+    """The CAND rows' top-k candidates and their truncated log p: [R, C] ids and log-probs (rows of
+    other kinds hold filler)."""
+    if plan.width == 1:  # greedy / top-1 rows only: every row's argmax costs less than a gather
+        return _argmax(z)
+    idx = np.flatnonzero(plan.kind == CAND)
+    if len(idx) == z.shape[0]:
+        ids = top_candidates(z, plan.width)  # [R, C]
+        return ids, truncate_sorted(z.gather(1, ids), rows.top_k, rows.top_p, rows.min_p)
+    index = upload(idx, torch.int64, z.device)  # [Rc]
+    sub = z[index]  # [Rc, V]
+    ids = top_candidates(sub, plan.width)
+    logp = truncate_sorted(sub.gather(1, ids), rows.top_k[index], rows.top_p[index], rows.min_p[index])
+    del sub
+    full_ids = ids.new_zeros(z.shape[0], plan.width).index_copy_(0, index, ids)
+    return full_ids, logp.new_full(full_ids.shape, NEG_INF).index_copy_(0, index, logp)
+
+
+def _vocab_layout(z: Tensor, rows: RowParams, plan: RowPlan) -> tuple[Tensor, Tensor]:
+    """log p in vocabulary order, in place on the tempered logits z [R, V] (CAND rows: filler),
+    and which rows have a token at all ([R] bool)."""
+    sort = np.flatnonzero(plan.kind == SORT)
+    if len(sort):
+        top_p_by_sort(z, sort, rows.top_p, rows.min_p)
+    if plan.min_p:
+        min_p_in_vocab_order(z, rows.min_p)
+    lse = logsumexp_rows(z)  # [R, 1]
+    has_support = lse[:, 0] > NEG_INF
+    return z.sub_(lse.masked_fill_(~has_support[:, None], 0.0)), has_support

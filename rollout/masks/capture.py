@@ -1,7 +1,8 @@
 """Mask capture after acceptance (DESIGN.md Contract 3).
 
-Reads the very policy rows verification used (no recomputation), for the samples that
-asked for masks only, packs them on the device to the batch's largest requested width and
+Reads the very policy rows verification used (no recomputation: the top-k candidates, sorted
+by probability, of the cand layout, rollout.engine.sampler), for the samples that asked for
+masks only, packs them on the device to the batch's largest requested width and
 hands them to the step's host copy (asynchronous, into a pinned buffer: the step's one
 synchronisation completes it). Then, during the next step (see rollout.engine.commit),
 `committed_masks` takes the committed rows out of that buffer (a rejected draft's row is never
@@ -59,7 +60,11 @@ class MaskCapture:
             return None
         self.num_captures += 1
         width = mask_width(step.entries)
-        sorted_ids, sorted_logp = pol.sorted_ids, pol.sorted_logp
+        # mask rows are top-k (or greedy) rows, whose policy is their candidates in the packer's
+        # order (RowPlan puts every mask row there)
+        sorted_ids, sorted_logp = pol.cand_ids, pol.cand_logp  # [R, C]
+        if sorted_ids is None:
+            raise RuntimeError("mask rows without top-k candidates: the step's RowPlan left them out")
         if all(s.mask for s in step.entries):  # every row is a mask row: no gather
             first_row = step.cu_rows
         else:

@@ -2,8 +2,8 @@
 host arrays (`Supports`) that go into the Arrow columns as they are.
 
 After acceptance the engine holds, for every committed position that asked for a mask, the
-policy's token ids sorted by probability (desc) and their log-probs, with -inf outside the
-support. Because the order is descending, every support is a prefix of its row, so packing
+policy's top-k candidates: token ids sorted by probability (desc) and their log-probs, with -inf
+outside the support. Because the order is descending, every support is a prefix of its row, so packing
 to the batch's largest requested top_k is a slice of `width + 1` columns: two kernels (one
 conversion, one concatenation into a single int32 tensor), nothing proportional to the
 vocabulary, no sort. It goes to the host in the step's copy; the step's committed rows are taken
@@ -32,9 +32,10 @@ def pack_supports(sorted_ids: Tensor, sorted_logp: Tensor, width: int) -> Tensor
     """Pack sorted supports to `width` columns on their device, as one int32 tensor (one
     device-to-host copy): two kernels, whatever the batch.
 
-    sorted_ids: [N, V] int64, each row's token ids sorted by probability desc;
-    V may be the vocabulary or any prefix of it that still covers the supports plus one column.
-    sorted_logp: [N, V] float32 log-probs in the same order (non-increasing), -inf outside
+    sorted_ids: [N, V'] int64, each row's token ids sorted by probability desc: the policy's
+    top-k candidate columns (rollout.engine.sampler), or any prefix of a sorted row that covers
+    the supports (plus one column, to tell an overflow, when there is one).
+    sorted_logp: [N, V'] float32 log-probs in the same order (non-increasing), -inf outside
     the support.
 
     Returns [N, C + C'] int32: columns [:C] hold the float32 bits of the first C = min(V, width + 1)

@@ -24,18 +24,20 @@ import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
 from rollout.engine.kv import copy_blocks
-from rollout.engine.sampler import PURPOSE_DRAFT, sample_sorted, uniform
+from rollout.engine.sampler import PURPOSE_DRAFT, draw_index, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
+from rollout.engine.truncation import chunk_rows, logsumexp_rows
 from rollout.spec.draft_graphs import DraftGraphs
 from rollout.spec.draft_model import DraftModel
+from rollout.spec.verify import Proposal
 
 
 @dataclass
 class Drafts:
     tokens: torch.Tensor  # [D] int64 drafts of all decode items, flattened in item order
     num_per_item: list[int]  # drafts carried by each scheduled item (0 for prefill chunks)
-    q: torch.Tensor | None = None  # [D, V] float32 proposal distributions, None = one-hot
+    q: Proposal | None = None  # [D] proposal distributions, None = all one-hot
 
 
 class Drafter(ABC):
@@ -169,7 +171,8 @@ class BlockDrafter(Drafter):
         softmax(logits / temperature) with their own seeded uniforms. DFlash positions are
         independent, so the whole block is chosen at once; DSpark walks the block left to right,
         adding its Markov bias from the previous token and scoring each position's confidence.
-        Returns drafts [S, B-1], q [S, B-1, V] or None (all one-hot), keep or None."""
+        `logits` become q's tempered logits in place. Returns drafts [S, B-1], q (a Proposal over
+        [S, B-1] rows) or None (all one-hot), keep or None."""
         # logits: [S, B-1, V]; hidden: [S, B-1, H]; anchors, first_pos: [S]
         dev = logits.device
         sampled = any(t > 0 for t in temps)
@@ -184,21 +187,24 @@ class BlockDrafter(Drafter):
             positions = first_pos[:, None] + torch.arange(width, device=dev)  # [S, B-1]
             u = uniform(seeds[:, None].expand(-1, width), positions, PURPOSE_DRAFT)  # [S, B-1]
         if not dspark:
-            return (*_draw(logits, temp[:, :, None], greedy, u), None)
-        prev, drafts, qs, conf = anchors, [], [], []
+            drafts, lse = _draw(logits, temp[:, :, None], greedy, u)
+            return drafts, Proposal(logits, lse, greedy.expand_as(drafts), drafts), None
+        prev, drafts, lses, conf = anchors, [], [], []
         for i in range(logits.shape[1]):
             bias, emb = self.model.markov_bias(prev)
-            z = logits[:, i] + bias
+            z = logits[:, i].add_(bias)  # [S, V], in place: these are q's logits
             if self.threshold > 0:
                 conf.append(self.model.confidence(hidden[:, i], emb))
             if not sampled:
                 prev = z.argmax(dim=-1)
             else:
-                prev, q = _draw(z, temp, greedy[:, 0], u[:, i])
-                qs.append(q)
+                prev, lse = _draw(z, temp, greedy[:, 0], u[:, i])
+                lses.append(lse)
             drafts.append(prev)
         keep = torch.stack(conf, dim=1) >= self.threshold if conf else None
-        return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if qs else None), keep
+        drafts = torch.stack(drafts, dim=1)
+        q = Proposal(logits, torch.stack(lses, dim=1), greedy.expand_as(drafts), drafts) if sampled else None
+        return drafts, q, keep
 
     @staticmethod
     def _lengths(keep: torch.Tensor | None, limit: list[int]) -> list[int]:
@@ -211,20 +217,27 @@ class BlockDrafter(Drafter):
 
 
 def _draw(z: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor):
-    """Drafts and their q from logits z [..., V]: the argmax where `greedy` (one-hot q), else an
-    inverse-CDF draw with uniforms u [...] from q = softmax(z / temp). temp broadcasts against z,
-    greedy against u. Returns drafts [...] int64 and q [..., V]."""
-    q = torch.softmax(z / temp, dim=-1)
-    prev = torch.where(greedy, z.argmax(dim=-1), sample_sorted(q, z.shape[-1], u))
-    one_hot = torch.nn.functional.one_hot(prev, z.shape[-1]).to(q.dtype)
-    return prev, torch.where(greedy[..., None], one_hot, q)
+    """Drafts from logits z [..., V], divided by temp in place (so z becomes q's logits): the argmax
+    where `greedy` (one-hot q), else an inverse-CDF draw with uniforms u [...] from q = softmax(z).
+    temp broadcasts against z, greedy against u. Rows are drawn in chunks (rollout.engine.truncation),
+    so the temporaries stay bounded. Returns drafts [...] int64 and logsumexp(z) [...]."""
+    z.div_(temp)
+    flat = z.flatten(0, -2)  # [N, V], a view
+    lse = logsumexp_rows(flat)[:, 0]  # [N]
+    u = u.expand(z.shape[:-1]).flatten()  # [N]
+    step = chunk_rows(flat.shape[1])
+    drawn = torch.cat([draw_index((flat[a:a + step] - lse[a:a + step, None]).exp_(), u[a:a + step])
+                       for a in range(0, flat.shape[0], step)])
+    return torch.where(greedy, z.argmax(dim=-1), drawn.view(z.shape[:-1])), lse.view(z.shape[:-1])
 
 
-def _flatten(drafts: torch.Tensor, q: torch.Tensor | None, counts: list[int]):
+def _flatten(drafts: torch.Tensor, q: Proposal | None, counts: list[int]):
     """The first counts[j] drafts (and q rows) of every block j, flattened in block order.
-    drafts: [S, B-1]; q: [S, B-1, V] or None. Returns [D] and [D, V] or None."""
+    drafts: [S, B-1]; q: over [S, B-1] rows, or None. Returns [D] and q over [D] rows, or None."""
+    if q is not None:
+        q = Proposal(q.z.reshape(-1, q.z.shape[-1]), q.lse.reshape(-1), q.one_hot.reshape(-1), q.tokens.reshape(-1))
     width = drafts.shape[1]
     if all(k == width for k in counts):  # nothing shortened: the blocks as they are
-        return drafts.reshape(-1), (q.reshape(-1, q.shape[-1]) if q is not None else None)
+        return drafts.reshape(-1), q
     index = upload([j * width + i for j, k in enumerate(counts) for i in range(k)], torch.int64, drafts.device)
-    return drafts.reshape(-1)[index], (q.reshape(-1, q.shape[-1])[index] if q is not None else None)
+    return drafts.reshape(-1)[index], (q.select(index) if q is not None else None)
