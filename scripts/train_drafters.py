@@ -15,6 +15,9 @@ target's greedy continuation, and at every verify step the drafter proposes bloc
 tokens from the committed context; accepted = the leading drafts equal to the target's
 tokens; committed per step = accepted + 1. The training time budget counts the pool
 generation. Needs transformers (the target's hidden states come from Qwen3ForCausalLM).
+
+`--rewrite-configs` trains nothing: it rewrites the config.json of the drafters already in DIR
+in the current published layout (rollout.spec.draft_loader), weights untouched.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout.engine.loader import load_model  # noqa: E402
-from rollout.spec.draft_loader import random_drafter, save_drafter  # noqa: E402
+from rollout.spec.draft_loader import (  # noqa: E402
+    load_drafter,
+    random_drafter,
+    save_drafter,
+    write_drafter_config,
+)
 from rollout.spec.draft_model import DraftModel  # noqa: E402
 
 MASK_ID = 258
@@ -291,10 +299,25 @@ def run(cfg: TrainConfig) -> dict:
                                "transformers": transformers.__version__}}
         print(json.dumps({k: record[k] for k in ("kind", "acceptance_greedy_heldout", "steps")}), flush=True)
         out = cfg.out / f"tiny-qwen3-{kind}"
-        save_drafter(drafter, out)
+        save_drafter(drafter, out, extra=_config_extra(kind, cfg.anchors), target=target)
         (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
         records[kind] = record
     return records
+
+
+def _config_extra(kind: str, anchors: int) -> dict:
+    """Published DSpark configs record the training's anchor blocks per sequence."""
+    return {"num_anchors": anchors} if kind == "dspark" else {}
+
+
+def rewrite_configs(cfg: TrainConfig) -> None:
+    """Rewrite config.json of the drafters in cfg.out from their checkpoints; weights untouched."""
+    target = load_model(cfg.target, device="cpu", dtype=torch.float32)
+    for kind in cfg.kinds:
+        out = cfg.out / f"tiny-qwen3-{kind}"
+        anchors = json.loads((out / "training.json").read_text())["config"]["anchors"]
+        write_drafter_config(load_drafter(out, target), out, target, _config_extra(kind, anchors))
+        print(f"rewrote {out / 'config.json'}")
 
 
 def _eval_note(cfg: TrainConfig) -> str:
@@ -312,7 +335,7 @@ def _target_record(path: Path) -> dict:
         {"file_list_sha256": d.get("corpus", {}).get("file_list_sha256")}
 
 
-def parse_args() -> TrainConfig:
+def parse_args() -> tuple[TrainConfig, bool]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -320,14 +343,19 @@ def parse_args() -> TrainConfig:
     p.add_argument("--kinds", default="dflash,dspark")
     p.add_argument("--small", action="store_true", help="tiny batches and evals for CPU smoke runs")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rewrite-configs", action="store_true", help="only rewrite DIR's drafter configs")
     a = p.parse_args()
     cfg = TrainConfig(target=a.target, out=a.out, seconds=a.seconds, kinds=tuple(a.kinds.split(",")),
                       device=a.device)
     if a.small:
         cfg = replace(cfg, batch=4, context=64, anchors=4, pool_sequences=4, pool_prompt=32, eval_prompts=2,
                       eval_prompt_len=32, eval_tokens=24, target_layer_ids=(0, 1))
-    return cfg
+    return cfg, a.rewrite_configs
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    config, rewrite = parse_args()
+    if rewrite:
+        rewrite_configs(config)
+    else:
+        run(config)

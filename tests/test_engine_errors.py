@@ -11,7 +11,7 @@ import pytest
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
-from rollout.engine.params import SamplingParams
+from rollout.engine.params import FLOAT32_TINY, SamplingParams
 from rollout.errors import InvalidArgument, ResourceExhausted
 
 VOCAB = 264
@@ -61,6 +61,42 @@ BAD_PARAMS = [
 @pytest.mark.parametrize(("field", "value"), BAD_PARAMS, ids=[f"{f}={v!r}" for f, v in BAD_PARAMS])
 def test_out_of_range_sampling_parameter_is_named(engine, field, value):
     refused(engine, field, params=SamplingParams(**{field: value}))
+
+
+# Finite in Python, not computable in float32 (the engine's precision): each once failed mid-request
+# blaming the grammar, or rounded to another value, before validation refused it by name.
+FLOAT32_EXTREMES = [
+    ("temperature", 1e-39), ("temperature", 1e-6), ("temperature", 1e39), ("temperature", 1e6),
+    ("top_p", 1e-46), ("top_p", 1e-39),
+    ("min_p", 1e-46), ("min_p", 1e-40),
+    ("repetition_penalty", 1e-38), ("repetition_penalty", 1e-4), ("repetition_penalty", 1e38),
+    ("frequency_penalty", 1e-40), ("presence_penalty", -1e-45),
+    ("logit_bias", {5: 1e-40}), ("logit_bias", {5: -3e-39}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value"), FLOAT32_EXTREMES, ids=[f"{f}={v!r}" for f, v in FLOAT32_EXTREMES])
+def test_values_float32_cannot_compute_are_refused_with_the_range(engine, field, value):
+    err = refused(engine, field, params=SamplingParams(**{field: value}))
+    assert " in [" in err.message or " in (" in err.message, err.message
+
+
+@pytest.mark.parametrize("edge", [
+    dict(temperature=1e-5, top_p=FLOAT32_TINY, min_p=FLOAT32_TINY, repetition_penalty=1e-3,
+         frequency_penalty=-2.0, logit_bias={40: 100.0, 41: FLOAT32_TINY}),
+    dict(temperature=1e5, top_p=1.0, min_p=1.0, repetition_penalty=1e3, presence_penalty=2.0,
+         logit_bias={40: -100.0}),
+])  # fmt: skip
+def test_float32_limits_are_accepted_and_sample(engine, edge):
+    """The documented limits compute: a repeating prompt under the strongest penalties at the
+    smallest / largest temperature samples every token (no overflow to an empty support)."""
+    engine.add_request("edge32", [[40, 41, 40, 41, 40, 41]], SamplingParams(top_k=0, max_tokens=6, **edge), n=2)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [(o.finish_reason, o.error, len(o.token_ids)) for o in outputs] == [("length", None, 6)] * 2
+    assert all(math.isfinite(lp) for o in outputs for lp in o.token_logprobs)
+    assert_nothing_queued(engine)
 
 
 @pytest.mark.parametrize(("min_tokens", "max_tokens"), [(5, 4), (-1, 4)])

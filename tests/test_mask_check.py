@@ -186,3 +186,31 @@ def test_cli_file_stream_and_exit_codes(rng, tmp_path, capsys):
     (tmp_path / "junk.arrow").write_bytes(b"not arrow at all")
     assert main([str(tmp_path / "junk.arrow")]) == 2
     assert main([str(tmp_path / "missing.arrow")]) == 2
+
+
+def test_ids_outside_the_vocabulary_are_violations(rng):
+    s = _sample(rng, greedy_at=(2,))
+    s.support_ids[1][-1], s.support_ids[3][0] = -3, 2_080_374_867
+    s.token_ids[4] = s.support_ids[4][0] = VOCAB
+    s.prompt_token_ids[0] = -1
+    found = {(v.rule, v.position) for v in check_table(_table([s], vocab_size=VOCAB)).violations}
+    assert {("vocabulary", p) for p in (None, 1, 3, 4)} <= found
+    unbounded = check_table(_table([s]))  # without vocab_size only negative ids are caught
+    assert {(v.rule, v.position) for v in unbounded.violations if v.rule == "vocabulary"} == {
+        ("vocabulary", None), ("vocabulary", 1)}
+    assert "not checked against a vocabulary size" in unbounded.summary()
+    assert "not checked" not in check_table(_table([_sample(rng)], vocab_size=VOCAB)).summary()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("mask_top_k", b"abc"), ("mask_top_k", b"-2"), ("max_mask_tokens", b"4.5"), ("vocab_size", b"0"),
+    ("mask_mode", b"\xff\xfeselected"), ("mask_mode", b"everything"),
+])  # fmt: skip
+def test_malformed_metadata_exits_2_naming_the_key(rng, tmp_path, capsys, key, value):
+    table = _table([_sample(rng)])
+    table = table.replace_schema_metadata({**table.schema.metadata, key.encode(): value})
+    with pa.ipc.new_file(str(tmp_path / "m.arrow"), table.schema) as w:
+        w.write_table(table)
+    assert main([str(tmp_path / "m.arrow")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and f"schema metadata {key}" in err, err

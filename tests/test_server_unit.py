@@ -153,6 +153,7 @@ def test_generate_round_trip_text_and_token_prompts(client):
     assert all(len(t) == 5 for t in table.column("token_ids").to_pylist())
     meta = table.schema.metadata
     assert meta[b"model"] == b"fake" and meta[b"mask_mode"] == b"none" and meta[b"spec_method"] == b"none"
+    assert meta[b"vocab_size"] == str(VOCAB).encode()  # `rollout validate` checks every id against it
     assert table.column("support_ids").null_count == 6
 
 

@@ -140,3 +140,14 @@ def test_without_masks_is_plain_log_softmax(logits):
         masked_logprobs(z, batch, temperature=0.0)
     with pytest.raises(ValueError, match="logits"):
         masked_logprobs(torch.tensor(logits[:2]), batch)
+
+
+@pytest.mark.parametrize("column, bad", [("support_ids", -5), ("support_ids", 2_080_374_867),
+                                         ("support_ids", VOCAB), ("token_ids", -1), ("token_ids", VOCAB)])
+def test_ids_outside_the_vocabulary_are_refused_before_gathering(logits, column, bad):
+    """An out-of-range gather is a device-side assert on CUDA: refused with the id and the range."""
+    table, _ = _rollout(logits, [3, 2], set(), "support")
+    batch = to_torch(table)
+    getattr(batch, column)[1, 1, ...] = bad  # (a real position, inside its support's row)
+    with pytest.raises(ValueError, match=rf"{column} holds id {bad}, outside the logits' vocabulary \[0, {VOCAB}\)"):
+        masked_logprobs(torch.tensor(logits[:2, :3]), batch)

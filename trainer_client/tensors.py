@@ -86,7 +86,8 @@ def masked_logprobs(logits: Tensor, batch: RolloutBatch, temperature: float = 1.
     restricted to `support_ids[b, j]` at the token, by gathering the support instead of
     masking the vocabulary (no [B, L, V] copy). Singleton (greedy) supports give exactly 0;
     padding gives 0; without masks it is the plain log-softmax. Differentiable w.r.t. logits.
-    Returns [B, L] float32.
+    Raises ValueError when a token or support id is outside the logits' vocabulary [0, V) (on
+    CUDA such a gather is a device-side assert that kills the process). Returns [B, L] float32.
     """
     if not temperature > 0:
         raise ValueError(
@@ -96,6 +97,7 @@ def masked_logprobs(logits: Tensor, batch: RolloutBatch, temperature: float = 1.
         raise ValueError(
             f"logits {tuple(logits.shape)} do not match token_ids {tuple(batch.token_ids.shape)}"
         )
+    _check_ids(batch, logits.shape[-1])
     device = logits.device
     tokens = batch.token_ids.to(device, non_blocking=True)  # [B, L]
     loss_mask = batch.loss_mask.to(device, non_blocking=True)  # [B, L]
@@ -109,6 +111,23 @@ def masked_logprobs(logits: Tensor, batch: RolloutBatch, temperature: float = 1.
         z_sup = logits.gather(-1, support.clamp(min=0)).float() / temperature  # [B, L, W]
         lse = torch.logsumexp(z_sup.masked_fill(~valid, float("-inf")), dim=-1)  # [B, L]
     return torch.where(loss_mask, z_tok - lse, torch.zeros_like(lse))
+
+
+def _check_ids(batch: RolloutBatch, vocab_size: int) -> None:
+    """Token ids in [0, V), support ids in [0, V) or the -1 pad: one reduction and one read back
+    per batch, on the device the batch is on (none on the host)."""
+    named = [("token_ids", batch.token_ids, 0)]
+    if batch.support_ids is not None:
+        named.append(("support_ids", batch.support_ids, SUPPORT_PAD))
+    named = [(name, ids, lowest) for name, ids, lowest in named if ids.numel()]
+    if not named:
+        return
+    bounds = torch.stack([b for _, ids, _ in named for b in torch.aminmax(ids)]).tolist()  # [min, max, ...]
+    for (name, _, lowest), lo, hi in zip(named, bounds[0::2], bounds[1::2]):
+        if lo < lowest or hi >= vocab_size:
+            bad = lo if lo < lowest else hi
+            raise ValueError(f"{name} holds id {bad}, outside the logits' vocabulary [0, {vocab_size})"
+                             + (" (-1 pads supports)" if lowest < 0 else ""))
 
 
 def _column(table: pa.Table, name: str) -> pa.ListArray:

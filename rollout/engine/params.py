@@ -2,6 +2,14 @@
 
 Pure Python, no torch: the scheduler and the server import it. Every range check raises
 `InvalidArgument` naming the field and the allowed range.
+
+The ranges are those the engine can compute in float32 (rollout/engine/sampler.py): a value
+that is finite here but not there (`top_p=1e-46` rounds to 0, `temperature=1e39` to inf) or
+that overflows a step of Contract 1 (`logits / 1e-39`, `logits / repetition_penalty=1e-38`)
+is refused here, by name, instead of failing mid-request. With temperature >= 1e-5 and
+repetition_penalty in [1e-3, 1e3], |logits| up to ~1e30 stay finite through every step. A
+nonzero float below float32's smallest normal number (~1.18e-38) is refused: on the device it
+is 0 or a subnormal that fast-math kernels flush to 0.
 """
 
 from __future__ import annotations
@@ -12,12 +20,19 @@ from dataclasses import dataclass, field
 from rollout.errors import InvalidArgument
 
 MASK_MODES = ("selected", "support")
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+TEMPERATURE_RANGE = (1e-5, 1e5)  # besides 0 (greedy)
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass
 class SamplingParams:
     """Contract 1 parameters. `top_k <= 0` disables top-k; `top_p == 1` and `min_p == 0`
-    disable theirs; penalties of 1 / 0 / 0 are off. `temperature == 0` is greedy."""
+    disable theirs; penalties of 1 / 0 / 0 are off. `temperature == 0` is greedy.
+
+    Ranges (`validate`): temperature 0 or [1e-5, 1e5]; top_p (0, 1]; min_p [0, 1];
+    repetition_penalty [1e-3, 1e3]; frequency / presence penalties [-2, 2]; logit_bias values
+    [-100, 100]; nonzero floats at least float32's smallest normal number in magnitude."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -50,23 +65,17 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Check every field; returns self so calls chain. Raises InvalidArgument."""
-        _finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        _temperature(self.temperature)
         if not isinstance(self.top_k, int) or self.top_k > vocab_size:
             raise InvalidArgument("top_k", f"must be an integer <= vocab size {vocab_size} (<= 0 = off)")
         _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _in_range("min_p", self.min_p, 0.0, 1.0)
-        _finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidArgument("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
+        _in_range("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         for tok, bias in self.logit_bias.items():
             _token_id("logit_bias", tok, vocab_size)
-            _finite("logit_bias", bias)
-            if abs(bias) > 100:
-                raise InvalidArgument("logit_bias", f"bias for token {tok} must be in [-100, 100], got {bias}")
+            _in_range("logit_bias", bias, -100.0, 100.0, subject=f"the bias for token {tok} must be")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidArgument("max_tokens", f"must be an integer >= 1, got {self.max_tokens}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -94,16 +103,26 @@ def validate_mask_request(mask: str | None, params: SamplingParams, max_mask_tok
         )
 
 
-def _finite(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidArgument(name, f"must be a finite number, got {value!r}")
+def _temperature(value: float) -> None:
+    lo, hi = TEMPERATURE_RANGE
+    if not _is_number(value) or not (value == 0.0 or lo <= value <= hi):
+        raise InvalidArgument("temperature", f"must be 0 (greedy) or in [{lo:g}, {hi:g}] (the engine divides "
+                                             f"float32 logits by it), got {value!r}")
 
 
-def _in_range(name: str, value: float, lo: float, hi: float, low_open: bool = False) -> None:
-    _finite(name, value)
-    if value > hi or value < lo or (low_open and value == lo):
-        bracket = "(" if low_open else "["
-        raise InvalidArgument(name, f"must be in {bracket}{lo}, {hi}], got {value}")
+def _in_range(name: str, value: float, lo: float, hi: float, low_open: bool = False, subject: str = "") -> None:
+    """lo <= value <= hi (lo < value if low_open), and a nonzero value must be a normal float32."""
+    allowed = f"{'(' if low_open else '['}{lo:g}, {hi:g}]"
+    if not _is_number(value) or not lo <= value <= hi or (low_open and value == lo):
+        raise InvalidArgument(name, f"{subject or 'must be'} in {allowed}, got {value!r}")
+    if value != 0.0 and abs(value) < FLOAT32_TINY:
+        raise InvalidArgument(name, f"{subject or 'must be'} in {allowed} and, unless 0, at least float32's "
+                                    f"smallest normal number {FLOAT32_TINY:.8g} in magnitude (the engine computes "
+                                    f"in float32), got {value!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _token_id(name: str, tok: int, vocab_size: int) -> None:

@@ -3,9 +3,12 @@
 `check_table` walks a `pyarrow.Table` in the one rollout schema, one sample at a time, with
 numpy over the sample's flattened supports (no per-token Python loop), and returns a
 `CheckReport` whose violations name the sample (request_id, prompt_index, sample_index) and
-the output position. `main` is `rollout validate FILE`: it reads an Arrow IPC file or stream,
-prints a summary, and exits 0 when clean, 1 on any violation, 2 when the file is unreadable.
-Every "within tolerance" test is written so that NaN fails it.
+the output position. Token ids (prompt, output, support) are checked against the vocabulary
+size the schema metadata carries (`vocab_size`; without it only that they are >= 0).
+`main` is `rollout validate FILE`: it reads an Arrow IPC file or stream, prints a summary, and
+exits 0 when clean, 1 on any violation, 2 when the input cannot be checked (unreadable, not
+Arrow, corrupted buffers such as list offsets, or malformed schema metadata), with a one-line
+reason. Every "within tolerance" test is written so that NaN fails it.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import numpy as np
 import pyarrow as pa
 
 from rollout.engine.params import MASK_MODES
-from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA
+from rollout.errors import InvalidArgument
+from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA, VOCAB_SIZE_KEY
 
 FINISH_REASONS = ("stop", "length", "abort")
 WIDTH_KEYS = (b"max_mask_tokens", MASK_TOP_K_KEY.encode())
 MASK_MODE_KEY = b"mask_mode"
+NO_MASK_MODES = ("none", "")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class CheckReport:
     num_violations: int = 0
     violations: list[Violation] = field(default_factory=list)
     max_kept: int = 1000
+    vocab_size: int | None = None  # token ids were checked against it (None: only that they are >= 0)
 
     @property
     def ok(self) -> bool:
@@ -70,9 +76,11 @@ class CheckReport:
             self.violations.append(violation)
 
     def summary(self, shown: int = 20) -> str:
+        unchecked = "" if self.vocab_size is not None else (
+            "; token ids not checked against a vocabulary size: no vocab_size in the schema metadata")
         head = (
             f"{self.samples} samples, {self.tokens} tokens, {self.masked_tokens} masked "
-            f"(support width mean {self.mean_support_width:.2f}, max {self.max_support_width}): "
+            f"(support width mean {self.mean_support_width:.2f}, max {self.max_support_width}{unchecked}): "
         )
         if self.ok:
             return head + "OK"
@@ -87,6 +95,7 @@ class CheckReport:
 class _Sample:
     """One row as numpy: supports flattened, `widths[j]` entries for token j."""
 
+    prompt: np.ndarray  # [P] int64
     tokens: np.ndarray  # [L] int64
     token_logp: np.ndarray  # [L] float64
     widths: np.ndarray | None  # [M] int64, M = number of masks (None: no masks)
@@ -95,12 +104,22 @@ class _Sample:
     sup_logp: np.ndarray | None  # [sum(lp_widths)] float64
 
 
+@dataclass(frozen=True)
+class _Meta:
+    """What the schema metadata says about the rows."""
+
+    mode: str  # "none", "selected" or "support"
+    bound: int | None  # the support width bound
+    vocab_size: int | None
+
+
 def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None) -> CheckReport:
     """Check every sample of `table` against Contract 3 (see the module docstring).
 
     max_width bounds the support width (the requests' top_k); the schema metadata key
     "max_mask_tokens" or "mask_top_k" (the server writes the request's top_k), when present, is
-    a bound too; the smallest one applies.
+    a bound too; the smallest one applies. Raises InvalidArgument (malformed schema metadata)
+    or pyarrow.ArrowInvalid (corrupted buffers, e.g. list offsets): the table cannot be checked.
     """
     report = CheckReport()
     if not table.schema.equals(ROLLOUT_SCHEMA, check_metadata=False):
@@ -108,23 +127,47 @@ def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None
             Violation("schema", f"table schema differs from rollout.schema.ROLLOUT_SCHEMA:\n{table.schema}")
         )
         return report
-    meta = table.schema.metadata or {}
-    bound = _width_bound(max_width, meta)
-    mode = meta.get(MASK_MODE_KEY, b"").decode()
+    meta = _read_metadata(table.schema.metadata or {}, max_width)
+    table.validate(full=True)  # offsets, lengths and UTF-8 before any buffer is indexed
+    report.vocab_size = meta.vocab_size
     table = table.combine_chunks()
     for r, sample in enumerate(_samples(table)):
         ident = {k: table.column(k)[r].as_py() for k in ("request_id", "prompt_index", "sample_index")}
         finish = table.column("finish_reason")[r].as_py()
-        problems = _check_sample(sample, finish, mode, bound, tol)
+        problems = _check_sample(sample, finish, meta, tol)
         for position, rule, message in problems:
             report.add(Violation(rule, message, position=position, **ident))
         _count(report, sample)
     return report
 
 
-def _width_bound(max_width: int | None, meta: dict[bytes, bytes]) -> int | None:
-    bounds = [b for b in (max_width, *(int(meta[k]) for k in WIDTH_KEYS if k in meta)) if b]
-    return min(bounds) if bounds else None
+def _read_metadata(meta: dict[bytes, bytes], max_width: int | None) -> _Meta:
+    """Parse the schema metadata the checks use; InvalidArgument names a malformed key."""
+    mode = _meta_text(meta, MASK_MODE_KEY) or "none"
+    if mode not in MASK_MODES + NO_MASK_MODES:
+        raise InvalidArgument("schema metadata mask_mode", f"must be one of {MASK_MODES + NO_MASK_MODES}, "
+                                                           f"got {mode!r}")
+    bounds = [b for b in (max_width, *(_meta_int(meta, k) for k in WIDTH_KEYS)) if b]
+    return _Meta(mode, min(bounds) if bounds else None, _meta_int(meta, VOCAB_SIZE_KEY.encode()))
+
+
+def _meta_text(meta: dict[bytes, bytes], key: bytes) -> str | None:
+    if key not in meta:
+        return None
+    try:
+        return meta[key].decode()
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"schema metadata {key.decode()}", f"is not UTF-8: {meta[key][:40]!r}") from None
+
+
+def _meta_int(meta: dict[bytes, bytes], key: bytes) -> int | None:
+    """A positive integer value, or None when the key is absent."""
+    text = _meta_text(meta, key)
+    if text is None:
+        return None
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise InvalidArgument(f"schema metadata {key.decode()}", f"must be a positive integer, got {text[:40]!r}")
+    return int(text)
 
 
 def _count(report: CheckReport, s: _Sample) -> None:
@@ -136,18 +179,42 @@ def _count(report: CheckReport, s: _Sample) -> None:
         report.max_support_width = max(report.max_support_width, int(s.widths.max()))
 
 
-def _check_sample(s: _Sample, finish: str, mode: str, bound: int | None, tol: float) -> list[tuple]:
+def _check_sample(s: _Sample, finish: str, meta: _Meta, tol: float) -> list[tuple]:
     """All rule checks of one sample -> [(position | None, rule, message)]."""
     out: list[tuple] = []
     n = len(s.tokens)
     if finish not in FINISH_REASONS:
         out.append((None, "finish_reason", f"{finish!r} is not one of {FINISH_REASONS}"))
+    out += _check_vocabulary(s, meta.vocab_size)
     if len(s.token_logp) != n:
         out.append((None, "token_logprobs", f"{len(s.token_logp)} logprobs for {n} tokens"))
         return out
     for j in np.flatnonzero(~(np.isfinite(s.token_logp) & (s.token_logp <= tol))):
         out.append((int(j), "token_logprobs", f"logprob {s.token_logp[j]} is not a finite value <= 0"))
-    return out + _check_masks(s, mode, bound, tol)
+    return out + _check_masks(s, meta.mode, meta.bound, tol)
+
+
+def _check_vocabulary(s: _Sample, vocab_size: int | None) -> list[tuple]:
+    """Every prompt, output and support id in [0, vocab_size) ([0, inf) without a size)."""
+    hi = np.inf if vocab_size is None else vocab_size
+    where = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+
+    def outside(ids: np.ndarray) -> np.ndarray:
+        return (ids < 0) | (ids >= hi)
+
+    out: list[tuple] = []
+    bad_prompt = s.prompt[outside(s.prompt)]
+    if len(bad_prompt):
+        out.append((None, "vocabulary", f"prompt token id {bad_prompt[0]} is not in {where}"))
+    for j in np.flatnonzero(outside(s.tokens)):
+        out.append((int(j), "vocabulary", f"token id {s.tokens[j]} is not in {where}"))
+    if s.widths is not None:
+        seg = np.repeat(np.arange(len(s.widths)), s.widths)  # [sum(widths)] token index of each entry
+        bad = outside(s.sup_ids)
+        for j in np.unique(seg[bad]):
+            first = s.sup_ids[bad & (seg == j)][0]
+            out.append((int(j), "vocabulary", f"support id {first} is not in {where}"))
+    return out
 
 
 def _check_masks(s: _Sample, mode: str, bound: int | None, tol: float) -> list[tuple]:
@@ -238,13 +305,14 @@ def _segment_logsumexp(lp: np.ndarray, widths: np.ndarray) -> np.ndarray:
 
 def _samples(table: pa.Table):
     """Yield each row of a single-chunk rollout table as a `_Sample`."""
-    tokens, token_logp = _lists(table, "token_ids", np.int64), _lists(table, "token_logprobs", np.float64)
+    prompt, tokens = _lists(table, "prompt_token_ids", np.int64), _lists(table, "token_ids", np.int64)
+    token_logp = _lists(table, "token_logprobs", np.float64)
     supports = _nested(table, "support_ids", np.int64)
     sup_logp = _nested(table, "support_logprobs", np.float64)
     for r in range(table.num_rows):
         widths, ids = supports(r)
         lp_widths, lp = sup_logp(r)
-        yield _Sample(tokens(r), token_logp(r), widths, ids, lp_widths, lp)
+        yield _Sample(prompt(r), tokens(r), token_logp(r), widths, ids, lp_widths, lp)
 
 
 def _lists(table: pa.Table, name: str, dtype):
@@ -285,17 +353,16 @@ def _values(arr: pa.Array, dtype) -> np.ndarray:
 
 
 def read_table(path: str) -> pa.Table:
-    """Read an Arrow IPC file, or failing that an IPC stream."""
+    """Read an Arrow IPC file (it starts with the magic "ARROW1"), else an IPC stream."""
     with pa.memory_map(path) as source:
-        try:
+        if source.read(6) == b"ARROW1":
             return pa.ipc.open_file(source).read_all()
-        except pa.ArrowInvalid:
-            source.seek(0)
-            return pa.ipc.open_stream(source).read_all()
+        source.seek(0)
+        return pa.ipc.open_stream(source).read_all()
 
 
 def main(argv: list[str]) -> int:
-    """`rollout validate FILE`: 0 clean, 1 violations, 2 unreadable."""
+    """`rollout validate FILE`: 0 clean, 1 violations, 2 the input cannot be checked."""
     parser = argparse.ArgumentParser(
         prog="rollout validate", description="Check a rollout against Contract 3."
     )
@@ -306,10 +373,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tol", type=float, default=1e-3, help="log-probability tolerance")
     args = parser.parse_args(argv)
     try:
-        table = read_table(args.file)
-    except (OSError, pa.ArrowException) as e:
-        print(f"rollout validate: cannot read {args.file}: {e}", file=sys.stderr)
+        report = check_table(read_table(args.file), tol=args.tol, max_width=args.max_width)
+    except (OSError, pa.ArrowException, InvalidArgument) as e:
+        reason = " ".join(str(e).split())  # one line, whatever the library's message holds
+        print(f"rollout validate: cannot check {args.file}: {reason}", file=sys.stderr)
         return 2
-    report = check_table(table, tol=args.tol, max_width=args.max_width)
     print(f"{args.file}: {report.summary()}")
     return 0 if report.ok else 1

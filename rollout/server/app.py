@@ -118,7 +118,7 @@ async def _not_serving(health_servicer: health.aio.HealthServicer) -> None:
 def engine_identity(engine) -> Identity:
     """The names every streamed batch carries (a module-level function: it may run in the engine's
     process)."""
-    return Identity(engine.model_name, engine.drafter_name, str(engine.info()["spec_method"]))
+    return Identity(engine.model_name, engine.drafter_name, str(engine.info()["spec_method"]), engine.vocab_size)
 
 
 class BackgroundServer:

@@ -52,6 +52,7 @@ class Identity:
     model: str
     drafter: str
     spec_method: str
+    vocab_size: int
 
 
 @contextlib.asynccontextmanager
@@ -100,7 +101,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             if len(self._encoders) >= 256:  # (bounds up to --max-mask-tokens: keep it small)
                 self._encoders.clear()
             ident = self.identity
-            schema = schema_with_metadata(ident.model, ident.drafter, ident.spec_method, key[0], key[1])
+            schema = schema_with_metadata(ident.model, ident.drafter, ident.spec_method, key[0], key[1],
+                                          ident.vocab_size)
             encoder = self._encoders[key] = StreamEncoder(schema)
         return encoder
 

@@ -1,13 +1,20 @@
 """Reading, checking and writing drafter checkpoints (DFlash and DSpark) for a loaded target.
 
-The layout is the published DFlash one: `config.json` is a Qwen3 config (the draft layers'
-shapes, `num_hidden_layers` = number of draft layers) with a `dflash_config` object holding
-`block_size`, `mask_token_id` and `target_layer_ids` (each may also sit at the top level);
+The layouts are the published ones (tests/data/published_drafter_configs.json lists their
+fields). DFlash, as z-lab's DFlash drafters (e.g. Qwen3-8B-DFlash-b16): `config.json` is a Qwen3
+config of the draft layers (`num_hidden_layers` = number of draft layers) with
+`architectures: ["DFlashDraftModel"]`, `auto_map`, `num_target_layers` (the target's depth),
+`block_size` and a `dflash_config` object holding `mask_token_id` and `target_layer_ids`;
 `model.safetensors` holds `fc`, `hidden_norm`, `layers.N.*` and `norm` (an optional `model.`
-prefix is accepted). A DSpark checkpoint is recognised by `markov_rank` (or
-`dspark_markov_rank`, or a DSpark architecture name) and adds `markov_head.*`,
-`confidence_head.proj` and its own `embed_tokens` / `lm_head`. A drafter that does not fit its
-target (vocabulary, hidden size, layer ids, mask id, tensors) is refused with a `LoadError`
+prefix is accepted). DSpark, as DeepSeek's (dspark_qwen3_8b_block7): `architectures:
+["Qwen3DSparkModel"]`, the same draft fields at the top level plus `markov_rank`,
+`markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`, and tensors
+`markov_head.*`, `confidence_head.proj` and its own `embed_tokens` / `lm_head`. The reader takes
+each draft field from `dflash_config` or the top level (old configs of this project and
+other exporters put them in either), recognises DSpark by `markov_rank` (or
+`dspark_markov_rank`, or a DSpark architecture name), and refuses options it does not implement
+(sliding-window layers, other Markov heads). A drafter that does not fit its target
+(vocabulary, hidden size, depth, layer ids, mask id, tensors) is refused with a `LoadError`
 naming the mismatch, before any weight is copied.
 """
 
@@ -26,16 +33,36 @@ from rollout.engine.model import ModelConfig, PackedLinear
 from rollout.errors import InvalidArgument, LoadError
 from rollout.spec.draft_model import DRAFT_KINDS, DraftConfig, DraftModel, TargetHeads
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
-_DRAFT_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
+DFLASH_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}  # the reference's remote-code class
+_DRAFT_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
+               "dspark_markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def draft_fields(d: dict) -> dict:
+    """The draft fields of a config.json dict, from the top level or `dflash_config` (which wins)."""
+    return {**{k: d[k] for k in _DRAFT_KEYS if k in d}, **(d.get("dflash_config") or {})}
 
 
 def checkpoint_kind(d: dict) -> str:
     """"dspark" when the config carries a Markov head, else "dflash"."""
-    archs = d.get("architectures") or []
-    if "markov_rank" in d or "dspark_markov_rank" in d or any("DSpark" in a for a in archs):
+    archs, draft = d.get("architectures") or [], draft_fields(d)
+    if "markov_rank" in draft or "dspark_markov_rank" in draft or any("DSpark" in a for a in archs):
         return "dspark"
     return "dflash"
+
+
+def _check_supported(d: dict, draft: dict) -> None:
+    """Refuse published options the drafter does not implement rather than computing something else."""
+    if any(t != "full_attention" for t in d.get("layer_types") or ()):
+        raise LoadError(f"drafter layer_types {d['layer_types']}: only full_attention layers are supported")
+    if draft.get("markov_head_type", "vanilla") != "vanilla":
+        raise LoadError(f"drafter markov_head_type {draft['markov_head_type']!r} is not supported (only 'vanilla')")
+    for key in ("enable_confidence_head", "confidence_head_with_markov"):
+        if draft.get(key, True) is not True:
+            raise LoadError(f"drafter {key}={draft[key]!r} is not supported (the DSpark confidence head "
+                            f"reads [hidden || Markov embedding])")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -56,11 +83,13 @@ def draft_config_from_hf(d: dict, target: ModelConfig, kind: str | None = None,
         raise LoadError(f"unknown drafter kind {kind!r}; supported: {DRAFT_KINDS}")
     if kind is not None and kind != found:
         raise LoadError(f"drafter kind: the checkpoint is a {found} drafter, asked for {kind}")
-    draft = {**{k: d[k] for k in _DRAFT_KEYS if k in d}, **(d.get("dflash_config") or {})}
+    draft = draft_fields(d)
+    _check_supported(d, draft)
     if "mask_token_id" not in draft:
         raise LoadError("drafter config has no mask_token_id (dflash_config.mask_token_id)")
-    layer_ids = draft.get("target_layer_ids") or default_target_layer_ids(
-        d.get("num_target_layers", target.num_hidden_layers), d.get("num_hidden_layers", 1))
+    num_target_layers = int(draft.get("num_target_layers", target.num_hidden_layers))
+    layer_ids = draft.get("target_layer_ids") or default_target_layer_ids(num_target_layers,
+                                                                          d.get("num_hidden_layers", 1))
     try:
         backbone = ModelConfig.from_hf({"max_position_embeddings": target.max_position_embeddings,
                                         **d, "model_type": "qwen3"})
@@ -70,8 +99,9 @@ def draft_config_from_hf(d: dict, target: ModelConfig, kind: str | None = None,
             mask_token_id=int(draft["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in layer_ids),
             target_hidden_size=int(d.get("target_hidden_size", target.hidden_size)),
+            num_target_layers=num_target_layers,
             backbone=backbone,
-            markov_rank=int(d.get("markov_rank", d.get("dspark_markov_rank", 0))),
+            markov_rank=int(draft.get("markov_rank", draft.get("dspark_markov_rank", 0))),
         )
     except InvalidArgument as e:
         raise LoadError(f"drafter config: {e}") from e
@@ -88,10 +118,9 @@ def check_fit(cfg: DraftConfig, target: ModelConfig, state: dict[str, Tensor] | 
     if cfg.kind == "dflash" and cfg.hidden_size != target.hidden_size:
         raise LoadError(f"drafter hidden_size {cfg.hidden_size} does not match the target's hidden_size "
                         f"{target.hidden_size} (DFlash uses the target's embeddings and LM head)")
-    bad = [i for i in cfg.target_layer_ids if i >= target.num_hidden_layers]
-    if bad:
-        raise LoadError(f"drafter target_layer_ids {list(cfg.target_layer_ids)}: {bad} out of range for a "
-                        f"target with {target.num_hidden_layers} layers")
+    if cfg.num_target_layers != target.num_hidden_layers:
+        raise LoadError(f"drafter num_target_layers {cfg.num_target_layers} does not match the target's "
+                        f"{target.num_hidden_layers} layers (target_layer_ids {list(cfg.target_layer_ids)})")
     fc = None if state is None else state.get("fc.weight", state.get("model.fc.weight"))
     if fc is not None and fc.ndim == 2 and fc.shape[1] != cfg.context_size:
         raise LoadError(
@@ -151,7 +180,7 @@ def random_drafter(target: LoadedModel, kind: str, block_size: int, num_layers: 
         kind=kind, block_size=block_size,
         mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids or default_target_layer_ids(t.num_hidden_layers, num_layers),
-        target_hidden_size=t.hidden_size, backbone=backbone,
+        target_hidden_size=t.hidden_size, num_target_layers=t.num_hidden_layers, backbone=backbone,
         markov_rank=markov_rank if kind == "dspark" else 0,
     )
     check_fit(cfg, t)
@@ -190,42 +219,74 @@ def checkpoint_tensors(model: DraftModel) -> dict[str, Tensor]:
 
 
 def draft_config_to_hf(cfg: DraftConfig, dtype: torch.dtype) -> dict:
-    """The config.json dict of `cfg` in the published layout."""
-    bb = cfg.backbone
+    """The config.json dict of `cfg` in the published layout of its kind (the module docstring)."""
+    bb, num_layers = cfg.backbone, cfg.backbone.num_hidden_layers
+    draft = {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+             "target_layer_ids": list(cfg.target_layer_ids)}
     d = {
         "architectures": [ARCHITECTURES[cfg.kind]],
         "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
         "hidden_size": bb.hidden_size,
         "intermediate_size": bb.intermediate_size,
-        "num_hidden_layers": bb.num_hidden_layers,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": bb.num_attention_heads,
         "num_key_value_heads": bb.num_key_value_heads,
         "head_dim": bb.head_dim,
-        "hidden_act": "silu",
-        "attention_bias": False,
+        "layer_types": ["full_attention"] * num_layers,
+        "max_window_layers": num_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
         "rms_norm_eps": bb.rms_norm_eps,
         "rope_theta": bb.rope_theta,
+        "rope_scaling": dict(bb.rope_scaling) if bb.rope_scaling else None,
         "max_position_embeddings": bb.max_position_embeddings,
         "vocab_size": bb.vocab_size,
         "tie_word_embeddings": False,
+        "use_cache": True,
+        "num_target_layers": cfg.num_target_layers,
         "target_hidden_size": cfg.target_hidden_size,
         "block_size": cfg.block_size,
-        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": draft,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    if bb.rope_scaling:
-        d["rope_scaling"] = dict(bb.rope_scaling)
-    if cfg.kind == "dspark":
-        d["markov_rank"] = cfg.markov_rank
-    return d
+    if cfg.kind == "dflash":
+        return d | {"auto_map": dict(DFLASH_AUTO_MAP)}
+    return d | draft | {
+        "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "rope_parameters": {"rope_theta": bb.rope_theta, **(bb.rope_scaling or {"rope_type": "default"})},
+    }
 
 
-def save_drafter(model: DraftModel, path: str | Path, extra: dict | None = None) -> None:
-    """Write config.json (plus `extra` keys, e.g. training notes) and model.safetensors."""
+def target_token_ids(target: LoadedModel) -> dict:
+    """bos / eos / pad token ids from the target checkpoint's config.json (else its
+    generation_config.json): the published drafter configs repeat them."""
+    found: dict = {}
+    for name in ("generation_config.json", "config.json"):  # config.json wins
+        path = Path(target.path) / name
+        if path.is_file():
+            d = json.loads(path.read_text())
+            found |= {k: d[k] for k in _TOKEN_KEYS if d.get(k) is not None}
+    return found
+
+
+def write_drafter_config(model: DraftModel, path: str | Path, target: LoadedModel | None = None,
+                         extra: dict | None = None) -> None:
+    """Write config.json alone (keys sorted, as transformers writes them): the published layout,
+    the target's token ids when `target` is given, plus `extra` keys."""
+    d = draft_config_to_hf(model.config, model.fc.weight.dtype)
+    d |= (target_token_ids(target) if target is not None else {}) | (extra or {})
+    (Path(path) / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
+def save_drafter(model: DraftModel, path: str | Path, extra: dict | None = None,
+                 target: LoadedModel | None = None) -> None:
+    """Write config.json (see `write_drafter_config`) and model.safetensors."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.cpu() for k, v in checkpoint_tensors(model).items()}
-    d = {**draft_config_to_hf(model.config, model.fc.weight.dtype), **(extra or {})}
-    (root / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    write_drafter_config(model, root, target, extra)
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})

@@ -33,15 +33,17 @@ DRAFT_KINDS = ("dflash", "dspark")
 @dataclass(frozen=True)
 class DraftConfig:
     """Shape of a drafter. `backbone` describes the draft decoder layers (a Qwen3 config whose
-    `num_hidden_layers` is the number of draft layers); `target_hidden_size` is the hidden size
-    of the target whose layers feed `fc` (input width `len(target_layer_ids) *
-    target_hidden_size`); `markov_rank` is 0 for DFlash and > 0 for DSpark."""
+    `num_hidden_layers` is the number of draft layers); `target_hidden_size` and
+    `num_target_layers` are the hidden size and depth of the target whose layers feed `fc`
+    (input width `len(target_layer_ids) * target_hidden_size`); `markov_rank` is 0 for DFlash
+    and > 0 for DSpark."""
 
     kind: str
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     target_hidden_size: int
+    num_target_layers: int
     backbone: ModelConfig
     markov_rank: int = 0
 
@@ -54,6 +56,9 @@ class DraftConfig:
             raise InvalidArgument("mask_token_id", f"{self.mask_token_id} is outside [0, {self.vocab_size})")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise InvalidArgument("target_layer_ids", f"must be non-empty, >= 0: {self.target_layer_ids}")
+        if max(self.target_layer_ids) >= self.num_target_layers:
+            raise InvalidArgument("target_layer_ids", f"{list(self.target_layer_ids)} out of range for a target "
+                                                      f"with num_target_layers={self.num_target_layers}")
         if (self.kind == "dspark") != (self.markov_rank > 0):
             raise InvalidArgument("markov_rank", f"must be > 0 exactly for dspark, got {self.markov_rank}")
         if self.backbone.model_type != "qwen3":
