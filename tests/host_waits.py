@@ -22,9 +22,19 @@ On CPU nothing waits, so the detector recognises the operations themselves, at t
   device="cpu")`), so both count. A non-blocking copy (`transfer.upload`, the step's `_to_host`)
   does not wait; reading its result does, and that read is caught where it happens.
 
+* explicit synchronisation: `torch.cuda.synchronize()`, `Stream.synchronize()`,
+  `Event.synchronize()` (recorded, and not called where there is no GPU).
+
 A readback recorded at the Python level silences the dispatch level until it returns, so each
 wait is counted once. Each wait is recorded with its site: the innermost frame outside torch and
 this file. `paused()` leaves out what the test sanctions (the step's one synchronisation).
+
+On CPU every tensor lives on the host, so a read of a genuinely host-side buffer (the grammar's
+bitmask, filled by xgrammar on the host) would count: the test declares such buffers with
+`on_host`. Not classified: `dst.copy_(src)` between existing tensors (same device on CPU; inside
+a step they are device-to-device copies, the copy into host memory being the sanctioned one).
+Verdicts of the meta runs are cached per op and argument signature; views and pointwise ops are
+not run (their shapes follow from their arguments) unless tagged data-dependent.
 """
 
 from __future__ import annotations
@@ -34,17 +44,20 @@ import weakref
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+REPO = Path(__file__).resolve().parents[1].as_posix() + "/"
 T = torch.Tensor
 READBACKS = {T.tolist, T.numpy, T.__array__, T.cpu, T.item, T.__bool__, T.__int__, T.__float__, T.__index__,
              T.__complex__}
 UPLOADS = {torch.tensor, torch.as_tensor, torch.asarray, T.new_tensor}  # a host -> device copy given a device
 DATA_TAGS = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}  # `equal` is also "pointwise"
+SYNCHRONISE = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
 BOOL_INDEXED = {torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
                 torch.ops.aten._index_put_impl_.default}
 
@@ -72,9 +85,18 @@ class HostWaits:
 
     def __enter__(self) -> HostWaits:
         self._stack = ExitStack()
+        for owner, name in SYNCHRONISE:
+            self._stack.enter_context(_replaced(owner, name, self._synchronise(getattr(owner, name))))
         self._stack.enter_context(_PythonLevel(self))
         self._stack.enter_context(_DispatchLevel(self))
         return self
+
+    def _synchronise(self, real):
+        def wrapped(*args, **kw):
+            if self.recording:
+                self.record(f"{real.__qualname__}()")
+            return real(*args, **kw) if torch.cuda.is_available() else None
+        return wrapped
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
@@ -230,6 +252,16 @@ def _meta_kwarg(name: str, value):
     return tree_map(_to_meta, value)
 
 
+@contextmanager
+def _replaced(owner, name: str, value):
+    real = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
 def _site() -> tuple[str, str, int]:
     """The innermost frame outside torch and this file: (path from the repository root, function,
     line)."""
@@ -237,9 +269,7 @@ def _site() -> tuple[str, str, int]:
         path = frame.filename.replace("\\", "/")
         if "/torch/" in path or path.endswith("/tests/host_waits.py") or "/contextlib.py" in path:
             continue
-        for root in ("/rollout/", "/tests/", "/benchmarks/"):
-            if root in path:
-                path = root[1:] + path.split(root, 1)[1]
-                break
+        if path.startswith(REPO):
+            path = path[len(REPO):]
         return path, frame.name, frame.lineno or 0
     return "?", "?", 0

@@ -154,6 +154,7 @@ INJECTED = {
     "to-blocking": lambda r: r.tokens.to("cpu"),
     "equal": lambda r: torch.equal(r.tokens, r.tokens),
     "allclose": lambda r: torch.allclose(r.logprobs, r.logprobs),
+    "cuda-synchronize": lambda r: torch.cuda.synchronize(),
 }
 
 
