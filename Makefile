@@ -25,7 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check rollout trainer_client tests scripts benchmarks deploy
 	$(BIN)/python -m pytest -q tests
-	$(BIN)/rollout validate $(CURDIR)/.ci-artifacts/rollout.arrow
+	$(BIN)/python scripts/ci_rollout.py $(CURDIR)/.ci-artifacts/rollout.arrow
 
 lint: $(STAMP)
 	$(BIN)/ruff check rollout trainer_client tests scripts benchmarks deploy

@@ -1,13 +1,10 @@
 """The `rollout` command line: `generate` writes an Arrow IPC file (prompts from arguments and
 JSONL) that `validate` accepts, bad prompt files are refused, and `demo` runs end to end (here
-on a random model and drafter). Also leaves .ci-artifacts/rollout.arrow for `make test`'s final
-`rollout validate` step."""
+on a random model and drafter)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -20,8 +17,6 @@ from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.spec.draft_loader import random_drafter, save_drafter
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +52,6 @@ def test_generate_writes_an_arrow_file_that_validates(server, tmp_path, capsys):
     assert table.schema.metadata[b"mask_mode"] == b"support"
     assert sorted(set(table.column("prompt_index").to_pylist())) == [0, 1, 2]
     assert main(["validate", str(out), "--max-width", "8"]) == 0
-    artifacts = REPO / ".ci-artifacts"
-    artifacts.mkdir(exist_ok=True)
-    shutil.copy(out, artifacts / "rollout.arrow")
 
 
 def test_generate_reports_server_errors(server, tmp_path):

@@ -173,7 +173,11 @@ def test_bad_mask_requests_are_refused(engine, mask, params, field):
     ("", SamplingParams()),
 ])  # fmt: skip
 def test_bounded_mask_requests_are_accepted(engine, mask, params):
+    """Accepted means queued, with the mask mode asked for (an `add_request` that returned without
+    queuing a mask request passed the old version of this test)."""
     engine.add_request("m", [[1, 2]], params, mask=mask)
+    assert [s.mask for s in engine.intake.requests["m"]] == [mask or None]
+    assert list(engine.scheduler.waiting) == engine.intake.requests["m"] and engine.has_unfinished()
     engine.abort("m")
     assert_nothing_queued(engine)
 

@@ -1,114 +1,179 @@
-"""The hot path reads nothing back from the device except the step's one copy (DESIGN.md:
-at most one host synchronisation per step). On CPU there is no real synchronisation, so the
-test counts the calls that would be one on CUDA (item, tolist, bool, numpy, .cpu(), indexing
-with a boolean tensor, repeat_interleave without a host-known output size, and blocking
-uploads: `torch.tensor(..., device=...)` or a host tensor's `.to(device)` without
-non_blocking, which synchronise the stream before copying) while the engine drafts, runs the
-forward, verifies and captures a step."""
+"""A step makes the host wait for the device once: its synchronisation (DESIGN.md, at most one host
+synchronisation per step). tests/host_waits.py finds, on CPU, every operation that would make the
+host wait on a GPU (each aten op replayed on the meta device, plus the Python-level reads and
+blocking copies); here it watches the whole `LLMEngine.step()` (draft, step layout, forward,
+policy, verify, capture) except the sanctioned synchronisation itself (`_to_host`, with
+`MaskCapture.to_host`, which starts its copy) and the commit after it, which reads host copies.
+
+The workload mixes greedy, sampled, penalised, biased, masked (both modes) and grammar requests,
+with no drafter, DFlash, DSpark and DSpark with a confidence threshold, eagerly and through the
+CUDA-graph static buffers (replayed eagerly). Two waits are stated exceptions, counted exactly:
+
+* a grammar sample that verifies drafts: `Intake.grammar_bitmask` reads the step's drafts back,
+  once per such step. Its bitmask row i is the grammar's state after the first i drafts, which
+  xgrammar's host-side matcher must walk, and the drafts were sampled on the device. Steps whose
+  grammar samples carry no drafts (no drafter, or no room) read nothing.
+* DSpark with a confidence threshold: `BlockDrafter._lengths` reads the confidence runs back, once
+  per proposal. The cut blocks are ragged and the step's layout (rows, KV slots, positions) is
+  built on the host; cutting is what saves the target's compute, so padding to the full block
+  instead would undo the feature.
+
+Negative controls: each kind of wait (the issue's list: `torch.nonzero`, `.nonzero()`,
+`masked_select`, `unique`, `torch.as_tensor(..., device=...)`; and the others the detector names)
+injected next to `verify` in the step must be found, exactly once per step.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from host_waits import HostWaits
 
+import rollout.engine.engine as engine_mod
+import rollout.spec.grammar as grammar_mod
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
+from rollout.spec.grammar import GrammarSpec
 
-READBACKS = ("item", "tolist", "__bool__", "numpy", "cpu", "__int__", "__float__")
+GRAMMAR_SITE = ("rollout/engine/intake.py", "grammar_bitmask")
+THRESHOLD_SITE = ("rollout/spec/proposer.py", "_lengths")
+SPECS = {"none": ("none", 0.0), "dflash": ("dflash", 0.0), "dspark": ("dspark", 0.0),
+         "dspark-threshold": ("dspark", 0.3)}
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "graph-buffers"])
-@pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
-def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_drafters, spec, static, monkeypatch):
-    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), spec=spec, draft=random_drafters.get(spec),
-                                 block_size=4, num_kv_blocks=300))
+def _engine(model, drafters, spec: str, threshold: float = 0.0, static: bool = False) -> LLMEngine:
+    eng = LLMEngine(EngineConfig(model=str(model), spec=spec, draft=drafters.get(spec), block_size=4,
+                                 num_kv_blocks=300, spec_confidence_threshold=threshold))
     if static:  # the CUDA-graph paths (target step and drafter forward), replayed eagerly
         eng.graphs = eng.make_step_graphs(capture=False)
+    return eng
+
+
+def _add_workload(eng: LLMEngine) -> None:
     eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3),
                     mask="support")
     eng.add_request("s", [[11, 12, 13]], SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.05,
                                                         repetition_penalty=1.2, logit_bias={5: 1.0},
                                                         max_tokens=12, seed=1), n=3, mask="selected")
-    calls = []
-    real_draft, real_run = eng._draft, eng._run
-    saved_to = torch.Tensor.to
-
-    def counting(fn):
-        def wrapped(*args, **kw):
-            saved = {name: getattr(torch.Tensor, name) for name in (*READBACKS, "__getitem__", "__setitem__")}
-            for name in READBACKS:
-                monkeypatch.setattr(torch.Tensor, name, _counted(name, saved[name], calls))
-            for name in ("__getitem__", "__setitem__"):
-                monkeypatch.setattr(torch.Tensor, name, _bool_index_checked(name, saved[name], calls))
-            real_repeat, real_tensor = torch.repeat_interleave, torch.tensor
-            monkeypatch.setattr(torch, "repeat_interleave", _sized_repeat_checked(real_repeat, calls))
-            monkeypatch.setattr(torch, "tensor", _upload_checked(real_tensor, calls))
-            monkeypatch.setattr(torch.Tensor, "to", _to_checked(saved_to, calls))
-            try:
-                return fn(*args, **kw)
-            finally:
-                for name, method in saved.items():
-                    monkeypatch.setattr(torch.Tensor, name, method)
-                monkeypatch.setattr(torch, "repeat_interleave", real_repeat)
-                monkeypatch.setattr(torch, "tensor", real_tensor)
-                monkeypatch.setattr(torch.Tensor, "to", saved_to)
-        return wrapped
-
-    monkeypatch.setattr(eng, "_draft", counting(real_draft))
-    monkeypatch.setattr(eng, "_run", counting(real_run))
-    steps = 0
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
-    assert steps > 3
-    assert calls == [], f"device read-backs inside a step: {sorted(set(calls))}"
+    eng.add_request("grammar", [[97, 98]], SamplingParams(temperature=1.0, top_k=16, max_tokens=12, seed=2),
+                    grammar=GrammarSpec("regex", "[a-z]{4,12}"), mask="support")
 
 
-def _counted(name, method, calls):
-    def wrapper(self, *args, **kw):
-        calls.append(name)
-        return method(self, *args, **kw)
-    return wrapper
+class _Watched:
+    """Runs an engine's steps under the detector, counting the sanctioned synchronisations and the
+    steps in which a grammar sample verified drafts."""
+
+    def __init__(self, eng: LLMEngine, monkeypatch):
+        self.eng, self.waits = eng, HostWaits()
+        self.syncs = self.grammar_draft_steps = self.steps = 0
+        w = self.waits
+        real_to_host, real_build = engine_mod._to_host, engine_mod.build_step
+
+        def to_host(result, masks):
+            self.syncs += result is not None
+            return real_to_host(result, masks)
+
+        def build_step(*args, **kw):
+            step = real_build(*args, **kw)
+            self.grammar_draft_steps += any(s.grammar is not None and k for s, k in zip(step.entries, step.num_draft))
+            return step
+
+        monkeypatch.setattr(engine_mod, "_to_host", w.pausing(to_host))
+        monkeypatch.setattr(engine_mod, "build_step", build_step)
+        monkeypatch.setattr(eng.capture, "to_host", w.pausing(eng.capture.to_host))
+        monkeypatch.setattr(eng.committer, "commit", w.pausing(eng.committer.commit))
+        monkeypatch.setattr(grammar_mod, "allocate_bitmask", w.on_host(grammar_mod.allocate_bitmask))
+
+    def run(self) -> list:
+        outs = []
+        with self.waits:
+            while self.eng.has_unfinished():
+                outs += self.eng.step()
+                self.steps += 1
+        return outs
+
+    def sites(self) -> Counter:
+        return Counter((w.file, w.function) for w in self.waits.found)
 
 
-def _bool_index_checked(name, method, calls):
-    def wrapper(self, index, *args):
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-            calls.append(f"{name} with a boolean index")
-        return method(self, index, *args)
-    return wrapper
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "graph-buffers"])
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_a_step_waits_for_the_device_once(tiny_random_qwen3, random_drafters, spec, static, monkeypatch):
+    method, threshold = SPECS[spec]
+    eng = _engine(tiny_random_qwen3, random_drafters, method, threshold, static)
+    _add_workload(eng)
+    watched = _Watched(eng, monkeypatch)
+    outs = watched.run()
+    assert watched.steps > 3 and watched.syncs == watched.steps
+    grammar = next(o for o in outs if o.request_id == "grammar")
+    assert grammar.error is None and grammar.supports is not None
+    assert (watched.grammar_draft_steps > 0) == (method != "none")  # each exception is exercised, or absent
+    expected = Counter({GRAMMAR_SITE: watched.grammar_draft_steps})
+    if threshold:
+        assert eng.drafter.num_proposals > 0
+        expected[THRESHOLD_SITE] = eng.drafter.num_proposals
+    assert watched.sites() == expected, "host waits inside a step:\n" + "\n".join(map(str, watched.waits.found))
 
 
-def _sized_repeat_checked(real, calls):
-    def wrapper(input, repeats=None, *args, **kw):
-        if isinstance(repeats, torch.Tensor) and kw.get("output_size") is None:
-            calls.append("repeat_interleave without output_size")
-        return real(input, repeats, *args, **kw)
-    return wrapper
+def _nonzero_method(r):
+    return r.num_accepted.nonzero()
 
 
-def _upload_checked(real, calls):
-    def wrapper(data, *args, **kw):
-        if kw.get("device") is not None:
-            calls.append("torch.tensor(..., device=...): a blocking upload" + _caller())
-        return real(data, *args, **kw)
-    return wrapper
+def _index_put_with_mask(r):
+    t = r.tokens.clone()
+    t[t < 0] = 0
 
 
-def _to_checked(real, calls):
-    def wrapper(self, *args, **kw):
-        target = kw.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
-        if target is not None and self.device.type == "cpu" and not kw.get("non_blocking", False):
-            calls.append(".to(device) of a host tensor without non_blocking: a blocking upload" + _caller())
-        return real(self, *args, **kw)
-    return wrapper
+INJECTED = {
+    "torch.nonzero": lambda r: torch.nonzero(r.num_accepted),
+    ".nonzero()": _nonzero_method,
+    "masked_select": lambda r: torch.masked_select(r.tokens, r.tokens >= 0),
+    "unique": lambda r: torch.unique(r.tokens),
+    "as_tensor-readback": lambda r: torch.as_tensor(r.num_accepted, device="cpu"),
+    "as_tensor-upload": lambda r: torch.as_tensor([0, 1], device=r.tokens.device),
+    "tensor-upload": lambda r: torch.tensor([0, 1], device=r.tokens.device),
+    "boolean-mask": lambda r: r.tokens[r.tokens >= 0],
+    "boolean-mask-assign": _index_put_with_mask,
+    "where-one-arg": lambda r: torch.where(r.tokens >= 0),
+    "argwhere": lambda r: torch.argwhere(r.tokens),
+    "repeat_interleave": lambda r: torch.repeat_interleave(r.num_accepted + 1),
+    "bincount": lambda r: torch.bincount(r.num_accepted),
+    "one_hot": lambda r: torch.nn.functional.one_hot(r.num_accepted),
+    "item": lambda r: r.num_accepted.sum().item(),
+    "tolist": lambda r: r.tokens.tolist(),
+    "numpy": lambda r: r.tokens.numpy(),
+    "bool": lambda r: bool(r.has_support.all()),
+    "int": lambda r: int(r.num_accepted.max()),
+    "index": lambda r: [0, 1, 2][r.num_accepted.max()],
+    "cpu": lambda r: r.tokens.cpu(),
+    "to-blocking": lambda r: r.tokens.to("cpu"),
+    "equal": lambda r: torch.equal(r.tokens, r.tokens),
+    "allclose": lambda r: torch.allclose(r.logprobs, r.logprobs),
+    "cuda-synchronize": lambda r: torch.cuda.synchronize(),
+}
 
 
-def _caller() -> str:
-    """ at file:line of the rollout code that made the call."""
-    import traceback
+@pytest.fixture(scope="module")
+def plain_engine(tiny_random_qwen3) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=64))
 
-    frames = [f for f in traceback.extract_stack()[:-2] if "/rollout/" in f.filename]
-    return f" at {frames[-1].filename.split('/rollout/')[-1]}:{frames[-1].lineno}" if frames else ""
+
+@pytest.mark.parametrize("name", list(INJECTED))
+def test_the_detector_finds_each_kind_of_wait(plain_engine, name, monkeypatch):
+    real_verify, inject = engine_mod.verify, INJECTED[name]
+
+    def verify_and_wait(*args, **kw):
+        result = real_verify(*args, **kw)
+        inject(result)
+        return result
+
+    monkeypatch.setattr(engine_mod, "verify", verify_and_wait)
+    plain_engine.add_request(name, [[1, 2, 3]], SamplingParams(temperature=1.0, top_k=8, max_tokens=3, seed=1))
+    watched = _Watched(plain_engine, monkeypatch)
+    watched.run()
+    here = [w for w in watched.waits.found if w.file == "tests/test_host_syncs.py"]
+    assert len(here) == watched.steps == 3, f"{name}: found {[str(w) for w in watched.waits.found]}"
+    assert len(watched.waits.found) == len(here)

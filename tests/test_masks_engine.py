@@ -1,8 +1,7 @@
 """Sampling masks captured after acceptance (Contract 3) through the real engine: the
 {none, DFlash, DSpark} x {greedy, sampled, mixed} x {selected, support} matrix, independent
 recomputation against transformers, grammar-constrained verify, support overflow, and
-zero capture work for requests without masks. Writes the suite's rollout to
-.ci-artifacts/rollout.arrow for `rollout validate` in `make test`."""
+zero capture work for requests without masks."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import json
 import math
 import os
 import re
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -23,14 +21,12 @@ from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
 from rollout.masks.check import check_table
-from rollout.schema import schema_with_metadata, to_record_batch
+from rollout.schema import to_record_batch
 from rollout.spec.grammar import GrammarSpec
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8, 9], [100, 101], [42, 43, 44, 45, 46, 47, 48, 49, 50]]
 SAMPLED = SamplingParams(temperature=1.0, top_k=12, top_p=0.9, max_tokens=10, seed=5, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-COLLECTED: list = []
 
 
 def _engine(model, spec="none", draft=None, **kw):
@@ -82,8 +78,6 @@ def test_mask_matrix(tiny_random_qwen3, random_drafters, spec, mode):
         else:
             _check_sample(o, GREEDY if o.request_id == "greedy" else SAMPLED, mode)
     masked = [o for o in outs if o.support_ids is not None]
-    if mode == "support":
-        COLLECTED.extend(masked)
     table = pa.Table.from_batches([to_record_batch(masked)])
     assert check_table(table).ok
 
@@ -307,17 +301,6 @@ def test_requests_without_masks_run_no_capture_code(tiny_random_qwen3, random_dr
     eng.add_request("c", PROMPTS, SAMPLED, mask="selected")
     _run(eng)
     assert len(calls) > 0 and eng.capture.num_captures == len(calls)
-
-
-def test_zz_write_ci_rollout():
-    """The suite's masked rollout, for `rollout validate` in `make test`."""
-    assert COLLECTED, "the mask matrix produced no support-mode samples"
-    out = REPO / ".ci-artifacts" / "rollout.arrow"
-    out.parent.mkdir(exist_ok=True)
-    schema = schema_with_metadata("tiny-random-qwen3", "random", "mixed", "support")
-    with pa.ipc.new_file(out, schema) as writer:
-        writer.write_batch(to_record_batch(COLLECTED, schema))
-    assert check_table(pa.ipc.open_file(out).read_all()).ok
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -116,13 +116,16 @@ class Intake:
 
     def grammar_bitmask(self, step, drafts) -> torch.Tensor | None:
         """One bitmask row per verify row of grammar samples (state after the earlier drafts);
-        None when no sample in the step has a grammar. Reads the drafts on the host."""
+        None when no sample in the step has a grammar. When a grammar sample verifies drafts, the
+        host-side matcher must walk them: the drafts are read back (the step's one wait besides
+        its synchronisation, tests/test_host_syncs.py); without drafts nothing is read."""
         with_grammar = [e for e, s in enumerate(step.entries) if s.grammar is not None]
         if not with_grammar:
             return None
         from rollout.spec.grammar import allocate_bitmask, upload_bitmask
 
-        draft_list = drafts.tokens.tolist()
+        drafted = any(step.num_draft[e] for e in with_grammar)
+        draft_list = drafts.tokens.tolist() if drafted else []
         offsets = step.first_draft
         bitmask = allocate_bitmask(step.cu_rows[-1], self.engine.vocab_size)
         for e in with_grammar:

@@ -20,7 +20,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: compared by identity (field-wise == made list.remove O(n * fields))
 class Sequence:
     seq_id: int
     request_id: str
