@@ -94,22 +94,27 @@ def test_often_accepted_sampled_drafts_follow_the_exact_law(engine, exact_joint)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}"
 
 
-def _uniform_q(prev, q):
-    return prev, torch.full_like(q, 1.0 / q.shape[-1])
+# `_draw(z, temp, greedy, u)` divides the logits z in place by the temperature, so that they become
+# q's logits (the drafter hands them over as its Proposal), draws from softmax(z) and returns
+# (drafts, logsumexp(z)). Each mutation runs after the real draw and changes what is reported.
+def _uniform_q(z, prev, lse):
+    z.zero_()  # q reported as uniform
+    return prev, torch.full_like(lse, math.log(z.shape[-1]))
 
 
-def _argmax_drafted(prev, q):
-    return q.argmax(dim=-1), q
+def _argmax_drafted(z, prev, lse):
+    return z.argmax(dim=-1), lse  # the argmax drafted, the softmax reported
 
 
-def _q_to_the_fourth(prev, q):
-    return prev, q**4 / (q**4).sum(dim=-1, keepdim=True)
+def _q_to_the_fourth(z, prev, lse):
+    z.mul_(4.0)  # q^4, normalised, reported
+    return prev, torch.logsumexp(z, dim=-1)
 
 
 @pytest.mark.parametrize("mutation", [_uniform_q, _argmax_drafted, _q_to_the_fourth],
                          ids=["uniform-q", "argmax-drafted", "q^4-reported"])
 def test_a_drafter_reporting_a_wrong_q_fails_the_law(engine, exact_joint, mutation, monkeypatch):
     real = proposer._draw
-    monkeypatch.setattr(proposer, "_draw", lambda *args: mutation(*real(*args)))
+    monkeypatch.setattr(proposer, "_draw", lambda z, *rest: mutation(z, *real(z, *rest)))
     stat, crit = _chi2(_run(engine)[0], exact_joint)
     assert stat > 2 * crit, f"the mutation passes: chi2 {stat:.1f}, critical value {crit:.1f}"
