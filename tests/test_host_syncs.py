@@ -4,7 +4,7 @@ test counts the calls that would be one on CUDA (item, tolist, bool, numpy, .cpu
 with a boolean tensor, repeat_interleave without a host-known output size, and blocking
 uploads: `torch.tensor(..., device=...)` or a host tensor's `.to(device)` without
 non_blocking, which synchronise the stream before copying) while the engine drafts, runs the
-forward, verifies and captures a step."""
+forward, verifies and captures a step, for a dense and a mixture-of-experts target."""
 
 from __future__ import annotations
 
@@ -18,10 +18,16 @@ from rollout.engine.params import SamplingParams
 READBACKS = ("item", "tolist", "__bool__", "numpy", "cpu", "__int__", "__float__")
 
 
+TARGETS = {"qwen3": ("tiny_random_qwen3", "random_drafters"),
+           "qwen3-moe": ("tiny_random_qwen3_moe", "random_moe_drafters")}
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "graph-buffers"])
 @pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
-def test_device_part_of_a_step_reads_nothing_back(tiny_random_qwen3, random_drafters, spec, static, monkeypatch):
-    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), spec=spec, draft=random_drafters.get(spec),
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_device_part_of_a_step_reads_nothing_back(request, target, spec, static, monkeypatch):
+    model, drafters = (request.getfixturevalue(name) for name in TARGETS[target])
+    eng = LLMEngine(EngineConfig(model=str(model), spec=spec, draft=drafters.get(spec),
                                  block_size=4, num_kv_blocks=300))
     if static:  # the CUDA-graph paths (target step and drafter forward), replayed eagerly
         eng.graphs = eng.make_step_graphs(capture=False)

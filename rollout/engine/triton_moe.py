@@ -1,0 +1,234 @@
+"""The mixture-of-experts layer in Triton: routing, the tokens sorted by expert, two grouped GEMMs.
+
+A step's T tokens pick k experts each: M = T * k (token, expert) pairs, pair p = t * k + j.
+
+1. `_route_kernel` (a program per BLOCK_T tokens): softmax of the router logits in float32, the
+   k largest by repeated arg-max (ties to the lowest id), renormalised when asked: weights and
+   ids [T, k], as `moe.route` computes them.
+2. `_align_kernel` (one program): the pairs sorted by expert (stable), each expert's run padded
+   to a multiple of BLOCK_M rows, as vLLM's moe_align_block_size does: `sorted_pairs`
+   [max_blocks * BLOCK_M] (padding rows hold M) and `block_expert` [max_blocks] (-1 for unused
+   blocks). `max_blocks` bounds the padded blocks of every routing of M pairs, so buffers and
+   grids depend on T alone: no host sync, and decode / verify steps can be CUDA graphs.
+3. `_gate_up_kernel` (a program per (block, column tile)): the block's rows of x, gathered by
+   token, times its expert's gate and up rows; silu(gate) * up -> `hidden` [max_blocks * BLOCK_M, I].
+4. `_down_kernel`: `hidden` times the expert's down_proj, times the pair's routing weight ->
+   `pair_out` [M, H]; torch then sums each token's k rows (accumulating in float32).
+
+Programs of unused blocks exit at once. Index products that can pass 2^31 (expert * expert
+stride of large models, row * row stride of big steps) are computed in int64. The GEMMs
+accumulate in float32 and round where the torch path rounds (the projections' outputs, silu,
+the product), so on bfloat16 they differ from `moe.experts_reference` by rounding order only.
+The kernels run on CPU tensors through Triton's interpreter (the tests compare them with the
+torch reference there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollout.engine.triton_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt,
+                      NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
+                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+        tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        experts = tl.arange(0, EXPERTS_P2)
+        slots = tl.arange(0, TOP_K_P2)
+        ok, real = tokens < num_tokens, experts < NUM_EXPERTS
+        logits = tl.load(logits_ptr + tokens.to(tl.int64)[:, None] * stride_lt + experts[None, :],
+                         mask=ok[:, None] & real[None, :], other=0.0).to(tl.float32)  # [BT, EP]
+        logits = tl.where(real[None, :], logits, float("-inf"))
+        exp = tl.exp(logits - tl.max(logits, 1)[:, None])
+        probs = exp / tl.sum(exp, 1)[:, None]
+        top_w = tl.zeros([BLOCK_T, TOP_K_P2], tl.float32)
+        top_i = tl.zeros([BLOCK_T, TOP_K_P2], tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(probs, 1)  # [BT]
+            pick = tl.min(tl.where(probs == best[:, None], experts[None, :], EXPERTS_P2), 1)  # lowest id
+            top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
+            top_i = tl.where(slots[None, :] == j, pick[:, None], top_i)
+            probs = tl.where(experts[None, :] == pick[:, None], -1.0, probs)  # probabilities are >= 0
+        if RENORMALIZE:
+            top_w = top_w / tl.sum(top_w, 1)[:, None]
+        out = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+        keep = ok[:, None] & (slots < TOP_K)[None, :]
+        tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
+        tl.store(ids_ptr + out, top_i, mask=keep)
+
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+    def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_blocks,
+                      NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr):
+        experts = tl.arange(0, EXPERTS_P2)
+        lanes = tl.arange(0, CHUNK)
+        counts = tl.zeros([EXPERTS_P2], tl.int32)
+        for start in range(0, num_pairs, CHUNK):
+            ids = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=EXPERTS_P2)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)  # expert e owns padded rows [ends - padded, ends)
+        starts = ends - padded
+        # every block's expert (-1 past the last used row) and the padding rows' sentinel
+        for b0 in range(0, num_blocks, CHUNK):
+            blocks = b0 + lanes
+            first = blocks * BLOCK_M
+            expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)  # [C]
+            filled = tl.sum(tl.where(expert[:, None] == experts[None, :], (starts + counts)[None, :], 0), 1)
+            tl.store(block_expert_ptr + blocks, tl.where(expert < NUM_EXPERTS, expert, -1), mask=blocks < num_blocks)
+            rows = first[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [C, BM]
+            pad = (rows >= filled[:, None]) & (blocks < num_blocks)[:, None]
+            tl.store(sorted_ptr + rows, tl.zeros([CHUNK, BLOCK_M], tl.int32) + num_pairs, mask=pad)
+        # each pair's row: its expert's start + the pairs of that expert before it
+        placed = tl.zeros([EXPERTS_P2], tl.int32)
+        for start in range(0, num_pairs, CHUNK):
+            pairs = start + lanes
+            ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=EXPERTS_P2)
+            onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [C, EP]
+            before = tl.cumsum(onehot, 0) - onehot + (starts + placed)[None, :]
+            tl.store(sorted_ptr + tl.sum(onehot * before, 1), pairs, mask=pairs < num_pairs)
+            placed += tl.sum(onehot, 0)
+
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def _gate_up_kernel(x_ptr, w_ptr, hidden_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                        stride_xt, stride_we, stride_wn, stride_ht,
+                        HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        block = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        if expert >= 0:
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            pairs = tl.load(sorted_ptr + rows)
+            valid = pairs < num_pairs
+            tokens = (pairs // TOP_K).to(tl.int64)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < INTER
+            w = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn  # gate rows; up: + INTER rows
+            gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < HIDDEN
+                a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :],
+                            mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+                w_ok = k_ok[:, None] & col_ok[None, :]
+                b_gate = tl.load(w + ks[:, None], mask=w_ok, other=0.0)  # [BK, BN]
+                b_up = tl.load(w + INTER * stride_wn + ks[:, None], mask=w_ok, other=0.0)
+                gate = tl.dot(a, b_gate, gate, input_precision=DOT_PRECISION)
+                up = tl.dot(a, b_up, up, input_precision=DOT_PRECISION)
+            dtype = hidden_ptr.dtype.element_ty
+            gate = gate.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            tl.store(hidden_ptr + rows.to(tl.int64)[:, None] * stride_ht + cols[None, :],
+                     (act * up.to(dtype).to(tl.float32)).to(dtype), mask=valid[:, None] & col_ok[None, :])
+
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def _down_kernel(hidden_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs,
+                     stride_ht, stride_we, stride_wn, stride_ot,
+                     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        block = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        if expert >= 0:
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            pairs = tl.load(sorted_ptr + rows)
+            valid = pairs < num_pairs
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < HIDDEN
+            w = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < INTER
+                a = tl.load(hidden_ptr + rows.to(tl.int64)[:, None] * stride_ht + ks[None, :],
+                            mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+                b = tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            dtype = out_ptr.dtype.element_ty
+            weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)  # [BM]
+            out = acc.to(dtype).to(tl.float32) * weight[:, None]
+            tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :], out.to(dtype),
+                     mask=valid[:, None] & col_ok[None, :])
+
+
+ROUTE_BLOCK_T = 16  # tokens per routing program
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Padded row blocks any routing of `num_pairs` pairs can need: each of at most
+    min(E, M) used experts rounds its count up to a multiple of block_m."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks while experts get few pairs each
+    (decode: the step reads weights), 64-row blocks once they get many (prefill: it computes)."""
+    if num_pairs < 32 * num_experts:
+        return 16, 64, 128, 4
+    return 64, 64, 64, 4
+
+
+def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """router_logits: [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int32), as `moe.route`."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(triton.cdiv(num_tokens, ROUTE_BLOCK_T),)](
+            router_logits, weights, ids, num_tokens, router_logits.stride(0),
+            NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts), TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=ROUTE_BLOCK_T)
+    return weights, ids
+
+
+def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """ids: [T, k] -> (sorted_pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32)."""
+    num_pairs = ids.numel()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](ids.to(torch.int32).contiguous(), sorted_pairs, block_expert, num_pairs, num_blocks,
+                        NUM_EXPERTS=num_experts, EXPERTS_P2=experts_p2, BLOCK_M=block_m,
+                        CHUNK=max(16, min(128, 16384 // experts_p2)), num_warps=8)
+    return sorted_pairs, block_expert
+
+
+def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+    """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; weights, ids: [T, k] -> [T, H], as
+    `moe.experts_reference` computes it."""
+    (num_tokens, top_k), (num_experts, hidden_size, inter) = ids.shape, down.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    if x.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("fused_experts needs x and the expert weights contiguous in their last dimension")
+    num_pairs = num_tokens * top_k
+    block_m, block_n, block_k, warps = tiles(num_pairs, num_experts)
+    sorted_pairs, block_expert = align(ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 stays float32
+    hidden = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, hidden, sorted_pairs, block_expert, num_pairs,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
+        HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=precision, num_warps=warps)
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+        hidden, down, pair_out, sorted_pairs, block_expert, weights.contiguous(), num_pairs,
+        hidden.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
+        HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=precision, num_warps=warps)
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def fused_moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
+              renormalize: bool) -> Tensor:
+    """x: [T, H]; router_logits: [T, E]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H]."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    return fused_experts(x, gate_up, down, weights, ids)
