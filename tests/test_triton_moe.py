@@ -56,10 +56,21 @@ def test_routing_equals_the_reference_and_transformers(renormalize):
 def test_ties_go_to_the_lowest_expert_id():
     logits = torch.tensor([[0.0] * 6, [1, 3, 3, 0, 3, 3], [2, 2, 1, 1, 5, 5], [-1, 0, 0, 0, 0, -1]], device=DEVICE)
     want = [[0, 1, 2], [1, 2, 4], [4, 5, 0], [1, 2, 3]]
-    for route in (moe.route, triton_moe.route):
+    in_align = lambda logits, k, renormalize: triton_moe.route_and_align(logits, k, renormalize, 16)[:2]  # noqa: E731
+    for route in (moe.route, triton_moe.route, in_align):
         weights, ids = route(logits, 3, True)
-        assert ids.tolist() == want, route.__module__
+        assert ids.tolist() == want
         torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3, device=DEVICE))
+
+
+def test_routing_inside_the_align_program_equals_the_two_launches():
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(37, 7, generator=gen).to(DEVICE)  # three routing tiles, 7 experts
+    weights, ids = triton_moe.route(logits, 2, False)
+    want = triton_moe.align(ids, 7, 16)
+    got = triton_moe.route_and_align(logits, 2, False, 16)
+    for a, b in zip(got, (weights, ids, *want), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_align_pads_each_experts_run_to_whole_blocks():
@@ -119,7 +130,8 @@ def test_fused_experts_equal_the_reference(case, dtype):
     assert got.dtype == dtype and got.shape == x.shape
 
 
-def test_fused_moe_equals_the_sparse_block():
+@pytest.mark.parametrize("num_tokens", [9, triton_moe.FUSED_ROUTE_TOKENS + 6])  # routed in align / on its own
+def test_fused_moe_equals_the_sparse_block(num_tokens):
     block = moe.SparseMoeBlock(48, moe.MoeConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
                                                  norm_topk_prob=False)).to(DEVICE)
     gate_up, down = _experts(6, 48, 40, seed=4)
@@ -128,7 +140,7 @@ def test_fused_moe_equals_the_sparse_block():
         block.experts.gate_up_proj.copy_(gate_up)
         block.experts.down_proj.copy_(down)
         block.gate.weight.copy_(torch.randn(6, 48, generator=gen))
-        x = torch.randn(9, 48, generator=gen).to(DEVICE)
+        x = torch.randn(num_tokens, 48, generator=gen).to(DEVICE)
         want = block(x)
         block.backend = "triton"
         got = block(x)
@@ -148,12 +160,12 @@ def test_a_wrong_expert_breaks_the_comparison():
 def test_moe_engine_through_the_kernels_and_graph_buffers(tiny_random_qwen3_moe, random_moe_drafters):
     """Verify steps of a DFlash drafter on the static-buffer (CUDA-graph) path, every layer's
     kernels through the interpreter: the tokens and log-probs of the plain torch engine."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    plain, _ = _generate(tiny_random_qwen3_moe, PROMPTS[:2], greedy, kernel_backend="torch")
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain, _ = _generate(tiny_random_qwen3_moe, PROMPTS[1:3], greedy, kernel_backend="torch")
     _, eng = _generate(tiny_random_qwen3_moe, [[1]], SamplingParams(max_tokens=1), spec="dflash", block=4,
                        draft=random_moe_drafters["dflash"], kernel_backend="triton")
     eng.graphs = eng.make_step_graphs(capture=False)
-    eng.add_request("g", PROMPTS[:2], greedy)
+    eng.add_request("g", PROMPTS[1:3], greedy)
     outs = []
     while eng.has_unfinished():
         outs += eng.step()

@@ -4,7 +4,8 @@ A step's T tokens pick k experts each: M = T * k (token, expert) pairs, pair p =
 
 1. `_route_kernel` (a program per BLOCK_T tokens): softmax of the router logits in float32, the
    k largest by repeated arg-max (ties to the lowest id), renormalised when asked: weights and
-   ids [T, k], as `moe.route` computes them.
+   ids [T, k], as `moe.route` computes them. Steps of at most FUSED_ROUTE_TOKENS tokens (decode,
+   small verify steps) route inside the align program instead, saving a launch per layer.
 2. `_align_kernel` (one program): the pairs sorted by expert (stable), each expert's run padded
    to a multiple of BLOCK_M rows, as vLLM's moe_align_block_size does: `sorted_pairs`
    [max_blocks * BLOCK_M] (padding rows hold M) and `block_expert` [max_blocks] (-1 for unused
@@ -33,11 +34,10 @@ from rollout.engine.triton_attention import triton
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["num_tokens"])
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt,
-                      NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
-                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-        tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    @triton.jit
+    def _route_tile(logits_ptr, weights_ptr, ids_ptr, tokens, num_tokens, stride_lt,
+                    NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
+                    TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
         experts = tl.arange(0, EXPERTS_P2)
         slots = tl.arange(0, TOP_K_P2)
         ok, real = tokens < num_tokens, experts < NUM_EXPERTS
@@ -61,10 +61,24 @@ if triton is not None:
         tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
         tl.store(ids_ptr + out, top_i, mask=keep)
 
-    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-    def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_blocks,
-                      NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      CHUNK: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt,
+                      NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
+                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+        _route_tile(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T),
+                    num_tokens, stride_lt, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, BLOCK_T)
+
+    @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
+    def _align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_blocks,
+                      stride_lt, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
+                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+        if ROUTE:  # a small step: this program routes the tokens first (one launch less)
+            for t0 in range(0, num_tokens, BLOCK_T):
+                _route_tile(logits_ptr, weights_ptr, ids_ptr, t0 + tl.arange(0, BLOCK_T), num_tokens, stride_lt,
+                            NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, BLOCK_T)
+            tl.debug_barrier()  # the ids are read back below by other threads of this program
+        num_pairs = num_tokens * TOP_K
         experts = tl.arange(0, EXPERTS_P2)
         lanes = tl.arange(0, CHUNK)
         counts = tl.zeros([EXPERTS_P2], tl.int32)
@@ -157,6 +171,7 @@ if triton is not None:
 
 
 ROUTE_BLOCK_T = 16  # tokens per routing program
+FUSED_ROUTE_TOKENS = 64  # steps up to this many tokens route inside the align program
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -176,41 +191,88 @@ def tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """router_logits: [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int32), as `moe.route`."""
     num_tokens, num_experts = router_logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    weights, ids = _routing_buffers(router_logits, top_k)
     if num_tokens:
         _route_kernel[(triton.cdiv(num_tokens, ROUTE_BLOCK_T),)](
-            router_logits, weights, ids, num_tokens, router_logits.stride(0),
-            NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts), TOP_K=top_k,
-            TOP_K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_T=ROUTE_BLOCK_T)
+            router_logits, weights, ids, num_tokens, router_logits.stride(0), **_routing_args(num_experts, top_k),
+            RENORMALIZE=renormalize, BLOCK_T=ROUTE_BLOCK_T)
     return weights, ids
 
 
 def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """ids: [T, k] -> (sorted_pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32)."""
-    num_pairs = ids.numel()
-    num_blocks = max_blocks(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    experts_p2 = triton.next_power_of_2(num_experts)
-    _align_kernel[(1,)](ids.to(torch.int32).contiguous(), sorted_pairs, block_expert, num_pairs, num_blocks,
-                        NUM_EXPERTS=num_experts, EXPERTS_P2=experts_p2, BLOCK_M=block_m,
-                        CHUNK=max(16, min(128, 16384 // experts_p2)), num_warps=8)
+    ids = ids.to(torch.int32).contiguous()
+    return _align(None, None, ids, num_experts, block_m, renormalize=False)
+
+
+def route_and_align(router_logits: Tensor, top_k: int, renormalize: bool, block_m: int
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`route` and `align` in one launch (one program: for small steps). Returns (weights, ids,
+    sorted_pairs, block_expert)."""
+    weights, ids = _routing_buffers(router_logits, top_k)
+    sorted_pairs, block_expert = _align(router_logits, weights, ids, router_logits.shape[1], block_m, renormalize)
+    return weights, ids, sorted_pairs, block_expert
+
+
+def _routing_buffers(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    num_tokens, device = router_logits.shape[0], router_logits.device
+    return (torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=device),
+            torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
+
+
+def _routing_args(num_experts: int, top_k: int) -> dict:
+    return dict(NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts), TOP_K=top_k,
+                TOP_K_P2=triton.next_power_of_2(top_k))
+
+
+def _align(router_logits: Tensor | None, weights: Tensor | None, ids: Tensor, num_experts: int, block_m: int,
+           renormalize: bool) -> tuple[Tensor, Tensor]:
+    """The align launch; with `router_logits` it routes into `weights` / `ids` first."""
+    (num_tokens, top_k), device = ids.shape, ids.device
+    num_blocks = max_blocks(num_tokens * top_k, num_experts, block_m)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    if num_tokens:
+        route = router_logits is not None
+        args = _routing_args(num_experts, top_k)
+        _align_kernel[(1,)](
+            router_logits if route else ids, weights if route else ids, ids, sorted_pairs, block_expert,
+            num_tokens, num_blocks, router_logits.stride(0) if route else 0, **args, RENORMALIZE=renormalize,
+            ROUTE=route, BLOCK_T=ROUTE_BLOCK_T, BLOCK_M=block_m,
+            CHUNK=max(16, min(128, 16384 // args["EXPERTS_P2"])), num_warps=8)
     return sorted_pairs, block_expert
 
 
 def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
     """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; weights, ids: [T, k] -> [T, H], as
     `moe.experts_reference` computes it."""
-    (num_tokens, top_k), (num_experts, hidden_size, inter) = ids.shape, down.shape
+    block_m = tiles(ids.numel(), gate_up.shape[0])[0]
+    sorted_pairs, block_expert = align(ids, gate_up.shape[0], block_m)
+    return _grouped_gemms(x, gate_up, down, weights.contiguous(), sorted_pairs, block_expert, ids.shape[1])
+
+
+def fused_moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
+              renormalize: bool) -> Tensor:
+    """x: [T, H]; router_logits: [T, E]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H]."""
+    num_tokens, num_experts = router_logits.shape
+    if num_tokens > FUSED_ROUTE_TOKENS:
+        weights, ids = route(router_logits, top_k, renormalize)
+        return fused_experts(x, gate_up, down, weights, ids)
+    block_m = tiles(num_tokens * top_k, num_experts)[0]
+    weights, _, sorted_pairs, block_expert = route_and_align(router_logits, top_k, renormalize, block_m)
+    return _grouped_gemms(x, gate_up, down, weights, sorted_pairs, block_expert, top_k)
+
+
+def _grouped_gemms(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, sorted_pairs: Tensor,
+                   block_expert: Tensor, top_k: int) -> Tensor:
+    """The two grouped GEMMs over aligned pairs and the sum of each token's k rows -> [T, H]."""
+    (num_tokens, hidden_size), (num_experts, _, inter) = x.shape, down.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
     if x.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
-        raise ValueError("fused_experts needs x and the expert weights contiguous in their last dimension")
-    num_pairs = num_tokens * top_k
+        raise ValueError("fused MoE needs x and the expert weights contiguous in their last dimension")
+    num_pairs, num_blocks = num_tokens * top_k, block_expert.shape[0]
     block_m, block_n, block_k, warps = tiles(num_pairs, num_experts)
-    sorted_pairs, block_expert = align(ids, num_experts, block_m)
-    num_blocks = block_expert.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 stays float32
     hidden = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
@@ -220,15 +282,8 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids
         DOT_PRECISION=precision, num_warps=warps)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        hidden, down, pair_out, sorted_pairs, block_expert, weights.contiguous(), num_pairs,
+        hidden, down, pair_out, sorted_pairs, block_expert, weights, num_pairs,
         hidden.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=precision, num_warps=warps)
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
-
-
-def fused_moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
-              renormalize: bool) -> Tensor:
-    """x: [T, H]; router_logits: [T, E]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H]."""
-    weights, ids = route(router_logits, top_k, renormalize)
-    return fused_experts(x, gate_up, down, weights, ids)
