@@ -169,6 +169,9 @@ if triton is not None:
             tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :], out.to(dtype),
                      mask=valid[:, None] & col_ok[None, :])
 
+    KERNELS = (_route_kernel, _align_kernel, _gate_up_kernel, _down_kernel)  # triton_ops.compiled_variants
+else:
+    KERNELS = ()
 
 ROUTE_BLOCK_T = 16  # tokens per routing program
 FUSED_ROUTE_TOKENS = 64  # steps up to this many tokens route inside the align program
@@ -182,9 +185,11 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks while experts get few pairs each
-    (decode: the step reads weights), 64-row blocks once they get many (prefill: it computes)."""
+    (decode: the step streams weights, so narrow column tiles spread them over more programs),
+    64-row blocks once they get many (prefill: it computes). Three pipeline stages of either fit
+    the shared memory of an H100 / H200 in float32 too."""
     if num_pairs < 32 * num_experts:
-        return 16, 64, 128, 4
+        return 16, 32, 128, 4
     return 64, 64, 64, 4
 
 
