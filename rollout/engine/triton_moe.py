@@ -230,6 +230,12 @@ def _routing_args(num_experts: int, top_k: int) -> dict:
                 TOP_K_P2=triton.next_power_of_2(top_k))
 
 
+def _chunk(num_pairs: int, num_blocks: int, experts_p2: int) -> int:
+    """Pairs (and blocks) the align program takes per iteration: all of a decode step's at once,
+    at most 16K one-hot entries per iteration for big steps."""
+    return max(16, min(triton.next_power_of_2(max(num_pairs, num_blocks)), 128, 16384 // experts_p2))
+
+
 def _align(router_logits: Tensor | None, weights: Tensor | None, ids: Tensor, num_experts: int, block_m: int,
            renormalize: bool) -> tuple[Tensor, Tensor]:
     """The align launch; with `router_logits` it routes into `weights` / `ids` first."""
@@ -243,8 +249,8 @@ def _align(router_logits: Tensor | None, weights: Tensor | None, ids: Tensor, nu
         _align_kernel[(1,)](
             router_logits if route else ids, weights if route else ids, ids, sorted_pairs, block_expert,
             num_tokens, num_blocks, router_logits.stride(0) if route else 0, **args, RENORMALIZE=renormalize,
-            ROUTE=route, BLOCK_T=ROUTE_BLOCK_T, BLOCK_M=block_m,
-            CHUNK=max(16, min(128, 16384 // args["EXPERTS_P2"])), num_warps=8)
+            ROUTE=route, BLOCK_T=ROUTE_BLOCK_T, BLOCK_M=block_m, CHUNK=_chunk(num_tokens * top_k, num_blocks,
+                                                                               args["EXPERTS_P2"]), num_warps=8)
     return sorted_pairs, block_expert
 
 
