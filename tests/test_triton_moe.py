@@ -49,7 +49,7 @@ def test_routing_equals_the_reference_and_transformers(renormalize):
     k_weights, k_ids = triton_moe.route(logits, 3, renormalize)
     assert torch.equal(ids, hf_ids) and torch.equal(k_ids.long(), hf_ids)
     torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
-    torch.testing.assert_close(k_weights, hf_weights, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_weights, hf_weights, atol=1e-5, rtol=1e-5)  # exp in Triton vs torch
     assert torch.allclose(k_weights.sum(-1), torch.ones(37, device=DEVICE)) == renormalize
 
 
