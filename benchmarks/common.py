@@ -2,6 +2,7 @@
 timing and copy bandwidth, held-out prompts from the stdlib corpus, the embedded drafters,
 running an engine to completion, and the table + JSON every script prints and writes.
 
+Shapes: Qwen3-0.6B, -8B and Qwen3-30B-A3B (MoE), and tiny ones for CPU checks of the scripts.
 Random-weight models are directories holding only `config.json`, loaded with
 `EngineConfig(load_format="random")`. The model forward helpers (`metadata`, `kv_caches`,
 `random_model`, the 8B shape) come from `scripts/bench_target.py`, the corpus split from
@@ -40,16 +41,34 @@ QWEN3_TINY = dict(
     bench_target.QWEN3_8B, vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
 )  # fmt: skip
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "tiny": QWEN3_TINY}
+# Qwen3-30B-A3B: 48 sparse layers of 128 experts (width 768), 8 routed per token, renormalised.
+QWEN3_30B_A3B = dict(
+    bench_target.QWEN3_8B, model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+)  # fmt: skip
+QWEN3_MOE_TINY = dict(
+    QWEN3_TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+)  # fmt: skip
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": QWEN3_TINY,
+          "tiny-moe": QWEN3_MOE_TINY}
+
+
+def hf_classes(shape: dict):
+    """(config class, causal-LM class) of transformers for a shape's model_type."""
+    import transformers
+
+    if shape["model_type"] == "qwen3_moe":
+        return transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    return transformers.Qwen3Config, transformers.Qwen3ForCausalLM
 
 
 def hf_config(shape: dict):
-    """transformers' Qwen3Config of a shape (the one config both engines read)."""
-    import transformers
-
+    """transformers' config of a shape (the one config both engines read)."""
     fields = {k: v for k, v in shape.items() if k not in ("model_type", "rope_theta")}
     rope = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
-    return transformers.Qwen3Config(**fields, rope_parameters=rope)
+    return hf_classes(shape)[0](**fields, rope_parameters=rope)
 
 
 def write_config_dir(shape: dict, root: Path) -> Path:

@@ -3,7 +3,7 @@ a real model directory without the embedded assets.
 
 `tiny_random_qwen3` (session-scoped) is a 2-layer Qwen3 with the project's byte-level tokenizer
 (256 bytes + 8 specials, EOS 256, see scripts/make_tokenizer.py). `save_random_hf_model` builds
-any small Qwen3 / Llama checkpoint from config keyword arguments.
+any small Qwen3 / Qwen3-MoE / Llama checkpoint from config keyword arguments.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ TINY_QWEN3 = dict(
     tie_word_embeddings=True, rms_norm_eps=1e-6,
 )  # fmt: skip
 
+# Qwen3-MoE as the tests use it: 3 layers (sparse, dense via mlp_only_layers, sparse), 4 experts of
+# width 32, top 2, renormalised (as Qwen3-30B-A3B).
+TINY_QWEN3_MOE = dict(
+    TINY_QWEN3, model_type="qwen3_moe", num_hidden_layers=3, tie_word_embeddings=False, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+)  # fmt: skip
+
 
 def _make_tokenizer_module():
     spec = importlib.util.spec_from_file_location("make_tokenizer", REPO / "scripts" / "make_tokenizer.py")
@@ -44,20 +51,23 @@ def _make_tokenizer_module():
 def save_random_hf_model(
     path: Path, seed: int = 0, init_std: float = 0.1, dtype=torch.float32, max_shard_size=None, **config
 ):
-    """Build a random transformers Qwen3ForCausalLM / LlamaForCausalLM from `config` keywords
-    (`model_type` picks the class), randomise its norm weights too, `save_pretrained` it into
-    `path` (safetensors, sharded below `max_shard_size`) and return the transformers model
-    (float32, eval mode)."""
+    """Build a random transformers Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM from
+    `config` keywords (`model_type` picks the class), randomise its norm weights too,
+    `save_pretrained` it into `path` (safetensors, sharded below `max_shard_size`; a Qwen3-MoE's
+    experts as per-expert tensors, as transformers writes them) and return the transformers
+    model (float32, eval mode)."""
     import transformers
 
     config = dict(config)
     model_type = config.pop("model_type")
     config_cls, model_cls = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }[model_type]
     hf_config = config_cls(initializer_range=init_std, **config)
     hf_config._attn_implementation = "eager"
+    hf_config._experts_implementation = "eager"  # Qwen3-MoE: the per-expert loop (no grouped_mm)
     torch.manual_seed(seed)
     model = model_cls(hf_config).float().eval()
     with torch.no_grad():
@@ -89,13 +99,33 @@ def tiny_random_qwen3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_random_qwen3_moe(tmp_path_factory) -> Path:
+    """Directory of a random Qwen3-MoE (TINY_QWEN3_MOE, float32, per-expert safetensors as
+    transformers saves them) with the byte-level tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-random-qwen3-moe")
+    save_random_hf_model(path, seed=4, **TINY_QWEN3_MOE)
+    write_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def random_drafters(tiny_random_qwen3, tmp_path_factory) -> dict[str, str]:
     """Untrained DFlash and DSpark drafters (block 4, one layer) for `tiny_random_qwen3`, saved
     in the published layouts: {"dflash": dir, "dspark": dir}."""
+    return _save_random_drafters(tiny_random_qwen3, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def random_moe_drafters(tiny_random_qwen3_moe, tmp_path_factory) -> dict[str, str]:
+    """The same for `tiny_random_qwen3_moe` (dense Qwen3 draft layers reading its hidden states)."""
+    return _save_random_drafters(tiny_random_qwen3_moe, tmp_path_factory)
+
+
+def _save_random_drafters(target_dir: Path, tmp_path_factory) -> dict[str, str]:
     from rollout.engine.loader import load_model
     from rollout.spec.draft_loader import random_drafter, save_drafter
 
-    target = load_model(tiny_random_qwen3)
+    target = load_model(target_dir)
     out = {}
     for kind in ("dflash", "dspark"):
         path = tmp_path_factory.mktemp(kind)

@@ -7,7 +7,7 @@ policy, verify, capture) except the sanctioned synchronisation itself (`_to_host
 
 The workload mixes greedy, sampled, penalised, biased, masked (both modes) and grammar requests,
 with no drafter, DFlash, DSpark and DSpark with a confidence threshold, eagerly and through the
-CUDA-graph static buffers (replayed eagerly). Two waits are stated exceptions, counted exactly:
+CUDA-graph static buffers (replayed eagerly), on a dense and on a mixture-of-experts target. Two waits are stated exceptions, counted exactly:
 
 * a grammar sample that verifies drafts: `Intake.grammar_bitmask` reads the step's drafts back,
   once per such step. Its bitmask row i is the grammar's state after the first i drafts, which
@@ -42,6 +42,8 @@ GRAMMAR_SITE = ("rollout/engine/intake.py", "grammar_bitmask")
 THRESHOLD_SITE = ("rollout/spec/proposer.py", "_lengths")
 SPECS = {"none": ("none", 0.0), "dflash": ("dflash", 0.0), "dspark": ("dspark", 0.0),
          "dspark-threshold": ("dspark", 0.3)}
+TARGETS = {"qwen3": ("tiny_random_qwen3", "random_drafters"),
+           "qwen3-moe": ("tiny_random_qwen3_moe", "random_moe_drafters")}
 
 
 def _engine(model, drafters, spec: str, threshold: float = 0.0, static: bool = False) -> LLMEngine:
@@ -101,9 +103,11 @@ class _Watched:
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "graph-buffers"])
 @pytest.mark.parametrize("spec", list(SPECS))
-def test_a_step_waits_for_the_device_once(tiny_random_qwen3, random_drafters, spec, static, monkeypatch):
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_a_step_waits_for_the_device_once(request, target, spec, static, monkeypatch):
     method, threshold = SPECS[spec]
-    eng = _engine(tiny_random_qwen3, random_drafters, method, threshold, static)
+    model, drafters = (request.getfixturevalue(name) for name in TARGETS[target])
+    eng = _engine(model, drafters, method, threshold, static)
     _add_workload(eng)
     watched = _Watched(eng, monkeypatch)
     outs = watched.run()

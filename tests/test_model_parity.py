@@ -1,7 +1,8 @@
 """Logits parity of the paged-KV TransformerLM with transformers' full forward (float32, CPU).
 
-Random small Qwen3 and Llama checkpoints (GQA and MHA, tied and untied, attention bias, Llama 3
-RoPE scaling, a sharded checkpoint) are saved with transformers and loaded with `load_model`.
+Random small Qwen3, Qwen3-MoE and Llama checkpoints (GQA and MHA, tied and untied, attention bias,
+Llama 3 RoPE scaling, sparse and dense MoE layers, a sharded checkpoint) are saved with
+transformers and loaded with `load_model`.
 Several prompts of mixed lengths go through the paged cache (block size 4, scattered block ids)
 in ragged chunks, then single-token decode steps; every logit row and the requested hidden
 layers must match transformers on the full sequences.
@@ -36,6 +37,14 @@ CASES = {
                               tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
     "llama-mha-tied": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4,
                            tie_word_embeddings=True, attention_bias=True),
+    # layers 0 and 2 sparse (6 experts, top 2, renormalised), layer 1 dense
+    "qwen3-moe-renorm": dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    # only layer 1 sparse (decoder_sparse_step 2), 4 experts, top 3, not renormalised
+    "qwen3-moe-step2-tied": dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                 tie_word_embeddings=True, num_experts=4, num_experts_per_tok=3,
+                                 moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2),
 }  # fmt: skip
 
 

@@ -4,8 +4,11 @@ sharded index), tokenizer.json and the EOS ids.
 Checkpoint tensor names are HF's (`model.layers.N.self_attn.q_proj.weight`, ...). A leading
 `model.` is dropped to get the module path, and a tensor whose module is a shard of a
 `PackedLinear` (q_proj inside qkv_proj, gate_proj inside gate_up_proj) is copied into its row
-range. Every mismatch raises `LoadError` naming the checkpoint tensor, so the same
-`load_state_into` serves drafters built from the same blocks.
+range. A Qwen3-MoE layer's fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I], transformers 5's layout) are filled either whole or from the
+per-expert tensors of published checkpoints (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
+Every mismatch raises `LoadError` naming the checkpoint tensor, so the same `load_state_into`
+serves drafters built from the same blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from rollout.engine.model import ModelConfig, PackedLinear, TransformerLM
+from rollout.engine.moe import FusedExperts
 from rollout.errors import LoadError
 
 # Non-parameter tensors some checkpoints carry (old Llama exports save RoPE frequencies).
@@ -77,8 +81,16 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return state
 
 
-def _checkpoint_names(path: str, param_name: str, module: nn.Module) -> list[tuple[str, slice | None]]:
-    """Checkpoint names (without `model.`) that fill one parameter, with their output-row ranges."""
+# Where a checkpoint tensor goes in its parameter: None = the whole parameter, else an index
+# (the rows of a packed shard, one expert's slice of a fused expert tensor).
+Index = slice | int | tuple[int, slice] | None
+
+
+def _checkpoint_names(path: str, param_name: str, module: nn.Module) -> list[tuple[str, Index]]:
+    """Checkpoint names (without `model.`) that fill one parameter, with their indices into it."""
+    if isinstance(module, FusedExperts):  # the fused tensor, or the per-expert ones
+        names = [(f"{path}.{param_name}", None)]
+        return names + [(f"{path}.{name}", index) for name, index in module.expert_slots(param_name)]
     if not isinstance(module, PackedLinear):
         return [(f"{path}.{param_name}" if path else param_name, None)]
     parent = path.rpartition(".")[0]
@@ -94,10 +106,11 @@ def _checkpoint_names(path: str, param_name: str, module: nn.Module) -> list[tup
     return names
 
 
-def param_slots(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, slice | None]], set[str]]:
-    """Checkpoint name -> (parameter, rows) for every parameter, and the names of tied aliases
-    (e.g. `lm_head.weight` of a tied model), which a checkpoint may carry or omit."""
-    slots: dict[str, tuple[nn.Parameter, slice | None]] = {}
+def param_slots(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, Index]], set[str]]:
+    """Checkpoint name -> (parameter, index) for every parameter, and the names of tied aliases
+    (e.g. `lm_head.weight` of a tied model), which a checkpoint may carry or omit. A parameter
+    may have both a whole name and part names (fused experts): either fills it."""
+    slots: dict[str, tuple[nn.Parameter, Index]] = {}
     aliases: set[str] = set()
     seen: set[int] = set()
     for path, module in model.named_modules():
@@ -128,7 +141,7 @@ def load_state_into(model: nn.Module, state: dict[str, Tensor], strict: bool = T
         ]  # fmt: skip
         if unexpected:
             raise LoadError(f"unexpected tensor(s) in checkpoint: {sorted(unexpected)[:8]}")
-        missing = [full_name(name) for name in slots if name not in by_name]
+        missing = [full_name(name) for name in _unfilled(slots, by_name)]
         if missing:
             raise LoadError(f"missing tensor(s) in checkpoint: {missing[:8]}")
     copies = []
@@ -144,6 +157,15 @@ def load_state_into(model: nn.Module, state: dict[str, Tensor], strict: bool = T
     with torch.no_grad():
         for dest, tensor in copies:
             dest.copy_(tensor)
+
+
+def _unfilled(slots: dict[str, tuple[nn.Parameter, Index]], given: dict[str, str]) -> list[str]:
+    """Slot names absent from `given` whose parameter stays (partly) unfilled: a parameter is
+    filled by its whole name, or by all of its part names when it has parts."""
+    whole = {id(param) for name, (param, index) in slots.items() if index is None and name in given}
+    has_parts = {id(param) for param, index in slots.values() if index is not None}
+    return [name for name, (param, index) in slots.items()
+            if name not in given and id(param) not in whole and (index is not None or id(param) not in has_parts)]
 
 
 def _load_tokenizer(root: Path, vocab_size: int) -> tokenizers.Tokenizer | None:
@@ -220,7 +242,7 @@ def load_model(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
     load_format: str = "safetensors",
 ) -> LoadedModel:
-    """Load an HF Qwen3 / Llama checkpoint directory. dtype defaults to float32 on CPU, bfloat16 on CUDA.
+    """Load an HF Qwen3 / Qwen3-MoE / Llama checkpoint directory. dtype defaults to float32 on CPU, bfloat16 on CUDA.
 
     `load_format="random"` reads config.json (and the tokenizer, if any) but no weights: they
     are drawn by `init_random_`, for benchmarks of a model shape without its checkpoint."""

@@ -1,5 +1,6 @@
-"""The target models: Qwen3 (q/k RMSNorm) and Llama 3 (llama3 RoPE scaling) as one decoder-only
-transformer with GQA, running a flattened ragged batch against the paged KV cache.
+"""The target models: Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with sparse expert MLPs, see moe.py)
+and Llama 3 (llama3 RoPE scaling) as one decoder-only transformer with GQA, running a flattened
+ragged batch against the paged KV cache.
 
 Projections are packed for speed (`qkv_proj` = q|k|v, `gate_up_proj` = gate|up) and declare their
 HF shard names, so the loader fills them from the usual `q_proj` / `k_proj` / ... tensors. The
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 from rollout.engine import triton_attention, triton_ops
 from rollout.engine.attention import AttentionMetadata, paged_attention
+from rollout.engine.moe import MoeConfig, SparseMoeBlock
 from rollout.engine.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 from rollout.errors import LoadError
 
@@ -32,7 +34,7 @@ __all__ = [
     "apply_rope",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
 BACKENDS = ("torch", "triton")  # TransformerLM.set_kernel_backend
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -48,7 +50,7 @@ _POSITIVE_FIELDS = (
 class ModelConfig:
     """The architecture fields of an HF config.json that the engine uses."""
 
-    model_type: str  # "qwen3" or "llama"
+    model_type: str  # "qwen3", "qwen3_moe" or "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,10 +64,14 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    moe: MoeConfig | None = None  # qwen3_moe only
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise LoadError(f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        if (self.model_type == "qwen3_moe") != (self.moe is not None):
+            raise LoadError(f"config moe (num_experts, ...) goes with model_type 'qwen3_moe' only, "
+                            f"got model_type {self.model_type!r} and moe {self.moe}")
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) <= 0:
                 raise LoadError(f"config {name} must be > 0, got {getattr(self, name)}")
@@ -82,7 +88,11 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the experts MLP (SparseMoeBlock) instead of the dense one."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def q_size(self) -> int:
@@ -119,6 +129,7 @@ class ModelConfig:
             max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
+            moe=MoeConfig.from_hf(d) if model_type == "qwen3_moe" else None,
         )
 
 
@@ -271,12 +282,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). `sparse`: the MLP is the
+    mixture of experts of `config.moe`."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sparse: bool = False):
         super().__init__()
         self.self_attn = Attention(config, rotary)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = (SparseMoeBlock(config.hidden_size, config.moe) if sparse
+                    else MLP(config.hidden_size, config.intermediate_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -308,7 +321,7 @@ class DecoderLayer(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Qwen3 / Llama 3 causal LM over a flattened ragged batch and a paged KV cache."""
+    """Qwen3 / Qwen3-MoE / Llama 3 causal LM over a flattened ragged batch and a paged KV cache."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -318,7 +331,7 @@ class TransformerLM(nn.Module):
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, self.rotary, config.sparse_layer(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -175,7 +175,7 @@ def random_drafter(target: LoadedModel, kind: str, block_size: int, num_layers: 
     if mask_token_id is None:
         mask_token_id = _tokenizer_mask_id(target)
     backbone = dataclasses.replace(t, model_type="qwen3", num_hidden_layers=num_layers,
-                                   tie_word_embeddings=False, attention_bias=False)
+                                   tie_word_embeddings=False, attention_bias=False, moe=None)
     cfg = DraftConfig(
         kind=kind, block_size=block_size,
         mask_token_id=mask_token_id,
