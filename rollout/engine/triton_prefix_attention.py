@@ -1,0 +1,187 @@
+"""Shared-prefix attention as two Triton kernels (the plan: prefix_plan.py; the passes and their
+torch reference: prefix_attention.py).
+
+`_item_kernel` runs one work item per (item, KV head): its query rows are (token, query head)
+pairs of that KV head, for every token of a unit (all the sequences of a group, so a shared key
+tile is loaded once for all of them and used by one tl.dot of [BLOCK_M, D] x [D, BLOCK_N]); it
+walks the key range [key_lo, key_hi) of one block-table row in tiles of BLOCK_N with an online
+softmax in float32, masking keys after each query's position (only suffix ranges reach a
+query's own position: shared ranges end before every query of their group). It writes the
+normalised output and the log-sum-exp to the token's partial row, or, when the item is the
+token's only one, the output itself. The launch has a fixed number of programs that loop over
+the items (the count is read on the device), so a CUDA graph replays any plan that fits its
+buffers. `_merge_kernel` combines each token's partial rows by their log-sum-exp.
+
+Index arithmetic is 64-bit: item fields, tokens and block ids are loaded from int64 tensors, so
+block id x block stride and token x row stride are int64 products. The index tensors are views
+into the step's packed upload, so their addresses are not specialised on alignment (that would
+compile a variant per offset parity), nor are the program count and the block table's width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollout.engine.prefix_attention import SharedPrefixPlan
+from rollout.engine.prefix_plan import BLOCK_M, ITEM_FIELDS, KEY_ALIGN
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependency
+    triton = None
+
+BLOCK_N = KEY_ALIGN  # keys per inner iteration
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_item(
+        item_ptr, kv_head, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        tok_start = tl.load(item_ptr)  # the fields of prefix_plan.ITEM_FIELDS, int64
+        tok_count = tl.load(item_ptr + 1)
+        rows = tl.load(item_ptr + 2) + tl.arange(0, BLOCK_M)  # [M]: row = token * GROUPS + group head
+        key_lo = tl.load(item_ptr + 4)
+        key_hi = tl.load(item_ptr + 5)
+        slot = tl.load(item_ptr + 6)
+        indirect = (tl.load(item_ptr + 7) + tl.zeros([BLOCK_M], tl.int64)) != 0  # [M]: the interpreter masks by vectors
+        local = rows // GROUPS
+        row_ok = local < tok_count
+        token = tl.load(unit_tokens_ptr + tok_start + local, mask=row_ok & indirect, other=0)
+        token = tl.where(indirect, token, tok_start + local)  # [M] int64
+        head = kv_head * GROUPS + rows % GROUPS
+        q_pos = tl.load(positions_ptr + token, mask=row_ok, other=0)
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        table = block_tables_ptr + tl.load(item_ptr + 3) * stride_bt
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for n0 in range(key_lo, key_hi, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)  # [N]
+            key_ok = keys < key_hi
+            block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
+            offset = block[:, None] * stride_kb + (keys % BLOCK_SIZE)[:, None] * stride_ks + dims[None, :]
+            k = tl.load(k_ptr + offset + kv_head * stride_kh, mask=key_ok[:, None], other=0.0)  # [N, D]
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [M, N]
+            scores = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(scores - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_offset = block[:, None] * stride_vb + (keys % BLOCK_SIZE)[:, None] * stride_vs + dims[None, :]
+            v = tl.load(v_ptr + v_offset + kv_head * stride_vh, mask=key_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
+        if slot < 0:
+            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            base = (tl.load(part_start_ptr + token, mask=row_ok, other=0) + slot) * NUM_HEADS + head  # [M]
+            tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+            tl.store(part_lse_ptr + base, tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf")), mask=row_ok)
+
+    @triton.jit(do_not_specialize=["num_programs", "stride_bt"],
+                do_not_specialize_on_alignment=["items_ptr", "num_items_ptr", "unit_tokens_ptr", "part_start_ptr",
+                                                "positions_ptr", "block_tables_ptr"])
+    def _item_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        items_ptr, num_items_ptr, unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr,
+        scale, num_programs,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        total = tl.load(num_items_ptr) * NUM_KV_HEADS
+        for work in range(tl.program_id(0), total, num_programs):  # KV heads of one item adjacent
+            _attend_item(
+                items_ptr + (work // NUM_KV_HEADS) * NUM_FIELDS, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr,
+                part_o_ptr, part_lse_ptr, unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+                stride_qt, stride_qh, stride_ot, stride_oh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION)
+
+    @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
+    def _merge_kernel(
+        out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh,
+        NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        count = tl.load(part_count_ptr + token)
+        if count != 1:  # 1: written by its item; 0 (a graph's padded row): 0
+            group = tl.arange(0, GROUPS_P2)
+            group_ok = group < GROUPS
+            head = tl.program_id(1) * GROUPS + group  # [G]
+            dims = tl.arange(0, HEAD_DIM)
+            start = tl.load(part_start_ptr + token)
+            m = tl.full([GROUPS_P2], float("-inf"), tl.float32)
+            l_sum = tl.zeros([GROUPS_P2], tl.float32)
+            acc = tl.zeros([GROUPS_P2, HEAD_DIM], tl.float32)
+            for p in range(0, count):
+                base = (start + p) * NUM_HEADS + head  # [G]
+                lse = tl.load(part_lse_ptr + base, mask=group_ok, other=float("-inf"))
+                o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=group_ok[:, None], other=0.0)
+                m_new = tl.maximum(m, lse)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # partials that saw no key weigh 0
+                alpha = tl.exp(m - m_ref)
+                weight = tl.exp(lse - m_ref)
+                l_sum = l_sum * alpha + weight
+                acc = acc * alpha[:, None] + weight[:, None] * o.to(tl.float32)
+                m = m_new
+            out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+            tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=group_ok[:, None])
+
+
+def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                   positions: Tensor, plan: SharedPrefixPlan, scale: float) -> Tensor:
+    """q: [T, Hq, D]; caches: [NB, BS, Hkv, D] (this step's keys already written); block_tables:
+    [S, W]; positions: [T]. Returns [T, Hq, D] in q's dtype (prefix_attention's two passes)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    groups = num_heads // num_kv_heads
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("shared_prefix_attention_triton needs the head dimension contiguous")
+    out = torch.empty_like(q)
+    part_o, part_lse = plan.partials(q)
+    _item_kernel[(plan.num_programs,)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        plan.items, plan.num_items, plan.unit_tokens, plan.part_start, positions, block_tables,
+        scale, plan.num_programs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_FIELDS=len(ITEM_FIELDS),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
+    )
+    _merge_kernel[(num_tokens, num_kv_heads)](
+        out, part_o, part_lse, plan.part_start, plan.part_count, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUPS=groups, GROUPS_P2=triton.next_power_of_2(groups), HEAD_DIM=head_dim,
+    )
+    return out
+
+
+def compiled_variants() -> int:
+    """Variants of this module's kernels compiled so far (see triton_ops.compiled_variants)."""
+    if triton is None:
+        return 0
+    kernels = (_item_kernel, _merge_kernel)
+    return sum(len(cache[0]) for k in kernels for cache in getattr(k, "device_caches", {}).values())
+
+
+__all__ = ["compiled_variants", "shared_prefix_attention_triton"]
