@@ -88,7 +88,9 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
     first_draft = list(itertools.accumulate(entry_draft[:-1], initial=0)) if entries else []
     seeds = np.fromiter((s.seed for s in entries), np.int64, len(entries))
     per_entry = [np.asarray(x, dtype=np.int64) for x in (cu_rows[:-1], entry_draft, first_draft)]
-    shared = planner.plan(table, starts, q_lens) if planner is not None else None
+    shared = None
+    if planner is not None:
+        shared = planner.plan(table, starts, q_lens, [item.seq.num_prompt_tokens for item in items])
     (input_ids, positions, slots, cu_q, ctx, table, draft_tok, logits_index, row_entry, row_pos, draft_of_row,
      judge_row, row_seed, first_row_dev, n_draft_dev, first_draft_dev, *shared_dev) = upload_packed(
         [np.asarray(ids, dtype=np.int64), *tokens, *rows, seeds[rows[1]], *per_entry,

@@ -4,9 +4,10 @@ and the list of work items the kernel runs (numpy on the step's padded block tab
 RL sends n samples of every prompt. Forked samples hold the prompt's full blocks by reference,
 and the prefix cache hands the same blocks to any request with the same leading tokens, so
 sequences of one step often have the same physical block ids at the same leading columns of
-their block tables. Those keys are read once for all the queries of the sequences that share
-them (Hydragen / cascade attention); each sequence reads its own remainder; the partial results
-are merged by their log-sum-exp.
+their block tables (prompt blocks only: those are the only blocks either shares, so only the
+columns of each sequence's prompt are compared). Those keys are read once for all the queries
+of the sequences that share them (Hydragen / cascade attention); each sequence reads its own
+remainder; the partial results are merged by their log-sum-exp.
 
 Units. A *shared unit* is a set of >= 2 sequences and a key range [lo, hi) that all of them hold
 in the same blocks; a *suffix unit* is one sequence's remaining keys [lo, ctx). Two levels of
@@ -20,16 +21,16 @@ the intermediate blocks per bottom group: correct, less sharing. Every range end
 first query position of every member, so shared keys precede every query of the group (they were
 written in earlier steps, and need no causal mask); that clamp is also what lets a range end
 mid-block, should sequences ever share a block that is not full (today's block manager shares
-only full, computed blocks). A group is kept only where it reads fewer bytes than it adds:
-`(members - 1) * keys > members * q_max * groups` (the partial result a member writes and the
-merge reads costs about `groups` keys per query row; see `_worth`).
+only full, computed blocks). A group is kept only where the key reads it saves outweigh the
+partial results it adds: `(members - 1) * keys > members * q_max * groups` (writing and merging
+a query's partial results moves about as many bytes as `groups` keys; see `_worth`).
 
 Work items. Each unit's key range is cut into chunks (only when the step has too few items to
 fill the GPU: `_chunk_size`) and its query rows (token x query head of one KV head) into tiles
-of BLOCK_M; one item is (unit rows tile, key chunk), and the kernel runs one program per
-(item, KV head). A query token's partial results (one per unit chunk covering it) are stored
-at consecutive *partial rows*; a token covered by a single item (no sharing, no chunking) is
-written straight to the output ("direct", slot -1). Only decode and verify rows share (at most
+of BLOCK_M; one item is (unit rows tile, key chunk), which the kernel runs once per KV head. A
+query token's partial results (one per unit chunk covering it) are stored at consecutive
+*partial rows*; a token covered by a single item (no sharing, no chunking) is written straight
+to the output ("direct", slot -1). Only decode and verify rows share (at most
 MAX_SHARED_QUERY_LEN queries); a prefill chunk is a suffix unit over its whole context, tiled.
 
 Capacities (`partial_rows_cap`, `items_cap`) bound every array by the step's token count, so a
@@ -95,13 +96,15 @@ class SharedPrefixPlanner:
     def num_programs(self, num_items: int) -> int:
         return max(1, min(num_items * self.num_kv_heads, self.max_programs))
 
-    def plan(self, table: np.ndarray, starts, q_lens) -> HostPlan | None:
+    def plan(self, table: np.ndarray, starts, q_lens, prompt_lens) -> HostPlan | None:
         """table: [S, W] the step's padded block tables; starts[s]: computed tokens before this
-        step (its first query position); q_lens[s]: its query tokens. None when no group is
-        worth sharing (the plain kernel runs)."""
+        step (its first query position); q_lens[s]: its query tokens; prompt_lens[s]: its prompt
+        tokens (forks and the prefix cache share prompt blocks only, so only those are compared).
+        None when no group is worth sharing (the plain kernel runs)."""
         starts = np.asarray(starts, dtype=np.int64)  # [S]
         q = np.asarray(q_lens, dtype=np.int64)  # [S]
-        units = _shared_units(table, starts, q, self.block_size, self.groups)
+        shareable = np.minimum(starts, np.asarray(prompt_lens, dtype=np.int64))  # [S] keys before the queries
+        units = _shared_units(table, shareable, q, self.block_size, self.groups)
         if units is None:
             return None
         return self._work(units, starts, q)
@@ -144,12 +147,12 @@ class _Units:
     suffix_lo: np.ndarray  # [S] first key the sequence reads alone
 
 
-def _shared_units(table: np.ndarray, starts: np.ndarray, q: np.ndarray, block_size: int,
+def _shared_units(table: np.ndarray, shareable: np.ndarray, q: np.ndarray, block_size: int,
                   groups: int) -> _Units | None:
-    """Top and bottom groups from the block ids the eligible sequences hold before their first
-    query (see the module docstring), with the groups not worth their partial results dropped."""
+    """Top and bottom groups from the blocks holding the eligible sequences' first `shareable`
+    keys (see the module docstring), with the groups not worth their partial results dropped."""
     num_seqs = len(q)
-    cols = np.where(q <= MAX_SHARED_QUERY_LEN, -(-starts // block_size), 0)  # [S] blocks with keys before the queries
+    cols = np.where(q <= MAX_SHARED_QUERY_LEN, -(-shareable // block_size), 0)  # [S]
     width = int(cols.max(initial=0))
     if width == 0:
         return None
@@ -158,11 +161,13 @@ def _shared_units(table: np.ndarray, starts: np.ndarray, q: np.ndarray, block_si
     holders = np.bincount(sub[valid])[np.where(valid, sub, 0)] * valid  # [S, C] eligible holders of each block
     depth = _leading_run(holders >= 2)  # [S] leading blocks shared with someone
     has = depth > 0
+    if not has.any():
+        return None
     top = _group_ids(np.where(has, sub[:, 0], -1))  # [S]
     deepest = sub[np.arange(num_seqs), np.maximum(depth - 1, 0)]
     bottom = _group_ids(np.where(has & (top >= 0), top * (int(table.max()) + 1) + deepest, -1))
-    top_end = _group_end(top, sub, valid, starts, block_size)
-    bottom_end = _group_end(bottom, sub, valid, starts, block_size)
+    top_end = _group_end(top, sub, valid, shareable, block_size)
+    bottom_end = _group_end(bottom, sub, valid, shareable, block_size)
     top_size, bottom_size = _group_sizes(top), _group_sizes(bottom)
     keep_top = _worth(top, top_end, top_size, q, groups)  # [num top groups]
     top_of_bottom = _first_value(bottom, top)  # [num bottom groups]
@@ -178,8 +183,7 @@ def _kept_units(top, bottom, keep_top, keep_bottom, top_end, bottom_lo, bottom_e
     num_top = int(keep_top.sum())
     top_unit = np.where(keep_top, np.cumsum(keep_top) - 1, -1)  # top group -> unit
     bottom_unit = np.where(keep_bottom, num_top + np.cumsum(keep_bottom) - 1, -1)
-    seq_top = np.where(top >= 0, top_unit[top], -1)  # [S]
-    seq_bottom = np.where(bottom >= 0, bottom_unit[bottom], -1)
+    seq_top, seq_bottom = _lookup(top_unit, top, -1), _lookup(bottom_unit, bottom, -1)  # [S]
     lo = np.concatenate([np.zeros(num_top, np.int64), bottom_lo[keep_bottom]])
     hi = np.concatenate([top_end[keep_top], bottom_end[keep_bottom]])
     member_unit = np.concatenate([seq_top, seq_bottom])  # [2S]: (unit, sequence) pairs, -1 = none
@@ -191,7 +195,7 @@ def _kept_units(top, bottom, keep_top, keep_bottom, top_end, bottom_lo, bottom_e
     cu_q = np.concatenate([[0], np.cumsum(q)])
     num_tokens = np.bincount(unit_of, weights=q[seq_of], minlength=num_units).astype(np.int64)
     tokens = _ranges(cu_q[seq_of], q[seq_of])
-    suffix_lo = np.maximum(np.where(seq_top >= 0, hi[seq_top], 0), np.where(seq_bottom >= 0, hi[seq_bottom], 0))
+    suffix_lo = np.maximum(_lookup(hi, seq_top, 0), _lookup(hi, seq_bottom, 0))
     return _Units(lo=lo, hi=hi, leader=_first_value(unit_of, seq_of, num_units),
                   num_members=np.bincount(unit_of, minlength=num_units), num_tokens=num_tokens,
                   token_start=np.concatenate([[0], np.cumsum(num_tokens)[:-1]]), tokens=tokens,
@@ -219,8 +223,8 @@ def _slots(units: _Units, chunks: np.ndarray, q: np.ndarray) -> _Slots:
     """A token's partial rows: its top unit's chunks, its bottom unit's, then its suffix's."""
     num_units = len(units.lo)
     unit_chunks, suffix_chunks = chunks[:num_units], chunks[num_units:]
-    top_chunks = np.where(units.top >= 0, unit_chunks[units.top], 0)  # [S]
-    bottom_chunks = np.where(units.bottom >= 0, unit_chunks[units.bottom], 0)
+    top_chunks = _lookup(unit_chunks, units.top, 0)  # [S]
+    bottom_chunks = _lookup(unit_chunks, units.bottom, 0)
     per_seq = top_chunks + bottom_chunks + suffix_chunks  # [S]
     direct = per_seq == 1
     per_token = np.repeat(np.where(direct, 0, per_seq), q)  # [T] partial rows
@@ -265,7 +269,7 @@ def _chunk_size(work: int, num_kv_heads: int) -> int:
 
 def _leading_run(mask: np.ndarray) -> np.ndarray:
     """[S, C] bool -> [S] number of leading True entries of each row."""
-    return np.argmin(np.pad(mask, ((0, 0), (0, 1))), axis=1)
+    return np.where(mask.all(axis=1), mask.shape[1], np.argmin(mask, axis=1))
 
 
 def _group_ids(keys: np.ndarray) -> np.ndarray:
@@ -277,6 +281,13 @@ def _group_ids(keys: np.ndarray) -> np.ndarray:
     _, gid_shared = np.unique(inv[shared], return_inverse=True)
     gid[np.flatnonzero(has)[shared]] = gid_shared
     return gid
+
+
+def _lookup(values: np.ndarray, ids: np.ndarray, default: int) -> np.ndarray:
+    """values[ids], `default` where an id is -1."""
+    out = np.full(len(ids), default, np.int64)
+    out[ids >= 0] = values[ids[ids >= 0]]
+    return out
 
 
 def _group_sizes(gid: np.ndarray) -> np.ndarray:
@@ -292,15 +303,15 @@ def _first_value(gid: np.ndarray, values: np.ndarray, num_groups: int | None = N
     return out
 
 
-def _group_end(gid: np.ndarray, sub: np.ndarray, valid: np.ndarray, starts: np.ndarray,
+def _group_end(gid: np.ndarray, sub: np.ndarray, valid: np.ndarray, shareable: np.ndarray,
                block_size: int) -> np.ndarray:
     """[num groups] keys every member holds in the same blocks as the group's first member,
-    clamped to every member's first query position."""
+    clamped to every member's shareable keys (which end before its first query)."""
     num_groups = int(gid.max(initial=-1)) + 1
     members = np.flatnonzero(gid >= 0)
     leader = _first_value(gid, np.arange(len(gid)), num_groups)[gid[members]]
     same = (sub[members] == sub[leader]) & valid[members] & valid[leader]  # [M, C]
-    end = np.minimum(_leading_run(same) * block_size, starts[members])
+    end = np.minimum(_leading_run(same) * block_size, shareable[members])
     out = np.full(num_groups, np.iinfo(np.int64).max)
     np.minimum.at(out, gid[members], end)
     return out

@@ -10,7 +10,8 @@ query's own position: shared ranges end before every query of their group). It w
 normalised output and the log-sum-exp to the token's partial row, or, when the item is the
 token's only one, the output itself. The launch has a fixed number of programs that loop over
 the items (the count is read on the device), so a CUDA graph replays any plan that fits its
-buffers. `_merge_kernel` combines each token's partial rows by their log-sum-exp.
+buffers. `_merge_kernel` combines each token's partial rows (all its heads in one program) by
+their log-sum-exp.
 
 Index arithmetic is 64-bit: item fields, tokens and block ids are loaded from int64 tensors, so
 block id x block stride and token x row stride are int64 products. The index tensors are views
@@ -118,23 +119,22 @@ if triton is not None:
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
         out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh,
-        NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+        NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         count = tl.load(part_count_ptr + token)
         if count != 1:  # 1: written by its item; 0 (a graph's padded row): 0
-            group = tl.arange(0, GROUPS_P2)
-            group_ok = group < GROUPS
-            head = tl.program_id(1) * GROUPS + group  # [G]
+            head = tl.arange(0, HEADS_P2)  # [H]
+            head_ok = head < NUM_HEADS
             dims = tl.arange(0, HEAD_DIM)
             start = tl.load(part_start_ptr + token)
-            m = tl.full([GROUPS_P2], float("-inf"), tl.float32)
-            l_sum = tl.zeros([GROUPS_P2], tl.float32)
-            acc = tl.zeros([GROUPS_P2, HEAD_DIM], tl.float32)
+            m = tl.full([HEADS_P2], float("-inf"), tl.float32)
+            l_sum = tl.zeros([HEADS_P2], tl.float32)
+            acc = tl.zeros([HEADS_P2, HEAD_DIM], tl.float32)
             for p in range(0, count):
-                base = (start + p) * NUM_HEADS + head  # [G]
-                lse = tl.load(part_lse_ptr + base, mask=group_ok, other=float("-inf"))
-                o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=group_ok[:, None], other=0.0)
+                base = (start + p) * NUM_HEADS + head  # [H]
+                lse = tl.load(part_lse_ptr + base, mask=head_ok, other=float("-inf"))
+                o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=head_ok[:, None], other=0.0)
                 m_new = tl.maximum(m, lse)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # partials that saw no key weigh 0
                 alpha = tl.exp(m - m_ref)
@@ -144,7 +144,7 @@ if triton is not None:
                 m = m_new
             out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
             tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=group_ok[:, None])
+                     out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -169,9 +169,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_FIELDS=len(ITEM_FIELDS),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
     )
-    _merge_kernel[(num_tokens, num_kv_heads)](
+    heads_p2 = triton.next_power_of_2(num_heads)
+    _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUPS=groups, GROUPS_P2=triton.next_power_of_2(groups), HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, HEADS_P2=heads_p2, HEAD_DIM=head_dim, num_warps=4 if heads_p2 * head_dim <= 8192 else 8,
     )
     return out
 
