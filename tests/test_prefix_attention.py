@@ -2,10 +2,10 @@
 against plain paged attention (attention.paged_attention): the torch reference of the two passes
 on many block layouts, the Triton kernel through Triton's interpreter on CPU on a few small
 ones (a group of 8 with different suffix lengths beside sequences alone, nesting under a system
-prompt, verify rows beside a prefill chunk, a shared range ending mid-block, chunked prefixes
-and programs that loop over several items, GQA groups of 1, 3 and 4, a CUDA graph's padded
-rows), then the engine: greedy tokens equal with and without it, with and without a drafter,
-eagerly and through the static-buffer graph path.
+prompt, verify rows beside a prefill chunk, a shared range ending mid-block, a chunked prefix,
+GQA groups of 1, 3 and 4, a CUDA graph's padded rows), then the engine: greedy tokens equal to
+the torch backend's (which never shares), eagerly and with a drafter through the static-buffer
+graph path, and the flag that turns it off.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device, shared_prefix_attention_reference
-from rollout.engine.prefix_plan import INTERPRETER_PROGRAMS, SharedPrefixPlanner
+from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.triton_attention import supported
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,17 +81,17 @@ def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=
     return q, k, v, caches[0], caches[1], meta
 
 
-def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, max_programs=4096, prompt_lens=None):
+def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None):
     """Plain paged attention's output, the caches with this step's keys written, and the plan."""
     q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, heads, kv_heads, block_size=block_size)
     want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     starts = [c - n for c, n in zip(ctx, q_lens, strict=True)]
-    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads, max_programs)
+    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads)
     host = planner.plan(meta.block_tables.numpy(), starts, q_lens, prompt_lens or starts)
     assert host is not None, "the case must share something"
     to = lambda x: x.to(DEVICE)  # noqa: E731
-    return to(q), to(want), to(k_cache), to(v_cache), meta, plan_to_device(host, planner, DEVICE), host
+    return to(q), to(want), to(k_cache), to(v_cache), meta, plan_to_device(host, DEVICE), host
 
 
 def _with_duplicates():
@@ -102,23 +102,23 @@ def _with_duplicates():
 
 
 CASES = {
-    # name: (layout, heads, kv_heads, block_size, max_programs)
+    # name: (layout, heads, kv_heads, block_size)
     "group of 8 beside sequences alone": (
         lambda: joined(layout(1, 8, 6, [0, 2, 5, 9, 1, 14, 3, 7]), layout(3, 1, 2, [4, 11, 6], tag="b")),
-        8, 2, 4, 4096),
-    "nested: system prompt, then prompts": (lambda: layout(2, 3, 4, [1, 6, 3], system_blocks=2), 4, 2, 4, 4096),
-    "verify rows beside a prefill chunk": (_verify_beside_prefill, 4, 2, 4, 4096),
-    "shared range ending mid-block": (_with_duplicates, 4, 2, 4, 4096),
-    "chunked prefix, programs looping": (lambda: layout(1, 2, 40, [2, 20], block_size=16), 4, 2, 16, 3),
-    "GQA 3: a tile boundary inside a token": (lambda: layout(1, 8, 4, [0, 1, 2, 5], q_len=3), 6, 2, 4, 4096),
-    "no grouping (1 query head per KV head)": (lambda: layout(2, 3, 5, [2, 7]), 2, 2, 4, 4096),
+        8, 2, 4),
+    "nested: system prompt, then prompts": (lambda: layout(2, 3, 4, [1, 6, 3], system_blocks=2), 4, 2, 4),
+    "verify rows beside a prefill chunk": (_verify_beside_prefill, 4, 2, 4),
+    "shared range ending mid-block": (_with_duplicates, 4, 2, 4),
+    "chunked prefix": (lambda: layout(1, 2, 40, [2, 20], block_size=16), 4, 2, 16),
+    "GQA 3: a tile boundary inside a token": (lambda: layout(1, 8, 4, [0, 1, 2, 5], q_len=3), 6, 2, 4),
+    "no grouping (1 query head per KV head)": (lambda: layout(2, 3, 5, [2, 7]), 2, 2, 4),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_reference_equals_plain_attention(name):
-    make, heads, kv_heads, block_size, programs = CASES[name]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size, programs)
+    make, heads, kv_heads, block_size = CASES[name]
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
     got = shared_prefix_attention_reference(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
                                             meta.positions.to(DEVICE), plan, 0.25)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
@@ -127,8 +127,8 @@ def test_reference_equals_plain_attention(name):
 @needs_triton
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_equals_plain_attention(name):
-    make, heads, kv_heads, block_size, programs = CASES[name]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size, programs)
+    make, heads, kv_heads, block_size = CASES[name]
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
     got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
                                              meta.positions.to(DEVICE), plan, 0.25)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
@@ -139,15 +139,14 @@ def test_the_cases_reach_what_they_are_named_for():
     mid-block, the long prefix several chunks and more items than programs, GQA 3 a straddled
     token; the sequences alone are written directly."""
     plans = {}
-    for name, (make, heads, kv_heads, block_size, programs) in CASES.items():
-        *_, plan, host = expected_and_plan(*make(), heads, kv_heads, block_size, programs)
+    for name, (make, heads, kv_heads, block_size) in CASES.items():
+        *_, plan, host = expected_and_plan(*make(), heads, kv_heads, block_size)
         plans[name] = (plan, host)
     assert 1 in plans["group of 8 beside sequences alone"][1].part_count.tolist()
     assert set(plans["nested: system prompt, then prompts"][1].part_count.tolist()) == {3}
     mid = plans["shared range ending mid-block"][1].items
     assert (mid[mid[:, 7] == 1][:, 5] % 4 != 0).any()  # a shared unit's key_hi inside a block
-    chunked_plan, chunked = plans["chunked prefix, programs looping"]
-    assert chunked.part_count.max() >= 3 and len(chunked.items) * 2 > chunked_plan.num_programs
+    assert plans["chunked prefix"][1].part_count.max() >= 3
     gqa = plans["GQA 3: a tile boundary inside a token"][1].items
     assert (gqa[gqa[:, 7] == 1][:, 2] % 3 != 0).any()  # a tile starting mid-token
     verify = plans["verify rows beside a prefill chunk"][1]
@@ -167,16 +166,15 @@ def test_a_wrong_shared_key_breaks_the_comparison():
 def test_padded_graph_rows_get_zero_and_real_rows_their_attention():
     """The plan replayed from a CUDA graph's static buffers, for a token count padded past the
     step's: real rows as without padding, padded rows 0 (finite: see test_graphs.py)."""
-    q, want, k_cache, v_cache, meta, plan, host = expected_and_plan(*layout(1, 3, 5, [1, 4, 2]), 4, 2,
-                                                                    max_programs=5)
-    planner = SharedPrefixPlanner(4, 2, 2, max_programs=5)
+    q, want, k_cache, v_cache, meta, plan, host = expected_and_plan(*layout(1, 3, 5, [1, 4, 2]), 4, 2)
+    planner = SharedPrefixPlanner(4, 2, 2)
     static = StaticSharedPrefix(planner, max_tokens=8, device=DEVICE)
     static.part_count.fill_(7)  # stale values of a longer earlier step
     static.load(plan, padded_tokens=4)
     q_pad = torch.cat([q, torch.randn(1, *q.shape[1:], device=DEVICE)])
     positions = torch.cat([meta.positions, torch.zeros(1, dtype=torch.int64)]).to(DEVICE)
     got = tpa.shared_prefix_attention_triton(q_pad, k_cache, v_cache, meta.block_tables.to(DEVICE), positions,
-                                             static.plan(4), 0.25)
+                                             static.plan(4, 1), 0.25)
     torch.testing.assert_close(got[:3], want, atol=2e-5, rtol=1e-5)
     assert not got[3].any()
 
@@ -237,7 +235,7 @@ def test_the_flag_keeps_the_plain_kernel(tiny_random_qwen3):
                                  shared_prefix_attention=False))
     assert off.prefix_planner is None
     on = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton"))
-    assert on.prefix_planner == SharedPrefixPlanner(16, 2, 2, INTERPRETER_PROGRAMS)
+    assert on.prefix_planner == SharedPrefixPlanner(16, 2, 2)
 
 
 def test_the_flag_reaches_the_engine_config():

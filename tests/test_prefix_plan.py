@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout.engine.prefix_plan import BLOCK_M, ITEM_FIELDS, MIN_CHUNK, SharedPrefixPlanner
+from rollout.engine.prefix_plan import ITEM_FIELDS, MIN_CHUNK, SHARED_BLOCK_M, SharedPrefixPlanner
 
 BS = 4
 F = {name: i for i, name in enumerate(ITEM_FIELDS)}
@@ -109,8 +109,8 @@ def test_prefill_chunks_attend_alone_in_causal_tiles():
     assert shared_units(p) == [(0, 20, (0, 1))]
     prefill = p.items[p.items[:, F["table_row"]] == 2]
     rows = 70 * 2
-    assert len(prefill) == -(-rows // BLOCK_M) and set(prefill[:, F["slot"]].tolist()) == {-1}
-    last_token = (np.minimum(prefill[:, F["row0"]] + BLOCK_M, rows) - 1) // 2
+    assert len(prefill) == -(-rows // SHARED_BLOCK_M) and set(prefill[:, F["slot"]].tolist()) == {-1}
+    last_token = (np.minimum(prefill[:, F["row0"]] + SHARED_BLOCK_M, rows) - 1) // 2
     assert prefill[:, F["key_lo"]].tolist() == [0] * len(prefill)
     assert prefill[:, F["key_hi"]].tolist() == (20 + last_token + 1).tolist()
 

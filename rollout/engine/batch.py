@@ -99,7 +99,7 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
         positions=positions, slot_mapping=slots, cu_seqlens_q=cu_q, context_lens=ctx,
         block_tables=table.view(len(tables), -1), max_query_len=max(q_lens),
         max_context_len=max(s + n for s, n in zip(starts, q_lens)), block_size=block_size,
-        shared=SharedPrefixPlan.from_host(shared, shared_dev, planner) if shared is not None else None,
+        shared=SharedPrefixPlan.from_host(shared, shared_dev) if shared is not None else None,
     )
     return StepBatch(
         items=items, input_ids=input_ids, meta=meta, draft_token_index=draft_tok, entries=entries,

@@ -24,7 +24,7 @@ from rollout.engine.intake import Intake
 from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
 from rollout.engine.loader import load_model
 from rollout.engine.outputs import SampleOutput
-from rollout.engine.prefix_plan import INTERPRETER_PROGRAMS, MAX_PROGRAMS, SharedPrefixPlanner
+from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
@@ -74,7 +74,7 @@ class LLMEngine:
         self.pending_copies: list[tuple[int, int]] = []
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
         self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
-        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend, self.device)
+        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
         use_graphs = self.device.type == "cuda" and config.cuda_graphs
         self.graphs = self.make_step_graphs(capture=True) if use_graphs else None
 
@@ -232,15 +232,13 @@ def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) ->
     return config.kernel_backend
 
 
-def _prefix_planner(config: EngineConfig, model_config, backend: str,
-                    device: torch.device) -> SharedPrefixPlanner | None:
+def _prefix_planner(config: EngineConfig, model_config, backend: str) -> SharedPrefixPlanner | None:
     """Shared-prefix attention runs on the Triton backend only: the torch path gathers every
     sequence's keys into a dense copy anyway, so reading a shared block once would not save that."""
     if not config.shared_prefix_attention or backend != "triton":
         return None
     groups = model_config.num_attention_heads // model_config.num_key_value_heads
-    programs = MAX_PROGRAMS if device.type == "cuda" else INTERPRETER_PROGRAMS
-    return SharedPrefixPlanner(config.block_size, groups, model_config.num_key_value_heads, programs)
+    return SharedPrefixPlanner(config.block_size, groups, model_config.num_key_value_heads)
 
 
 def _build_drafter(config: EngineConfig, loaded):

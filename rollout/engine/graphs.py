@@ -104,7 +104,7 @@ class StepGraphs:
             cu_seqlens_q=torch.arange(0, t_pad + 1, q, device=self.positions.device),
             context_lens=self.context_lens[:s_pad], block_tables=self.block_tables[:s_pad],
             max_query_len=q, max_context_len=ctx, block_size=self.block_size,
-            shared=self.shared.plan(t_pad) if shared else None)
+            shared=self.shared.plan(t_pad, q) if shared else None)
 
     def _build(self, key):
         t_pad = key[0] * key[1]

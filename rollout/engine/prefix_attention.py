@@ -21,51 +21,55 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollout.engine.prefix_plan import BLOCK_M, ITEM_FIELDS, HostPlan, SharedPrefixPlanner
+from rollout.engine.prefix_plan import ITEM_FIELDS, SHARED_BLOCK_M, HostPlan, SharedPrefixPlanner
 
 
 @dataclass
 class SharedPrefixPlan:
     """One step's work items on the device (AttentionMetadata.shared). Tensor rows past the step's
-    own counts (a CUDA graph's padding) are never read: `num_items` bounds the items, and padded
+    own counts (a CUDA graph's padding) are never read: `item_counts` bounds the items, and padded
     query tokens have part_count 0."""
 
-    num_items: Tensor  # [1] int64
-    items: Tensor  # [>= num_items, 8] int64, fields prefix_plan.ITEM_FIELDS
+    item_counts: Tensor  # [2] int64: shared units' items, all items
+    items: Tensor  # [>= item_counts[1], 8] int64, fields prefix_plan.ITEM_FIELDS
     unit_tokens: Tensor  # [U] int64 query tokens of the shared units
     part_start: Tensor  # [T] int64 first partial row of each query token
     part_count: Tensor  # [T] int64 its partial rows (1: written directly, 0: padding, gets 0)
-    num_partial_rows: int  # host int: rows of the partial-result buffers
-    num_programs: int  # host int: programs of the item kernel (they loop over the items)
-    _partials: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    num_partial_rows: int  # host ints: rows of the partial-result buffers,
+    max_items: int  # at least item_counts[1] (sizes the launch),
+    suffix_block_m: int  # and the row tile of suffix items (prefix_plan.suffix_block_m)
+    _buffers: tuple[Tensor, Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_host(cls, host: HostPlan, tensors: list[Tensor], planner: SharedPrefixPlanner) -> SharedPrefixPlan:
+    def from_host(cls, host: HostPlan, tensors: list[Tensor]) -> SharedPrefixPlan:
         """`tensors`: host.arrays() on the device, in order."""
-        num_items, items, unit_tokens, part_start, part_count = tensors
-        return cls(num_items=num_items, items=items.view(-1, len(ITEM_FIELDS)), unit_tokens=unit_tokens,
+        item_counts, items, unit_tokens, part_start, part_count = tensors
+        return cls(item_counts=item_counts, items=items.view(-1, len(ITEM_FIELDS)), unit_tokens=unit_tokens,
                    part_start=part_start, part_count=part_count, num_partial_rows=host.num_partial_rows,
-                   num_programs=planner.num_programs(len(host.items)))
+                   max_items=len(host.items), suffix_block_m=host.suffix_block_m)
 
-    def partials(self, q: Tensor) -> tuple[Tensor, Tensor]:
-        """The partial-result buffers, allocated once per step and reused by every layer:
-        o [P, Hq, D] in q's dtype and lse [P, Hq] float32 (q: [T, Hq, D])."""
-        if self._partials is None:
+    def buffers(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Allocated once per step and reused by every layer: the partial results o [P, Hq, D] in
+        q's dtype and lse [P, Hq] float32 (q: [T, Hq, D]), and the kernel's work counter [1]
+        (0 before each layer: the merge kernel resets it)."""
+        if self._buffers is None:
             rows = max(self.num_partial_rows, 1)
-            self._partials = (q.new_empty(rows, q.shape[1], q.shape[2]),
-                              torch.empty(rows, q.shape[1], dtype=torch.float32, device=q.device))
-        return self._partials
+            self._buffers = (q.new_empty(rows, q.shape[1], q.shape[2]),
+                             torch.empty(rows, q.shape[1], dtype=torch.float32, device=q.device),
+                             torch.zeros(1, dtype=torch.int32, device=q.device))
+        return self._buffers
 
 
 class StaticSharedPrefix:
     """Fixed device buffers a CUDA graph's shared-prefix plan lives in, sized for `max_tokens`
     query tokens: each replay copies the step's plan in (`load`); `plan` gives the plan over them
-    for a padded token count, with host ints that depend on that count alone."""
+    for a padded token count and query length (uniform in a graph step), with host ints that
+    depend on those alone."""
 
     def __init__(self, planner: SharedPrefixPlanner, max_tokens: int, device: torch.device):
         self.planner = planner
         kw = dict(dtype=torch.int64, device=device)
-        self.num_items = torch.zeros(1, **kw)
+        self.item_counts = torch.zeros(2, **kw)
         self.items = torch.zeros(planner.items_cap(max_tokens), len(ITEM_FIELDS), **kw)
         self.unit_tokens = torch.zeros(2 * max_tokens, **kw)
         self.part_start = torch.zeros(max_tokens, **kw)
@@ -73,20 +77,20 @@ class StaticSharedPrefix:
 
     def load(self, plan: SharedPrefixPlan, padded_tokens: int) -> None:
         num_tokens = plan.part_count.shape[0]
-        self.num_items.copy_(plan.num_items)
+        self.item_counts.copy_(plan.item_counts)
         self.items[: plan.items.shape[0]].copy_(plan.items)
         self.unit_tokens[: plan.unit_tokens.shape[0]].copy_(plan.unit_tokens)
         self.part_start[:num_tokens].copy_(plan.part_start)
         self.part_count[:num_tokens].copy_(plan.part_count)
         self.part_count[num_tokens:padded_tokens].fill_(0)  # padded rows: no partial result, output 0
 
-    def plan(self, padded_tokens: int) -> SharedPrefixPlan:
+    def plan(self, padded_tokens: int, query_len: int) -> SharedPrefixPlan:
         planner = self.planner
         return SharedPrefixPlan(
-            num_items=self.num_items, items=self.items, unit_tokens=self.unit_tokens,
+            item_counts=self.item_counts, items=self.items, unit_tokens=self.unit_tokens,
             part_start=self.part_start[:padded_tokens], part_count=self.part_count[:padded_tokens],
-            num_partial_rows=planner.partial_rows_cap(padded_tokens),
-            num_programs=planner.num_programs(planner.items_cap(padded_tokens)))
+            num_partial_rows=planner.partial_rows_cap(padded_tokens), max_items=planner.items_cap(padded_tokens),
+            suffix_block_m=planner.suffix_block_m(query_len))
 
 
 def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -97,7 +101,7 @@ def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
     out = torch.zeros_like(q)
     part_o = q.new_zeros(max(plan.num_partial_rows, 1), num_heads, head_dim, dtype=torch.float32)
     part_lse = torch.full(part_o.shape[:2], float("-inf"), device=q.device)
-    for item in plan.items[: int(plan.num_items)].tolist():
+    for item in plan.items[: int(plan.item_counts[1])].tolist():
         tokens, heads, o, lse = _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale)
         if item[ITEM_FIELDS.index("slot")] < 0:
             out[tokens[:, None], heads] = o.to(q.dtype)
@@ -121,7 +125,8 @@ def _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale
     tok_start, tok_count, row0, table_row, key_lo, key_hi, _, indirect = item
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     groups = q.shape[1] // num_kv_heads
-    rows = torch.arange(row0, min(row0 + BLOCK_M, tok_count * groups), device=q.device)  # [R]
+    block_m = SHARED_BLOCK_M if indirect else plan.suffix_block_m
+    rows = torch.arange(row0, min(row0 + block_m, tok_count * groups), device=q.device)  # [R]
     local = tok_start + rows // groups
     tokens = plan.unit_tokens[local] if indirect else local
     heads = torch.arange(num_kv_heads, device=q.device)[None, :] * groups + (rows % groups)[:, None]  # [R, Hkv]
@@ -137,7 +142,7 @@ def _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale
     return tokens, heads, torch.einsum("rhn,nhd->rhd", p, v), lse
 
 
-def plan_to_device(host: HostPlan, planner: SharedPrefixPlanner, device: torch.device) -> SharedPrefixPlan:
+def plan_to_device(host: HostPlan, device: torch.device) -> SharedPrefixPlan:
     """A host plan on `device` on its own (tests and benchmarks; the engine uploads it with the step)."""
     tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in host.arrays()]
-    return SharedPrefixPlan.from_host(host, tensors, planner)
+    return SharedPrefixPlan.from_host(host, tensors)

@@ -27,7 +27,9 @@ a query's partial results moves about as many bytes as `groups` keys; see `_wort
 
 Work items. Each unit's key range is cut into chunks (only when the step has too few items to
 fill the GPU: `_chunk_size`) and its query rows (token x query head of one KV head) into tiles
-of BLOCK_M; one item is (unit rows tile, key chunk), which the kernel runs once per KV head. A
+(SHARED_BLOCK_M rows for a shared unit; for a suffix unit the step's longest query, rounded up:
+`suffix_block_m`, so that a decode row does not pay for a 64-row tile); one item is (unit rows
+tile, key chunk), which the kernel runs once per KV head, shared units' items first. A
 query token's partial results (one per unit chunk covering it) are stored at consecutive
 *partial rows*; a token covered by a single item (no sharing, no chunking) is written straight
 to the output ("direct", slot -1). Only decode and verify rows share (at most
@@ -43,16 +45,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BLOCK_M = 64  # query rows (token x query head of one KV head) per work item
+SHARED_BLOCK_M = 64  # query rows (token x query head of one KV head) per shared unit's item
+MIN_BLOCK_M = 16  # the smallest row tile tl.dot takes
 KEY_ALIGN = 64  # chunk sizes are multiples of the kernel's keys per iteration
 MIN_CHUNK = 256  # keys: a chunk shorter than this is not worth its partial result
 TARGET_PROGRAMS = 512  # chunk the key ranges until a step has about this many (item, KV head) programs
-MAX_PROGRAMS = 4096  # a launch larger than this loops its programs over the items
-INTERPRETER_PROGRAMS = 8  # Triton's interpreter runs programs one by one: a few that loop suffice
 MAX_SHARED_QUERY_LEN = 64  # decode and verify rows share; longer prefill chunks attend alone
 SPLIT_ROWS = 256  # partial rows a step may spend on chunks beyond 3 per token
 # one work item: tokens tok_start .. tok_start + tok_count (of unit_tokens when indirect, else of
-# the step), query rows row0 .. row0 + BLOCK_M of them, keys [key_lo, key_hi) of block-table row
+# the step), query rows row0 .. row0 + block_m of them, keys [key_lo, key_hi) of block-table row
 # table_row, written to partial slot `slot` of each token (-1: straight to the output)
 ITEM_FIELDS = ("tok_start", "tok_count", "row0", "table_row", "key_lo", "key_hi", "slot", "indirect")
 
@@ -62,6 +63,8 @@ class HostPlan:
     """One step's shared-prefix plan as host arrays (uploaded with the step's other indices)."""
 
     items: np.ndarray  # [W, 8] int64, fields ITEM_FIELDS, shared units' items first
+    num_shared_items: int  # items[:num_shared_items] have SHARED_BLOCK_M rows, the rest suffix_block_m
+    suffix_block_m: int
     unit_tokens: np.ndarray  # [U] int64 tokens of the shared units, unit after unit
     part_start: np.ndarray  # [T] int64 first partial row of each token (unused when direct)
     part_count: np.ndarray  # [T] int64 partial rows of each token; 1 = written directly
@@ -70,9 +73,10 @@ class HostPlan:
     plain_keys: int  # keys the same units' members would read one by one
 
     def arrays(self) -> list[np.ndarray]:
-        """[num_items], items, unit_tokens, part_start, part_count: the order SharedPrefixPlan reads."""
-        return [np.array([len(self.items)], np.int64), self.items, self.unit_tokens, self.part_start,
-                self.part_count]
+        """[shared items, items], items, unit_tokens, part_start, part_count: the order
+        SharedPrefixPlan reads."""
+        return [np.array([self.num_shared_items, len(self.items)], np.int64), self.items, self.unit_tokens,
+                self.part_start, self.part_count]
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,6 @@ class SharedPrefixPlanner:
     block_size: int
     groups: int  # query heads per KV head
     num_kv_heads: int
-    max_programs: int = MAX_PROGRAMS
 
     def partial_rows_cap(self, num_tokens: int) -> int:
         """Most partial rows a plan of `num_tokens` query tokens uses (buffers of a CUDA graph)."""
@@ -91,10 +94,12 @@ class SharedPrefixPlanner:
     def items_cap(self, num_tokens: int) -> int:
         """Most work items a plan of `num_tokens` query tokens has: each item covers at least one
         (token, slot) pair, and a tile boundary may split one token's heads over two items."""
-        return (self.partial_rows_cap(num_tokens) + num_tokens) * (-(-self.groups // BLOCK_M) + 1)
+        return (self.partial_rows_cap(num_tokens) + num_tokens) * (-(-self.groups // MIN_BLOCK_M) + 1)
 
-    def num_programs(self, num_items: int) -> int:
-        return max(1, min(num_items * self.num_kv_heads, self.max_programs))
+    def suffix_block_m(self, max_query_len: int) -> int:
+        """Rows of a suffix unit's tile: a sequence's query rows, as a power of two in [16, 64]."""
+        rows = max_query_len * self.groups
+        return min(SHARED_BLOCK_M, max(MIN_BLOCK_M, 1 << (rows - 1).bit_length()))
 
     def plan(self, table: np.ndarray, starts, q_lens, prompt_lens) -> HostPlan | None:
         """table: [S, W] the step's padded block tables; starts[s]: computed tokens before this
@@ -114,7 +119,9 @@ class SharedPrefixPlanner:
         num_tokens = int(q.sum())
         lens = np.concatenate([units.hi - units.lo, ctx - units.suffix_lo])  # [U + S] keys per unit
         rows = self.groups * np.concatenate([units.num_tokens, q])  # [U + S]
-        tiles = -(-rows // BLOCK_M)
+        suffix_m = self.suffix_block_m(int(q.max()))
+        block_m = np.where(np.arange(len(rows)) < len(units.lo), SHARED_BLOCK_M, suffix_m)  # [U + S]
+        tiles = -(-rows // block_m)
         splittable = np.concatenate([np.ones(len(units.lo), bool), q <= MAX_SHARED_QUERY_LEN])
         chunk = _chunk_size(int((tiles * lens).sum()), self.num_kv_heads)
         while True:
@@ -124,8 +131,9 @@ class SharedPrefixPlanner:
             if slots.num_partial_rows <= self.partial_rows_cap(num_tokens) and items <= self.items_cap(num_tokens):
                 break
             chunk *= 2  # fewer chunks until the plan fits its capacities (no chunks always fits)
-        work = _items(units, starts, q, tiles, chunks, chunk, slots, self.groups)
-        return HostPlan(items=work, unit_tokens=units.tokens, part_start=slots.part_start,
+        work = _items(units, starts, q, block_m, chunks, chunk, slots, self.groups)
+        return HostPlan(items=work, num_shared_items=int((tiles * chunks)[: len(units.lo)].sum()),
+                        suffix_block_m=suffix_m, unit_tokens=units.tokens, part_start=slots.part_start,
                         part_count=slots.part_count, num_partial_rows=slots.num_partial_rows,
                         shared_keys=int((units.hi - units.lo).sum()),
                         plain_keys=int(((units.hi - units.lo) * units.num_members).sum()))
@@ -236,9 +244,9 @@ def _slots(units: _Units, chunks: np.ndarray, q: np.ndarray) -> _Slots:
                   first_slot=np.concatenate([first_slot, np.where(direct, -1, top_chunks + bottom_chunks)]))
 
 
-def _items(units: _Units, starts, q, tiles, chunks, chunk: int, slots: _Slots, groups: int) -> np.ndarray:
-    """[W, 8] work items: per unit, per key chunk, per row tile (tiles of one chunk adjacent, so
-    that they read the same keys at about the same time)."""
+def _items(units: _Units, starts, q, block_m, chunks, chunk: int, slots: _Slots, groups: int) -> np.ndarray:
+    """[W, 8] work items: per unit, per key chunk, per row tile of block_m[unit] rows (tiles of
+    one chunk adjacent, so that they read the same keys at about the same time)."""
     num_units, num_seqs = len(units.lo), len(q)
     cu_q = np.concatenate([[0], np.cumsum(q)[:-1]])
     tok_start = np.concatenate([units.token_start, cu_q])  # [U + S]
@@ -247,16 +255,18 @@ def _items(units: _Units, starts, q, tiles, chunks, chunk: int, slots: _Slots, g
     lo = np.concatenate([units.lo, units.suffix_lo])
     hi = np.concatenate([units.hi, starts + q])
     indirect = np.concatenate([np.ones(num_units, np.int64), np.zeros(num_seqs, np.int64)])
+    tiles = -(-tok_count * groups // block_m)
     per_unit = tiles * chunks
     unit = np.repeat(np.arange(len(per_unit)), per_unit)  # [W]
     local = np.arange(len(unit)) - (np.cumsum(per_unit) - per_unit)[unit]
     c, t = local // tiles[unit], local % tiles[unit]
     key_lo = lo[unit] + c * chunk
     key_hi = np.minimum(key_lo + chunk, hi[unit])
-    last_tok = (np.minimum((t + 1) * BLOCK_M, tok_count[unit] * groups) - 1) // groups
+    row0 = t * block_m[unit]
+    last_tok = (np.minimum(row0 + block_m[unit], tok_count[unit] * groups) - 1) // groups
     causal_end = np.where(indirect[unit] == 1, key_hi, starts[np.maximum(unit - num_units, 0)] + last_tok + 1)
     slot = np.where(slots.first_slot[unit] < 0, -1, slots.first_slot[unit] + c)
-    return np.stack([tok_start[unit], tok_count[unit], t * BLOCK_M, table_row[unit], key_lo,
+    return np.stack([tok_start[unit], tok_count[unit], row0, table_row[unit], key_lo,
                      np.minimum(key_hi, causal_end), slot, indirect[unit]], axis=1).astype(np.int64)
 
 

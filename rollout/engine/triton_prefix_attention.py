@@ -1,31 +1,35 @@
 """Shared-prefix attention as two Triton kernels (the plan: prefix_plan.py; the passes and their
 torch reference: prefix_attention.py).
 
-`_item_kernel` runs one work item per (item, KV head): its query rows are (token, query head)
-pairs of that KV head, for every token of a unit (all the sequences of a group, so a shared key
-tile is loaded once for all of them and used by one tl.dot of [BLOCK_M, D] x [D, BLOCK_N]); it
-walks the key range [key_lo, key_hi) of one block-table row in tiles of BLOCK_N with an online
-softmax in float32, masking keys after each query's position (only suffix ranges reach a
-query's own position: shared ranges end before every query of their group). It writes the
-normalised output and the log-sum-exp to the token's partial row, or, when the item is the
-token's only one, the output itself. The launch has a fixed number of programs that loop over
-the items (the count is read on the device), so a CUDA graph replays any plan that fits its
-buffers. `_merge_kernel` combines each token's partial rows (all its heads in one program) by
-their log-sum-exp.
+`_item_kernel` runs the plan's work items, each once per KV head: its query rows are (token,
+query head) pairs of that KV head for the tokens of one unit (for a shared unit, all the
+sequences of a group: a shared key tile is loaded once for all of them and used by one tl.dot of
+[64 rows, D] x [D, BLOCK_N]); it walks the key range [key_lo, key_hi) of one block-table row in
+tiles of BLOCK_N with an online softmax in float32, masking keys after each query's position
+(only suffix ranges reach a query's own position: shared ranges end before every query of their
+group). It writes the normalised output and the log-sum-exp to the token's partial row, or, when
+the item is the token's only one, the output itself. The programs (a fixed number per SM) take
+(item, KV head) pairs from a work queue, an atomic counter, heavy shared items first, until the
+queue is empty: the item count is read on the device, so a CUDA graph replays any plan that fits
+its buffers, and no program waits on a long item while others idle. `_merge_kernel` combines
+each token's partial rows (all its heads in one program) by their log-sum-exp, and resets the
+counter for the next layer.
 
 Index arithmetic is 64-bit: item fields, tokens and block ids are loaded from int64 tensors, so
 block id x block stride and token x row stride are int64 products. The index tensors are views
 into the step's packed upload, so their addresses are not specialised on alignment (that would
-compile a variant per offset parity), nor are the program count and the block table's width.
+compile a variant per offset parity), nor is the block table's width.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
 
 from rollout.engine.prefix_attention import SharedPrefixPlan
-from rollout.engine.prefix_plan import BLOCK_M, ITEM_FIELDS, KEY_ALIGN
+from rollout.engine.prefix_plan import ITEM_FIELDS, KEY_ALIGN, SHARED_BLOCK_M
 
 try:
     import triton
@@ -34,6 +38,7 @@ except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependen
     triton = None
 
 BLOCK_N = KEY_ALIGN  # keys per inner iteration
+PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
 
 if triton is not None:
 
@@ -94,34 +99,48 @@ if triton is not None:
                      mask=row_ok[:, None])
             tl.store(part_lse_ptr + base, tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf")), mask=row_ok)
 
-    @triton.jit(do_not_specialize=["num_programs", "stride_bt"],
-                do_not_specialize_on_alignment=["items_ptr", "num_items_ptr", "unit_tokens_ptr", "part_start_ptr",
+    @triton.jit(do_not_specialize=["stride_bt"],
+                do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "unit_tokens_ptr", "part_start_ptr",
                                                 "positions_ptr", "block_tables_ptr"])
     def _item_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        items_ptr, num_items_ptr, unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr,
-        scale, num_programs,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+        items_ptr, item_counts_ptr, unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        total = tl.load(num_items_ptr) * NUM_KV_HEADS
-        for work in range(tl.program_id(0), total, num_programs):  # KV heads of one item adjacent
-            _attend_item(
-                items_ptr + (work // NUM_KV_HEADS) * NUM_FIELDS, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr,
-                part_o_ptr, part_lse_ptr, unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
-                stride_qt, stride_qh, stride_ot, stride_oh,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION)
+        num_shared = tl.load(item_counts_ptr)
+        total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
+        work = tl.atomic_add(counter_ptr, 1)  # a work queue: (item, KV head) pairs, shared units' first
+        while work < total:
+            item = work // NUM_KV_HEADS
+            item_ptr = items_ptr + item * NUM_FIELDS
+            if item < num_shared:
+                _attend_item(
+                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                    unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, DOT_PRECISION)
+            else:
+                _attend_item(
+                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                    unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, DOT_PRECISION)
+            work = tl.atomic_add(counter_ptr, 1)
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
-        out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh,
+        out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr, part_count_ptr, counter_ptr, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
+        if token == 0:  # the item kernel has finished with its work queue: ready for the next layer
+            tl.store(counter_ptr, 0)
         count = tl.load(part_count_ptr + token)
         if count != 1:  # 1: written by its item; 0 (a graph's padded row): 0
             head = tl.arange(0, HEADS_P2)  # [H]
@@ -153,28 +172,36 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     [S, W]; positions: [T]. Returns [T, Hq, D] in q's dtype (prefix_attention's two passes)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    groups = num_heads // num_kv_heads
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("shared_prefix_attention_triton needs the head dimension contiguous")
     out = torch.empty_like(q)
-    part_o, part_lse = plan.partials(q)
-    _item_kernel[(plan.num_programs,)](
-        q, k_cache, v_cache, out, part_o, part_lse,
-        plan.items, plan.num_items, plan.unit_tokens, plan.part_start, positions, block_tables,
-        scale, plan.num_programs,
+    part_o, part_lse, counter = plan.buffers(q)
+    programs = max(1, min(plan.max_items * num_kv_heads, _resident_programs(q.device)))
+    _item_kernel[(programs,)](
+        q, k_cache, v_cache, out, part_o, part_lse, counter,
+        plan.items, plan.item_counts, plan.unit_tokens, plan.part_start, positions, block_tables, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_FIELDS=len(ITEM_FIELDS),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
+        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, SHARED_BLOCK_M=SHARED_BLOCK_M, SUFFIX_BLOCK_M=plan.suffix_block_m, BLOCK_N=BLOCK_N,
+        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
-        out, part_o, part_lse, plan.part_start, plan.part_count, out.stride(0), out.stride(1),
+        out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEADS_P2=heads_p2, HEAD_DIM=head_dim, num_warps=4 if heads_p2 * head_dim <= 8192 else 8,
     )
     return out
+
+
+@functools.cache
+def _resident_programs(device: torch.device) -> int:
+    """Programs of the item kernel: enough to keep every SM busy (they take work from a queue
+    until it is empty). The interpreter runs programs one after another: the first takes all."""
+    if device.type != "cuda":
+        return 2
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compiled_variants() -> int:
