@@ -160,6 +160,17 @@ def test_few_sequences_with_long_prefixes_are_chunked_within_capacity():
     assert p.part_count.tolist() == [len(shared) + 1] * 2
 
 
+def test_the_issue_shape_cuts_each_prompt_into_even_chunks():
+    """16 prompts x 16 samples of 4096 tokens, decoding: 16 x 8 KV heads are too few programs,
+    so each prompt is read in 4 chunks of 1024 keys (no short remainder chunk)."""
+    table, ctx = grpo_tables(prompts=16, samples=16, prompt_blocks=1024, gen_lens=list(range(1, 150, 7)))
+    p = plan(table, ctx, [1] * 256, groups=4, kv_heads=8)
+    shared = p.items[p.items[:, F["indirect"]] == 1]
+    assert len(shared) == 16 * 4
+    assert set((shared[:, F["key_hi"]] - shared[:, F["key_lo"]]).tolist()) == {1024}
+    assert p.part_count.tolist() == [5] * 256
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_plans_fit_the_capacities_of_their_token_count(seed):
     rng = np.random.default_rng(seed)

@@ -51,7 +51,10 @@ KEY_ALIGN = 64  # chunk sizes are multiples of the kernel's keys per iteration
 MIN_CHUNK = 256  # keys: a chunk shorter than this is not worth its partial result
 TARGET_PROGRAMS = 512  # chunk the key ranges until a step has about this many (item, KV head) programs
 MAX_SHARED_QUERY_LEN = 64  # decode and verify rows share; longer prefill chunks attend alone
-SPLIT_ROWS = 256  # partial rows a step may spend on chunks beyond 3 per token
+# partial rows a plan may use: PARTIALS_PER_TOKEN per query token (3 units, and chunks of them)
+# plus SPLIT_ROWS (a few tokens whose long keys are cut into many chunks)
+PARTIALS_PER_TOKEN = 5
+SPLIT_ROWS = 1024
 # one work item: tokens tok_start .. tok_start + tok_count (of unit_tokens when indirect, else of
 # the step), query rows row0 .. row0 + block_m of them, keys [key_lo, key_hi) of block-table row
 # table_row, written to partial slot `slot` of each token (-1: straight to the output)
@@ -89,7 +92,7 @@ class SharedPrefixPlanner:
 
     def partial_rows_cap(self, num_tokens: int) -> int:
         """Most partial rows a plan of `num_tokens` query tokens uses (buffers of a CUDA graph)."""
-        return 3 * num_tokens + SPLIT_ROWS
+        return PARTIALS_PER_TOKEN * num_tokens + SPLIT_ROWS
 
     def items_cap(self, num_tokens: int) -> int:
         """Most work items a plan of `num_tokens` query tokens has: each item covers at least one
@@ -131,7 +134,9 @@ class SharedPrefixPlanner:
             if slots.num_partial_rows <= self.partial_rows_cap(num_tokens) and items <= self.items_cap(num_tokens):
                 break
             chunk *= 2  # fewer chunks until the plan fits its capacities (no chunks always fits)
-        work = _items(units, starts, q, block_m, chunks, chunk, slots, self.groups)
+        per_chunk = -(-lens // chunks)  # [U + S] even chunks (at most `chunk` keys once aligned)
+        span = -(-per_chunk // KEY_ALIGN) * KEY_ALIGN
+        work = _items(units, starts, q, block_m, chunks, span, slots, self.groups)
         return HostPlan(items=work, num_shared_items=int((tiles * chunks)[: len(units.lo)].sum()),
                         suffix_block_m=suffix_m, unit_tokens=units.tokens, part_start=slots.part_start,
                         part_count=slots.part_count, num_partial_rows=slots.num_partial_rows,
@@ -244,9 +249,10 @@ def _slots(units: _Units, chunks: np.ndarray, q: np.ndarray) -> _Slots:
                   first_slot=np.concatenate([first_slot, np.where(direct, -1, top_chunks + bottom_chunks)]))
 
 
-def _items(units: _Units, starts, q, block_m, chunks, chunk: int, slots: _Slots, groups: int) -> np.ndarray:
-    """[W, 8] work items: per unit, per key chunk, per row tile of block_m[unit] rows (tiles of
-    one chunk adjacent, so that they read the same keys at about the same time)."""
+def _items(units: _Units, starts, q, block_m, chunks, span, slots: _Slots, groups: int) -> np.ndarray:
+    """[W, 8] work items: per unit, per key chunk of span[unit] keys, per row tile of
+    block_m[unit] rows (tiles of one chunk adjacent, so that they read the same keys at about
+    the same time)."""
     num_units, num_seqs = len(units.lo), len(q)
     cu_q = np.concatenate([[0], np.cumsum(q)[:-1]])
     tok_start = np.concatenate([units.token_start, cu_q])  # [U + S]
@@ -260,8 +266,8 @@ def _items(units: _Units, starts, q, block_m, chunks, chunk: int, slots: _Slots,
     unit = np.repeat(np.arange(len(per_unit)), per_unit)  # [W]
     local = np.arange(len(unit)) - (np.cumsum(per_unit) - per_unit)[unit]
     c, t = local // tiles[unit], local % tiles[unit]
-    key_lo = lo[unit] + c * chunk
-    key_hi = np.minimum(key_lo + chunk, hi[unit])
+    key_lo = lo[unit] + c * span[unit]
+    key_hi = np.minimum(key_lo + span[unit], hi[unit])
     row0 = t * block_m[unit]
     last_tok = (np.minimum(row0 + block_m[unit], tok_count[unit] * groups) - 1) // groups
     causal_end = np.where(indirect[unit] == 1, key_hi, starts[np.maximum(unit - num_units, 0)] + last_tok + 1)
