@@ -230,6 +230,8 @@ def test_engine_greedy_outputs_do_not_depend_on_shared_prefix_attention(tiny_ran
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
 
 
+@needs_triton
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU engine with the Triton backend needs the interpreter")
 def test_the_flag_keeps_the_plain_kernel(tiny_random_qwen3):
     off = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton",
                                  shared_prefix_attention=False))

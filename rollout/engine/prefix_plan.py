@@ -185,8 +185,8 @@ def _shared_units(table: np.ndarray, shareable: np.ndarray, q: np.ndarray, block
     keep_top = _worth(top, top_end, top_size, q, groups)  # [num top groups]
     top_of_bottom = _first_value(bottom, top)  # [num bottom groups]
     bottom_lo = np.where(keep_top[top_of_bottom], top_end[top_of_bottom], 0)
-    keep_bottom = (bottom_size < top_size[top_of_bottom]) & _worth(bottom, bottom_end - bottom_lo, bottom_size, q,
-                                                                   groups)
+    fewer = bottom_size < top_size[top_of_bottom]  # else the same sequences: the top group covers it
+    keep_bottom = fewer & _worth(bottom, bottom_end - bottom_lo, bottom_size, q, groups)
     if not keep_top.any() and not keep_bottom.any():
         return None
     return _kept_units(top, bottom, keep_top, keep_bottom, top_end, bottom_lo, bottom_end, q)
