@@ -36,6 +36,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run decode / verify steps eagerly on CUDA")
     p.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default="auto",
                    help="layer kernels: triton (fused; the CUDA default) or the torch reference")
+    p.add_argument("--no-shared-prefix-attention", dest="shared_prefix_attention", action="store_false",
+                   help="triton backend: read shared prompt blocks once per sequence, not once per group")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse KV blocks of identical prompt prefixes across requests")
     p.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",

@@ -14,10 +14,14 @@ in an unused block would poison the softmax.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rollout.engine.prefix_attention import SharedPrefixPlan
 
 
 @dataclass
@@ -43,6 +47,9 @@ class AttentionMetadata:
     The layer-independent plan (scatter indices, mask) is cached on the object at first use. To
     capture a CUDA graph over static metadata buffers, capture with an object whose plan is not
     built yet, so that the plan's ops are recorded and replayed with the buffers' new values.
+
+    `shared`, when set, is the step's shared-prefix plan (prefix_plan.py): the Triton backend then
+    reads the KV blocks that several sequences share once for all of them.
     """
 
     positions: Tensor  # [T] int64: absolute position of each token in its sequence
@@ -53,6 +60,7 @@ class AttentionMetadata:
     max_query_len: int  # host int
     max_context_len: int  # host int
     block_size: int
+    shared: SharedPrefixPlan | None = None
     _plan: _Plan | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

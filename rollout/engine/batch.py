@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata
+from rollout.engine.prefix_attention import SharedPrefixPlan
+from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.sequence import Sequence
 from rollout.engine.transfer import upload_packed
@@ -51,12 +53,12 @@ class StepBatch:
 
 
 def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int, device: torch.device,
-               table: np.ndarray | None = None) -> StepBatch:
+               table: np.ndarray | None = None, planner: SharedPrefixPlanner | None = None) -> StepBatch:
     """Flatten the scheduled sequences. num_drafts[i]: drafts item i carries this step; `table`:
     their padded block tables (`padded_block_table`, which the engine builds once per step for
-    the drafter and this). Host work is a few list appends per sequence; the token and row
-    indices are whole-array numpy ops, and every index tensor of the step reaches the device
-    in one copy."""
+    the drafter and this); `planner`: plan shared-prefix attention (meta.shared) when set. Host
+    work is a few list appends per sequence; the token and row indices are whole-array numpy
+    ops, and every index tensor of the step reaches the device in one copy."""
     ids, starts, q_lens, new_lens, tables = [], [], [], [], []
     entries, entry_item, entry_draft, entry_row0, entry_pos, entry_base = [], [], [], [], [], []
     n_draft_total = 0
@@ -86,13 +88,18 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
     first_draft = list(itertools.accumulate(entry_draft[:-1], initial=0)) if entries else []
     seeds = np.fromiter((s.seed for s in entries), np.int64, len(entries))
     per_entry = [np.asarray(x, dtype=np.int64) for x in (cu_rows[:-1], entry_draft, first_draft)]
+    shared = None
+    if planner is not None:
+        shared = planner.plan(table, starts, q_lens, [item.seq.num_prompt_tokens for item in items])
     (input_ids, positions, slots, cu_q, ctx, table, draft_tok, logits_index, row_entry, row_pos, draft_of_row,
-     judge_row, row_seed, first_row_dev, n_draft_dev, first_draft_dev) = upload_packed(
-        [np.asarray(ids, dtype=np.int64), *tokens, *rows, seeds[rows[1]], *per_entry], device)
+     judge_row, row_seed, first_row_dev, n_draft_dev, first_draft_dev, *shared_dev) = upload_packed(
+        [np.asarray(ids, dtype=np.int64), *tokens, *rows, seeds[rows[1]], *per_entry,
+         *(shared.arrays() if shared is not None else [])], device)
     meta = AttentionMetadata(
         positions=positions, slot_mapping=slots, cu_seqlens_q=cu_q, context_lens=ctx,
         block_tables=table.view(len(tables), -1), max_query_len=max(q_lens),
         max_context_len=max(s + n for s, n in zip(starts, q_lens)), block_size=block_size,
+        shared=SharedPrefixPlan.from_host(shared, shared_dev) if shared is not None else None,
     )
     return StepBatch(
         items=items, input_ids=input_ids, meta=meta, draft_token_index=draft_tok, entries=entries,

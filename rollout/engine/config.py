@@ -43,6 +43,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # replay uniform decode / verify steps as CUDA graphs (CUDA only)
     kernel_backend: str = "auto"
+    # Triton backend: KV blocks that several running sequences share (forked samples, cached
+    # prefixes) are read once per step for all of them (prefix_plan.py); False: the plain kernel
+    shared_prefix_attention: bool = True
 
     def __post_init__(self):
         if self.spec not in SPEC_METHODS:

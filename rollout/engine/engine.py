@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from rollout.engine import triton_ops
+from rollout.engine import triton_ops, triton_prefix_attention
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.commit import Committer
@@ -24,6 +24,7 @@ from rollout.engine.intake import Intake
 from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
 from rollout.engine.loader import load_model
 from rollout.engine.outputs import SampleOutput
+from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
@@ -73,6 +74,7 @@ class LLMEngine:
         self.pending_copies: list[tuple[int, int]] = []
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
         self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
+        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
         use_graphs = self.device.type == "cuda" and config.cuda_graphs
         self.graphs = self.make_step_graphs(capture=True) if use_graphs else None
 
@@ -105,7 +107,8 @@ class LLMEngine:
         forward), and `kernels`, the Triton kernel variants of this process."""
         drafter = getattr(self.drafter, "graphs", None)
         graphs = sum(len(g.graphs) for g in (self.graphs, drafter) if g is not None)
-        return dict(graphs=graphs, kernels=triton_ops.compiled_variants())
+        kernels = triton_ops.compiled_variants() + triton_prefix_attention.compiled_variants()
+        return dict(graphs=graphs, kernels=kernels)
 
     def update_weights(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
         """Validate now; apply once running samples drained (see WeightUpdater)."""
@@ -135,7 +138,8 @@ class LLMEngine:
         self._copy_pending_blocks()  # forked samples' partial blocks, before anyone reads them
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
         drafts = self._draft(plan, table)
-        step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table)
+        step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table,
+                          self.prefix_planner)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
         self.committer.hand_over_masks()  # the last step's masks, while the device computes this step
@@ -189,7 +193,7 @@ class LLMEngine:
                                     capture)
         return StepGraphs(forward, scratch_block=self.block_manager.num_blocks, block_size=self.config.block_size,
                           max_blocks_per_seq=max_blocks, max_q=max_q, device=self.device, capture=capture,
-                          max_batch=max_batch)
+                          max_batch=max_batch, prefix_planner=self.prefix_planner)
 
     def _copy_pending_blocks(self) -> None:
         if not self.pending_copies:
@@ -226,6 +230,15 @@ def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) ->
         raise InvalidArgument("kernel_backend", f"triton does not run head_dim {model_config.head_dim} "
                               f"{weight.dtype} on {weight.device} here (needs CUDA or TRITON_INTERPRET=1)")
     return config.kernel_backend
+
+
+def _prefix_planner(config: EngineConfig, model_config, backend: str) -> SharedPrefixPlanner | None:
+    """Shared-prefix attention runs on the Triton backend only: the torch path gathers every
+    sequence's keys into a dense copy anyway, so reading a shared block once would not save that."""
+    if not config.shared_prefix_attention or backend != "triton":
+        return None
+    groups = model_config.num_attention_heads // model_config.num_key_value_heads
+    return SharedPrefixPlanner(config.block_size, groups, model_config.num_key_value_heads)
 
 
 def _build_drafter(config: EngineConfig, loaded):

@@ -1,7 +1,9 @@
 """CUDA graphs for uniform decode and verify steps.
 
 A step where every sequence computes the same number of tokens q (1 for plain decode, K+1
-for a verify block) replays a graph captured for (batch bucket, q, context bucket). Inputs
+for a verify block) replays a graph captured for (batch bucket, q, context bucket, shared),
+`shared` saying whether the step reads shared prefixes once per group (its plan, prefix_plan.py,
+lives in static buffers sized by the padded token count, so the key takes no more of it). Inputs
 are copied into static buffers; rows past the real batch are padding that reads and writes a
 scratch KV block no sequence owns, so they can never touch real cache entries. A padded row is a
 well-formed sequence of q tokens with context q, so each of its queries sees at least one key (a
@@ -18,6 +20,8 @@ from collections.abc import Callable
 import torch
 
 from rollout.engine.attention import AttentionMetadata
+from rollout.engine.prefix_attention import StaticSharedPrefix
+from rollout.engine.prefix_plan import SharedPrefixPlanner
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
@@ -34,7 +38,8 @@ def context_bucket(length: int, minimum: int) -> int:
 
 class StepGraphs:
     def __init__(self, forward: Callable, scratch_block: int, block_size: int, max_blocks_per_seq: int,
-                 max_q: int, device: torch.device, capture: bool = True, max_batch: int = 256):
+                 max_q: int, device: torch.device, capture: bool = True, max_batch: int = 256,
+                 prefix_planner: SharedPrefixPlanner | None = None):
         # forward(input_ids [T], meta) -> (hidden [T, H], aux [T, n*H] | None)
         self.forward = forward
         self.scratch_slot = scratch_block * block_size
@@ -49,13 +54,14 @@ class StepGraphs:
         self.slot_mapping = torch.full((t,), self.scratch_slot, **kw)
         self.context_lens = torch.ones(s, **kw)  # [S_max]
         self.block_tables = torch.full((s, max_blocks_per_seq), scratch_block, **kw)
+        self.shared = StaticSharedPrefix(prefix_planner, t, device) if prefix_planner is not None else None
         self.max_q = max_q
         self.graphs: dict[tuple[int, int, int], tuple] = {}
         self.pool = None
         self.num_replays = 0
 
-    def key(self, meta: AttentionMetadata) -> tuple[int, int, int] | None:
-        """(batch bucket, q, context bucket) when the step is uniform and fits, else None."""
+    def key(self, meta: AttentionMetadata) -> tuple[int, int, int, bool] | None:
+        """(batch bucket, q, context bucket, shared) when the step is uniform and fits, else None."""
         s, t = meta.num_seqs, meta.slot_mapping.shape[0]
         q = meta.max_query_len
         if q > self.max_q or s * q != t:
@@ -64,11 +70,11 @@ class StepGraphs:
         ctx = context_bucket(meta.max_context_len, 256)
         if batch is None or -(-ctx // self.block_size) > self.block_tables.shape[1]:
             return None
-        return batch, q, ctx
+        return batch, q, ctx, meta.shared is not None
 
     @torch.inference_mode()
     def run(self, key, input_ids: torch.Tensor, meta: AttentionMetadata):
-        s_pad, q, ctx = key
+        s_pad, q, ctx, shared = key
         s, t = meta.num_seqs, input_ids.shape[0]
         t_pad = s_pad * q
         self.input_ids[:t].copy_(input_ids)
@@ -81,6 +87,8 @@ class StepGraphs:
         width = meta.block_tables.shape[1]
         self.block_tables[:s, :width].copy_(meta.block_tables)
         self.block_tables[s:s_pad].fill_(self.scratch_block)
+        if shared:
+            self.shared.load(meta.shared, t_pad)
         if key not in self.graphs:
             self.graphs[key] = self._build(key)
         replay, hidden, aux = self.graphs[key]
@@ -89,13 +97,14 @@ class StepGraphs:
         return hidden[:t], (aux[:t] if aux is not None else None)
 
     def _static_meta(self, key) -> AttentionMetadata:
-        s_pad, q, ctx = key
+        s_pad, q, ctx, shared = key
         t_pad = s_pad * q
         return AttentionMetadata(
             positions=self.positions[:t_pad], slot_mapping=self.slot_mapping[:t_pad],
             cu_seqlens_q=torch.arange(0, t_pad + 1, q, device=self.positions.device),
             context_lens=self.context_lens[:s_pad], block_tables=self.block_tables[:s_pad],
-            max_query_len=q, max_context_len=ctx, block_size=self.block_size)
+            max_query_len=q, max_context_len=ctx, block_size=self.block_size,
+            shared=self.shared.plan(t_pad, q) if shared else None)
 
     def _build(self, key):
         t_pad = key[0] * key[1]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollout.engine import triton_attention, triton_ops
+from rollout.engine import triton_attention, triton_ops, triton_prefix_attention
 from rollout.engine.attention import AttentionMetadata, paged_attention
 from rollout.engine.moe import MoeConfig, SparseMoeBlock
 from rollout.engine.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
@@ -272,9 +272,13 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None, self.rotary_eps,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)
-            out = triton_attention.paged_attention_triton(
-                q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                meta.max_query_len, meta.max_context_len, self.scale)
+            if meta.shared is not None:  # blocks shared by several sequences read once for all of them
+                out = triton_prefix_attention.shared_prefix_attention_triton(
+                    q, kv_cache[0], kv_cache[1], meta.block_tables, meta.positions, meta.shared, self.scale)
+            else:
+                out = triton_attention.paged_attention_triton(
+                    q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                    meta.max_query_len, meta.max_context_len, self.scale)
             return self.o_proj(out.view(-1, self.q_size))
         q, k, v = self.project_qkv(hidden, meta.positions, cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]

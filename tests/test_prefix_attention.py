@@ -1,0 +1,248 @@
+"""Shared-prefix attention (prefix_plan.py, prefix_attention.py, triton_prefix_attention.py)
+against plain paged attention (attention.paged_attention): the torch reference of the two passes
+on many block layouts, the Triton kernel through Triton's interpreter on CPU on a few small
+ones (a group of 8 with different suffix lengths beside sequences alone, nesting under a system
+prompt, verify rows beside a prefill chunk, a shared range ending mid-block, a chunked prefix,
+GQA groups of 1, 3 and 4, a CUDA graph's padded rows), then the engine: greedy tokens equal to
+the torch backend's (which never shares), eagerly and with a drafter through the static-buffer
+graph path, and the flag that turns it off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_spec_engine import _generate
+
+import rollout.engine.triton_prefix_attention as tpa
+from rollout.cli import build_parser, engine_factory
+from rollout.engine.attention import AttentionMetadata, paged_attention, write_kv
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.params import SamplingParams
+from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device, shared_prefix_attention_reference
+from rollout.engine.prefix_plan import SharedPrefixPlanner
+from rollout.engine.triton_attention import supported
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
+
+
+def layout(prompts, samples, prompt_blocks, gen_lens, q_len=1, system_blocks=0, block_size=4, tag="a"):
+    """Block tables (labels; equal = one physical block), contexts and query lengths of
+    prompts x samples forked samples whose last q_len tokens are this step's queries (layouts of
+    different `tag`s share no block)."""
+    tables, ctx = [], []
+    for p in range(prompts):
+        for s in range(samples):
+            gen = gen_lens[(p * samples + s) % len(gen_lens)] + q_len
+            shared = [(tag, i) for i in range(system_blocks)] + [(tag, p, i) for i in range(prompt_blocks)]
+            tables.append(shared + [(tag, p, s, i) for i in range(-(-gen // block_size))])
+            ctx.append((system_blocks + prompt_blocks) * block_size + gen)
+    return tables, ctx, [q_len] * len(ctx)
+
+
+def joined(*layouts):
+    """Several layouts in one step."""
+    return tuple(sum((list(part[i]) for part in layouts), []) for i in range(3))
+
+
+def _verify_beside_prefill():
+    """Four samples verifying 5 tokens, and a new request for their prompt computing a 70-token
+    chunk after a prefix-cache hit on the 6 prompt blocks: too many queries to join the group."""
+    tables, ctx, q_lens = layout(1, 4, 6, [0, 3, 8, 1], q_len=5)
+    tables.append(tables[0][:6] + [("new", i) for i in range(18)])
+    return tables, ctx + [24 + 70], q_lens + [70]
+
+
+def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=0):
+    """q/k/v, caches and metadata of a step over `tables` (labels mapped to scrambled physical blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = sorted({b for t in tables for b in t}, key=repr)
+    num_blocks = len(labels) + 2
+    physical = dict(zip(labels, (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist(), strict=False))
+    width = max(map(len, tables)) + 1
+    table = torch.zeros(len(tables), width, dtype=torch.int64)
+    for s, t in enumerate(tables):
+        table[s, : len(t)] = torch.tensor([physical[b] for b in t])
+    positions = [p for c, q in zip(ctx, q_lens, strict=True) for p in range(c - q, c)]
+    seq = np.repeat(np.arange(len(ctx)), q_lens)
+    slots = [int(table[s, p // block_size]) * block_size + p % block_size for s, p in zip(seq, positions, strict=True)]
+    meta = AttentionMetadata(positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+                             cu_seqlens_q=torch.tensor([0, *np.cumsum(q_lens).tolist()]),
+                             context_lens=torch.tensor(ctx), block_tables=table, max_query_len=max(q_lens),
+                             max_context_len=max(ctx), block_size=block_size)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=gen) for _ in range(2)]
+    t = len(positions)
+    q = torch.randn(t, heads, head_dim, generator=gen)
+    k, v = torch.randn(t, kv_heads, head_dim, generator=gen), torch.randn(t, kv_heads, head_dim, generator=gen)
+    return q, k, v, caches[0], caches[1], meta
+
+
+def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None):
+    """Plain paged attention's output, the caches with this step's keys written, and the plan."""
+    q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, heads, kv_heads, block_size=block_size)
+    want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    starts = [c - n for c, n in zip(ctx, q_lens, strict=True)]
+    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads)
+    host = planner.plan(meta.block_tables.numpy(), starts, q_lens, prompt_lens or starts)
+    assert host is not None, "the case must share something"
+    to = lambda x: x.to(DEVICE)  # noqa: E731
+    return to(q), to(want), to(k_cache), to(v_cache), meta, plan_to_device(host, DEVICE), host
+
+
+def _with_duplicates():
+    """Two sequences at the same position holding the same blocks, the last one part-filled:
+    the shared range ends inside it (only synthetic: the block manager shares full blocks only)."""
+    tables = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5, 6]]
+    return tables, [15, 15, 14], [1, 1, 1]
+
+
+CASES = {
+    # name: (layout, heads, kv_heads, block_size)
+    "group of 8 beside sequences alone": (
+        lambda: joined(layout(1, 8, 6, [0, 2, 5, 9, 1, 14, 3, 7]), layout(3, 1, 2, [4, 11, 6], tag="b")),
+        8, 2, 4),
+    "nested: system prompt, then prompts": (lambda: layout(2, 3, 4, [1, 6, 3], system_blocks=2), 4, 2, 4),
+    "verify rows beside a prefill chunk": (_verify_beside_prefill, 4, 2, 4),
+    "shared range ending mid-block": (_with_duplicates, 4, 2, 4),
+    "chunked prefix": (lambda: layout(1, 2, 40, [2, 20], block_size=16), 4, 2, 16),
+    "GQA 3: a tile boundary inside a token": (lambda: layout(1, 8, 4, [0, 1, 2, 5], q_len=3), 6, 2, 4),
+    "no grouping (1 query head per KV head)": (lambda: layout(2, 3, 5, [2, 7]), 2, 2, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_equals_plain_attention(name):
+    make, heads, kv_heads, block_size = CASES[name]
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
+    got = shared_prefix_attention_reference(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
+                                            meta.positions.to(DEVICE), plan, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_equals_plain_attention(name):
+    make, heads, kv_heads, block_size = CASES[name]
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
+    got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
+                                             meta.positions.to(DEVICE), plan, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_the_cases_reach_what_they_are_named_for():
+    """Guards the case table: nesting gives 3 partial rows a token, the duplicates a range ending
+    mid-block, the long prefix several chunks and more items than programs, GQA 3 a straddled
+    token; the sequences alone are written directly."""
+    plans = {}
+    for name, (make, heads, kv_heads, block_size) in CASES.items():
+        *_, plan, host = expected_and_plan(*make(), heads, kv_heads, block_size)
+        plans[name] = (plan, host)
+    assert 1 in plans["group of 8 beside sequences alone"][1].part_count.tolist()
+    assert set(plans["nested: system prompt, then prompts"][1].part_count.tolist()) == {3}
+    mid = plans["shared range ending mid-block"][1].items
+    assert (mid[mid[:, 7] == 1][:, 5] % 4 != 0).any()  # a shared unit's key_hi inside a block
+    assert plans["chunked prefix"][1].part_count.max() >= 3
+    gqa = plans["GQA 3: a tile boundary inside a token"][1].items
+    assert (gqa[gqa[:, 7] == 1][:, 2] % 3 != 0).any()  # a tile starting mid-token
+    verify = plans["verify rows beside a prefill chunk"][1]
+    assert verify.part_count.tolist() == [2] * 20 + [1] * 70  # the prefill chunk attends alone
+
+
+def test_a_wrong_shared_key_breaks_the_comparison():
+    """Negative control: corrupting one key of the shared prompt changes the reference output."""
+    q, want, k_cache, v_cache, meta, plan, host = expected_and_plan(*layout(1, 4, 4, [1, 2]), 4, 2)
+    k_cache[int(meta.block_tables[0, 1]), 2] += 5.0  # key 6, in every sample's prompt
+    got = shared_prefix_attention_reference(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
+                                            meta.positions.to(DEVICE), plan, 0.25)
+    assert not torch.allclose(got, want, atol=1e-3)
+
+
+@needs_triton
+def test_padded_graph_rows_get_zero_and_real_rows_their_attention():
+    """The plan replayed from a CUDA graph's static buffers, for a token count padded past the
+    step's: real rows as without padding, padded rows 0 (finite: see test_graphs.py)."""
+    q, want, k_cache, v_cache, meta, plan, host = expected_and_plan(*layout(1, 3, 5, [1, 4, 2]), 4, 2)
+    planner = SharedPrefixPlanner(4, 2, 2)
+    static = StaticSharedPrefix(planner, max_tokens=8, device=DEVICE)
+    static.part_count.fill_(7)  # stale values of a longer earlier step
+    static.load(plan, padded_tokens=4)
+    q_pad = torch.cat([q, torch.randn(1, *q.shape[1:], device=DEVICE)])
+    positions = torch.cat([meta.positions, torch.zeros(1, dtype=torch.int64)]).to(DEVICE)
+    got = tpa.shared_prefix_attention_triton(q_pad, k_cache, v_cache, meta.block_tables.to(DEVICE), positions,
+                                             static.plan(4, 1), 0.25)
+    torch.testing.assert_close(got[:3], want, atol=2e-5, rtol=1e-5)
+    assert not got[3].any()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+PROMPT = list(range(40, 62))  # 22 tokens: 5 full blocks of 4 shared by the samples
+
+
+def _count_shared_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    original = tpa.shared_prefix_attention_triton
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tpa, "shared_prefix_attention_triton", counting)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def torch_greedy(tiny_random_qwen3, random_drafters):
+    """Greedy outputs of the torch backend (no shared-prefix path), which the Triton backend's
+    plain kernel equals (test_triton_attention.py): the reference for both backends' paths."""
+    return {spec: _generate(tiny_random_qwen3, [PROMPT], GREEDY, n=8, spec=spec, draft=random_drafters.get(spec),
+                            block=4 if spec != "none" else None, kernel_backend="torch")[0]
+            for spec in ("none", "dflash")}
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="float32 CPU engine through the interpreter")
+@pytest.mark.parametrize("spec, graphs", [("none", False), ("dflash", True)])
+def test_engine_greedy_outputs_do_not_depend_on_shared_prefix_attention(tiny_random_qwen3, random_drafters,
+                                                                        torch_greedy, monkeypatch, spec, graphs):
+    """Samples of one prompt share its 5 blocks in every decode / verify step: eagerly (n=8), and
+    through the static-buffer replay of CUDA graphs (eager on CPU; n=6, padded to the bucket 8)."""
+    calls = _count_shared_calls(monkeypatch)
+    _, eng = _generate(tiny_random_qwen3, [[1]], SamplingParams(max_tokens=1), spec=spec,
+                       draft=random_drafters.get(spec), block=4 if spec != "none" else None, kernel_backend="triton")
+    if graphs:
+        eng.graphs = eng.make_step_graphs(capture=False)
+    n = 6 if graphs else 8
+    eng.add_request("g", [PROMPT], GREEDY, n=n)
+    got = []
+    while eng.has_unfinished():
+        got += eng.step()
+    got.sort(key=lambda o: o.sample_index)
+    assert calls[0] >= 2 * 3  # 2 layers x the steps after the prompt's
+    if graphs:
+        assert any(key[3] for key in eng.graphs.graphs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in torch_greedy[spec][:n]]
+    for a, b in zip(got, torch_greedy[spec], strict=False):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU engine with the Triton backend needs the interpreter")
+def test_the_flag_keeps_the_plain_kernel(tiny_random_qwen3):
+    off = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton",
+                                 shared_prefix_attention=False))
+    assert off.prefix_planner is None
+    on = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton"))
+    assert on.prefix_planner == SharedPrefixPlanner(16, 2, 2)
+
+
+def test_the_flag_reaches_the_engine_config():
+    parser = build_parser()
+    on = parser.parse_args(["serve"])
+    off = parser.parse_args(["serve", "--no-shared-prefix-attention"])
+    assert on.shared_prefix_attention is True and off.shared_prefix_attention is False
+    assert engine_factory(off).args[0].shared_prefix_attention is False

@@ -1,0 +1,192 @@
+"""The shared-prefix planner (rollout/engine/prefix_plan.py), host arrays only: which sequences of
+a step are grouped, over which key ranges, and how the work items and partial rows are laid out.
+The attention these plans drive is checked against plain paged attention in
+test_prefix_attention.py; here, the structure: GRPO forks, nesting under a system prompt, groups
+that end as samples finish, prefill chunks left alone, ranges clamped before the queries (ending
+mid-block), a prefix-cache layout whose shared blocks are not prefix-closed, groups not worth
+their partial results, chunking at small batch, and the capacities a CUDA graph sizes its
+buffers by."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout.engine.prefix_plan import ITEM_FIELDS, MIN_CHUNK, SHARED_BLOCK_M, SharedPrefixPlanner
+
+BS = 4
+F = {name: i for i, name in enumerate(ITEM_FIELDS)}
+
+
+def grpo_tables(prompts: int, samples: int, prompt_blocks: int, gen_lens, system_blocks: int = 0):
+    """Block tables of `prompts` x `samples` forked samples (labels: equal = same physical block),
+    context = (system + prompt blocks) * BS + gen_len, numbered so that no block id repeats."""
+    tables, ctx, next_id = [], [], 1000
+    system = list(range(system_blocks))
+    for p in range(prompts):
+        prompt = [100 + p * 50 + i for i in range(prompt_blocks)]
+        for s in range(samples):
+            gen = gen_lens[(p * samples + s) % len(gen_lens)]
+            own = list(range(next_id, next_id + -(-gen // BS)))
+            next_id += len(own)
+            tables.append(system + prompt + own)
+            ctx.append((system_blocks + prompt_blocks) * BS + gen)
+    width = max(map(len, tables))
+    return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64), ctx
+
+
+def plan(table, ctx, q_lens, groups=2, kv_heads=2, prompt_lens=None):
+    """The plan of sequences with contexts `ctx` computing their last q_lens[s] tokens (by default
+    their prompt is all but their queries)."""
+    starts = [c - q for c, q in zip(ctx, q_lens, strict=True)]
+    return SharedPrefixPlanner(BS, groups, kv_heads).plan(table, starts, q_lens, prompt_lens or starts)
+
+
+def shared_units(p):
+    """Sorted (key_lo, key_hi, tokens) of each shared unit (its items merged over chunks and tiles)."""
+    units = {}
+    for it in p.items[p.items[:, F["indirect"]] == 1]:
+        start = int(it[F["tok_start"]])
+        lo, hi, toks = units.get(start, (it[F["key_lo"]], it[F["key_hi"]], ()))
+        units[start] = (min(lo, it[F["key_lo"]]), max(hi, it[F["key_hi"]]),
+                        tuple(p.unit_tokens[start: start + it[F["tok_count"]]].tolist()))
+    return sorted((int(lo), int(hi), toks) for lo, hi, toks in units.values())
+
+
+def suffix_ranges(p):
+    """(key_lo, key_hi) each sequence reads alone, in sequence order (single-chunk suffixes)."""
+    items = p.items[p.items[:, F["indirect"]] == 0]
+    return [(int(it[F["key_lo"]]), int(it[F["key_hi"]])) for it in items[np.argsort(items[:, F["table_row"]])]]
+
+
+def test_forked_samples_share_their_prompt_blocks_and_read_the_rest_alone():
+    table, ctx = grpo_tables(prompts=2, samples=4, prompt_blocks=5, gen_lens=[1, 3, 6, 9])
+    p = plan(table, ctx, [1] * 8)
+    assert shared_units(p) == [(0, 20, (0, 1, 2, 3)), (0, 20, (4, 5, 6, 7))]
+    leaders = p.items[p.items[:, F["indirect"]] == 1][:, F["table_row"]]
+    assert sorted(leaders.tolist()) == [0, 4]  # each prompt's keys read through one member's row
+    assert suffix_ranges(p) == [(20, c) for c in ctx]
+    assert p.part_count.tolist() == [2] * 8 and p.part_start.tolist() == list(range(0, 16, 2))
+    assert p.shared_keys == 40 and p.plain_keys == 160
+
+
+def test_nested_sharing_plans_a_system_level_and_a_prompt_level():
+    """64 samples of 8 prompts under one system-prompt block: the system block once for all 64,
+    each prompt's blocks once for its 8, then each sample's own keys: 3 partial rows a token."""
+    table, ctx = grpo_tables(prompts=8, samples=8, prompt_blocks=4, gen_lens=[2, 5], system_blocks=1)
+    p = plan(table, ctx, [1] * 64)
+    assert shared_units(p) == [(0, 4, tuple(range(64)))] + [(4, 20, tuple(range(8 * i, 8 * i + 8))) for i in range(8)]
+    assert set(p.part_count.tolist()) == {3}
+    assert suffix_ranges(p) == [(20, c) for c in ctx]
+
+
+def test_a_system_prompt_alone_groups_every_sequence_that_holds_it():
+    table, ctx = grpo_tables(prompts=4, samples=1, prompt_blocks=3, gen_lens=[2], system_blocks=2)
+    p = plan(table, ctx, [1] * 4)
+    assert shared_units(p) == [(0, 8, (0, 1, 2, 3))]
+    assert suffix_ranges(p) == [(8, c) for c in ctx]
+
+
+def test_groups_end_as_samples_finish_and_nothing_shared_plans_nothing():
+    table, ctx = grpo_tables(prompts=2, samples=2, prompt_blocks=5, gen_lens=[3])
+    assert plan(table, ctx, [1] * 4) is not None
+    left = [0, 2, 3]  # sample 1 of prompt 0 finished: prompt 0 is down to one sequence
+    p = plan(table[left], [ctx[i] for i in left], [1] * 3)
+    assert shared_units(p) == [(0, 20, (1, 2))]
+    assert p.part_count.tolist() == [1, 2, 2]  # the lone sample is written directly
+    assert p.items[p.items[:, F["table_row"]] == 0][0, F["slot"]] == -1
+    assert plan(table[[0, 2]], [ctx[0], ctx[2]], [1, 1]) is None
+    assert plan(table[:1], ctx[:1], [1]) is None
+
+
+def test_prefill_chunks_attend_alone_in_causal_tiles():
+    """A prompt whose cached prefix a running group also holds, computing a 70-token chunk: it
+    is not grouped (too many queries) and its row tiles stop at their last query's position."""
+    prompt = [1, 2, 3, 4, 5]
+    table = np.array([prompt + [10] + [0] * 17, prompt + [11] + [0] * 17, prompt + list(range(20, 38))])
+    ctx, q_lens = [23, 23, 90], [1, 1, 70]
+    p = plan(table, ctx, q_lens, groups=2)
+    assert shared_units(p) == [(0, 20, (0, 1))]
+    prefill = p.items[p.items[:, F["table_row"]] == 2]
+    rows = 70 * 2
+    assert len(prefill) == -(-rows // SHARED_BLOCK_M) and set(prefill[:, F["slot"]].tolist()) == {-1}
+    last_token = (np.minimum(prefill[:, F["row0"]] + SHARED_BLOCK_M, rows) - 1) // 2
+    assert prefill[:, F["key_lo"]].tolist() == [0] * len(prefill)
+    assert prefill[:, F["key_hi"]].tolist() == (20 + last_token + 1).tolist()
+
+
+def test_shared_ranges_end_before_every_query_even_mid_block():
+    """Two sequences holding the same blocks up to their queries (the block manager shares only
+    full computed blocks, so this does not happen today): the shared range stops at the first
+    query position, inside a block, and each reads its last key alone."""
+    table = np.array([[7, 8, 9, 10], [7, 8, 9, 10]])
+    p = plan(table, [15, 15], [1, 1])
+    assert shared_units(p) == [(0, 14, (0, 1))]
+    assert suffix_ranges(p) == [(14, 15), (14, 15)]
+    q2 = plan(table, [15, 16], [1, 2])  # one of them verifies 2 tokens, from position 14
+    assert shared_units(q2) == [(0, 14, (0, 1, 2))]
+    prompts = plan(table, [15, 15], [1, 1], prompt_lens=[10, 9])  # only prompt blocks are compared
+    assert shared_units(prompts) == [(0, 9, (0, 1))]
+
+
+def test_blocks_shared_with_different_partners_are_grouped_exactly():
+    """A prefix-cache layout that is not prefix-closed: C holds A's first 3 blocks and B's next 3
+    (B registered those hashes first). A and C share 3 blocks; B and C share none at the start."""
+    a = [1, 2, 3, 20, 21]
+    b = [30, 31, 32, 4, 5, 6, 40]
+    c = [1, 2, 3, 4, 5, 6, 50]
+    table = np.array([a + [0, 0], b, c])
+    p = plan(table, [20, 28, 28], [1, 1, 1])
+    assert shared_units(p) == [(0, 12, (0, 2))]
+    assert suffix_ranges(p) == [(12, 20), (0, 28), (12, 28)]
+
+
+@pytest.mark.parametrize("q_len, prompt_blocks, kept", [(1, 2, True), (9, 12, False), (9, 13, True)])
+def test_a_group_is_kept_only_where_it_saves_more_than_its_partial_results_cost(q_len, prompt_blocks, kept):
+    table, ctx = grpo_tables(prompts=1, samples=4, prompt_blocks=prompt_blocks, gen_lens=[q_len + 2])
+    p = plan(table, ctx, [q_len] * 4, groups=4)  # kept: (4 - 1) * keys > 4 * q_len * 4 (144 at q 9)
+    assert (p is not None) == kept
+
+
+def test_few_sequences_with_long_prefixes_are_chunked_within_capacity():
+    table, ctx = grpo_tables(prompts=1, samples=2, prompt_blocks=300, gen_lens=[5, 9])
+    planner = SharedPrefixPlanner(BS, 4, 8)
+    p = planner.plan(table, [c - 1 for c in ctx], [1, 1], [1200, 1200])
+    shared = p.items[p.items[:, F["indirect"]] == 1]
+    assert len(shared) == -(-1200 // MIN_CHUNK)  # 1200 shared keys over too few programs
+    assert shared[:, F["slot"]].tolist() == list(range(len(shared)))
+    assert shared[:, F["key_lo"]].min() == 0 and shared[:, F["key_hi"]].max() == 1200
+    assert np.all(shared[1:, F["key_lo"]] == shared[:-1, F["key_hi"]])
+    assert p.part_count.tolist() == [len(shared) + 1] * 2
+
+
+def test_the_issue_shape_cuts_each_prompt_into_even_chunks():
+    """16 prompts x 16 samples of 4096 tokens, decoding: 16 x 8 KV heads are too few programs,
+    so each prompt is read in 4 chunks of 1024 keys (no short remainder chunk)."""
+    table, ctx = grpo_tables(prompts=16, samples=16, prompt_blocks=1024, gen_lens=list(range(1, 150, 7)))
+    p = plan(table, ctx, [1] * 256, groups=4, kv_heads=8)
+    shared = p.items[p.items[:, F["indirect"]] == 1]
+    assert len(shared) == 16 * 4
+    assert set((shared[:, F["key_hi"]] - shared[:, F["key_lo"]]).tolist()) == {1024}
+    assert p.part_count.tolist() == [5] * 256
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plans_fit_the_capacities_of_their_token_count(seed):
+    rng = np.random.default_rng(seed)
+    prompts, samples = int(rng.integers(1, 12)), int(rng.integers(1, 17))
+    gen = rng.integers(1, 200, size=prompts * samples).tolist()
+    table, ctx = grpo_tables(prompts, samples, int(rng.integers(1, 80)), gen, system_blocks=int(rng.integers(0, 3)))
+    q = rng.choice([1, 5, 9], size=len(ctx)).tolist()
+    ctx = [c + k for c, k in zip(ctx, q)]
+    table = np.concatenate([table, np.zeros((len(ctx), 3), np.int64)], 1)  # room for the verify keys
+    planner = SharedPrefixPlanner(BS, 4, 8)
+    p = planner.plan(table, [c - k for c, k in zip(ctx, q)], q, [c - k for c, k in zip(ctx, q)])
+    if p is None:
+        return
+    num_tokens = sum(q)
+    assert len(p.items) <= planner.items_cap(num_tokens)
+    assert p.num_partial_rows <= planner.partial_rows_cap(num_tokens)
+    assert len(p.unit_tokens) <= 2 * num_tokens
+    direct = p.part_count == 1
+    assert (p.part_start[~direct] + p.part_count[~direct]).max(initial=0) <= p.num_partial_rows
