@@ -7,7 +7,8 @@ policy, verify, capture) except the sanctioned synchronisation itself (`_to_host
 
 The workload mixes greedy, sampled, penalised, biased, masked (both modes) and grammar requests,
 with no drafter, DFlash, DSpark and DSpark with a confidence threshold, eagerly and through the
-CUDA-graph static buffers (replayed eagerly), on a dense and on a mixture-of-experts target. Two waits are stated exceptions, counted exactly:
+CUDA-graph static buffers (replayed eagerly), on a dense and on a mixture-of-experts target. Two
+waits are stated exceptions, counted exactly:
 
 * a grammar sample that verifies drafts: `Intake.grammar_bitmask` reads the step's drafts back,
   once per such step. Its bitmask row i is the grammar's state after the first i drafts, which
