@@ -33,17 +33,21 @@ ROLLOUT_SCHEMA = pa.schema(
 
 METADATA_KEYS = ("model", "drafter", "spec_method", "mask_mode")
 MASK_TOP_K_KEY = "mask_top_k"  # the widest support a masked row of this batch may have
+INSTANCE_ID_KEY = "instance_id"  # the server that sent the batch (its GetServerInfo instance_id)
+POLICY_VERSION_KEY = "policy_version"  # the newest policy_version among the batch's rows
 
 
 def schema_with_metadata(model: str, drafter: str, spec_method: str, mask_mode: str,
-                         mask_top_k: int | None = None) -> pa.Schema:
+                         mask_top_k: int | None = None, *, instance_id: str | None = None,
+                         policy_version: int | None = None) -> pa.Schema:
     """The rollout schema carrying the names DESIGN.md asks for in its metadata, plus the
     request's support bound (top_k, 1 for greedy) when it asked for masks, so a validator can
-    check widths without knowing the request."""
+    check widths without knowing the request, and, from a server, the server's instance id and
+    the batch's policy version, so a client can tell servers and weights apart."""
     values = (model, drafter, spec_method, mask_mode)
     meta = {k: str(v) for k, v in zip(METADATA_KEYS, values)}
-    if mask_top_k is not None:
-        meta[MASK_TOP_K_KEY] = str(mask_top_k)
+    optional = ((MASK_TOP_K_KEY, mask_top_k), (INSTANCE_ID_KEY, instance_id), (POLICY_VERSION_KEY, policy_version))
+    meta.update({k: str(v) for k, v in optional if v is not None})
     return ROLLOUT_SCHEMA.with_metadata(meta)
 
 
