@@ -197,7 +197,7 @@ def test_crashed_server_takes_its_actor_down_and_comes_back(fleet):
 
 
 def test_replica_that_cannot_start_is_reported_with_its_log(fleet):
-    with pytest.raises(RuntimeError, match=r"exited with status \d+; log tail:\n.*no-such-checkpoint"):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with status \d+; log tail:\n.*no-such-checkpoint"):
         RolloutFleet(1, ["--model", "/no-such-checkpoint"], startup_timeout=60)
 
 

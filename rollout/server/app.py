@@ -87,7 +87,6 @@ class RunningServer:
     engine_loop: EngineLoop | EngineProcess
     health: Health
     address: str
-    instance_id: str
     watchdog: asyncio.Task | None = None
 
     async def stop(self, grace: float | None) -> None:
@@ -146,14 +145,14 @@ async def _start(server: grpc.aio.Server, port: int, engine_factory: Callable[[]
     engine_loop = loop_type(engine_factory, asyncio.get_running_loop())
     await engine_loop.start()
     try:
-        return await _serve_engine(server, port, engine_loop, config)
+        return await _start_serving(server, port, engine_loop, config)
     except BaseException:
         await engine_loop.stop()
         raise
 
 
-async def _serve_engine(server: grpc.aio.Server, port: int, engine_loop: EngineLoop | EngineProcess,
-                        config: ServeConfig) -> RunningServer:
+async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: EngineLoop | EngineProcess,
+                         config: ServeConfig) -> RunningServer:
     identity = Identity(*await engine_loop.call(engine_names), instance_id=uuid.uuid4().hex)
     admission = Admission(*await engine_loop.call(engine_prompt_setup))
     add_rollout_service(RolloutService(engine_loop, identity, admission, config.flush), server)
@@ -165,7 +164,7 @@ async def _serve_engine(server: grpc.aio.Server, port: int, engine_loop: EngineL
     await server.start()
     await health_state.serving(True)
     address = config.address(port)
-    running = RunningServer(server, engine_loop, health_state, address, identity.instance_id)
+    running = RunningServer(server, engine_loop, health_state, address)
     if config.liveness_seconds > 0:
         running.watchdog = asyncio.ensure_future(Watchdog(engine_loop, health_state, config.liveness_seconds).run())
     log_event("server_started", address=address, model=identity.model, spec=identity.spec_method,
