@@ -71,7 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(args.gil_switch_ms / 1e3)
     flush = FlushPolicy(rows=args.flush_rows, seconds=args.flush_ms / 1e3)
     config = ServeConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds, flush=flush,
-                         engine_process=not args.engine_thread)
+                         engine_process=not args.engine_thread, max_request_bytes=args.max_request_bytes,
+                         liveness_seconds=args.liveness_seconds)
     return asyncio.run(serve(engine_factory(args), config))
 
 
@@ -145,7 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051, help="0 = pick a free port (printed)")
     serve.add_argument(
-        "--drain-seconds", type=float, default=300.0, help="SIGTERM: wait this long for requests"
+        "--drain-seconds", type=float, default=300.0,
+        help="SIGTERM / SIGINT: wait this long for in-flight requests (a second signal: stop now, exit 1)",
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=64 << 20,
+        help="largest message a client may send: a GenerateRequest, or one WeightChunk of UpdateWeights "
+             "(trainer_client sends 8 MiB ones); larger: RESOURCE_EXHAUSTED (default 64 MiB, at least 16 MiB)",
+    )
+    serve.add_argument(
+        "--liveness-seconds", type=float, default=60.0,
+        help="health turns NOT_SERVING while requests wait on an engine that has not moved for this long "
+             "(longer than the slowest first step, which may compile kernels); 0 = never",
     )
     serve.add_argument("--flush-rows", type=int, default=32, help="samples per streamed batch, at most")
     serve.add_argument(

@@ -27,6 +27,12 @@ class FailedPrecondition(RolloutError):
     (gRPC FAILED_PRECONDITION). The whole sample fails; no partial masks."""
 
 
+class Aborted(RolloutError):
+    """A request collides with one still running: its request id stays taken until that request
+    has finished or its abort (a cancel, a deadline, an Abort call) has been handled
+    (gRPC ABORTED, which a caller may retry)."""
+
+
 class Unavailable(RolloutError):
     """The engine is gone: its process exited (gRPC UNAVAILABLE). Every request fails fast."""
 

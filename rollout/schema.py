@@ -34,20 +34,23 @@ ROLLOUT_SCHEMA = pa.schema(
 METADATA_KEYS = ("model", "drafter", "spec_method", "mask_mode")
 MASK_TOP_K_KEY = "mask_top_k"  # the widest support a masked row of this batch may have
 VOCAB_SIZE_KEY = "vocab_size"  # every token id of the batch is in [0, vocab_size)
+INSTANCE_ID_KEY = "instance_id"  # the server that sent the batch (its GetServerInfo instance_id)
+POLICY_VERSION_KEY = "policy_version"  # the newest policy_version among the batch's rows
 
 
 def schema_with_metadata(model: str, drafter: str, spec_method: str, mask_mode: str,
-                         mask_top_k: int | None = None, vocab_size: int | None = None) -> pa.Schema:
+                         mask_top_k: int | None = None, vocab_size: int | None = None, *,
+                         instance_id: str | None = None, policy_version: int | None = None) -> pa.Schema:
     """The rollout schema carrying the names DESIGN.md asks for in its metadata, plus the
     request's support bound (top_k, 1 for greedy) when it asked for masks and the model's
     vocabulary size, so a validator can check widths and token ids without knowing the request
-    or the model."""
+    or the model, and, from a server, the server's instance id and the batch's policy version, so a
+    client can tell servers and weights apart."""
     values = (model, drafter, spec_method, mask_mode)
     meta = {k: str(v) for k, v in zip(METADATA_KEYS, values)}
-    if mask_top_k is not None:
-        meta[MASK_TOP_K_KEY] = str(mask_top_k)
-    if vocab_size is not None:
-        meta[VOCAB_SIZE_KEY] = str(vocab_size)
+    optional = ((MASK_TOP_K_KEY, mask_top_k), (VOCAB_SIZE_KEY, vocab_size), (INSTANCE_ID_KEY, instance_id),
+                (POLICY_VERSION_KEY, policy_version))
+    meta.update({k: str(v) for k, v in optional if v is not None})
     return ROLLOUT_SCHEMA.with_metadata(meta)
 
 

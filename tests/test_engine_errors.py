@@ -1,6 +1,7 @@
 """Bad input at the engine's door: every out-of-range sampling parameter and every malformed
 request is refused by `add_request` with InvalidArgument naming the field, a full queue with
-ResourceExhausted, and a refused request leaves nothing queued or allocated.
+ResourceExhausted, a request id still running with Aborted, and a refused request leaves nothing
+queued or allocated.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import FLOAT32_TINY, SamplingParams
-from rollout.errors import InvalidArgument, ResourceExhausted
+from rollout.errors import Aborted, InvalidArgument, ResourceExhausted
 
 VOCAB = 264
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
@@ -146,13 +147,17 @@ def test_request_id_must_be_a_non_empty_string(engine, request_id):
     refused(engine, "request_id", request_id=request_id)
 
 
-def test_duplicate_request_id_is_refused_and_the_first_survives(engine):
+def test_duplicate_request_id_is_refused_retryably_the_first_survives_and_an_abort_frees_it(engine):
+    """A running id is refused with Aborted (gRPC ABORTED: retry), not InvalidArgument (do not
+    retry), and is free again as soon as its abort has run."""
     engine.add_request("dup", [[1, 2, 3]], SamplingParams(max_tokens=2))
-    with pytest.raises(InvalidArgument) as info:
+    with pytest.raises(Aborted, match="request_id: 'dup' is still running"):
         engine.add_request("dup", [[4, 5]], SamplingParams(max_tokens=2))
-    assert info.value.field == "request_id"
     assert [s.prompt_token_ids for s in engine.intake.requests["dup"]] == [[1, 2, 3]]
     assert len(engine.scheduler.waiting) == 1
+    engine.abort("dup")
+    assert_nothing_queued(engine)
+    engine.add_request("dup", [[4, 5]], SamplingParams(max_tokens=2))
     engine.abort("dup")
     assert_nothing_queued(engine)
 

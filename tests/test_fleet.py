@@ -2,12 +2,15 @@
 tiny model: prompts spread over both replicas come back exactly once in the caller's order with
 valid masks; a weight broadcast reaches every replica and changes greedy outputs; a replica killed
 mid-generation loses no sample, is restarted with the current weights and serves again, and so is
-one whose server process crashes; a replica that cannot start is reported with its log; shutdown
-leaves no server process behind. The routing bookkeeping is also tested on its own, without Ray."""
+one whose server process crashes; one whose engine is stopped leaves the routing until it runs
+again; a replica that cannot start is reported with its log; shutdown leaves no server process
+behind. The routing bookkeeping is also tested on its own, without Ray."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -30,7 +33,8 @@ from ray._private import ray_constants  # noqa: E402
 from trainer_client.fleet import FleetConfig, RolloutFleet  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[1] / "rollout" / "assets" / "tiny-qwen3" / "model.safetensors"
-SERVE_ARGS = ["--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+SERVE_ARGS = ["--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+              "--liveness-seconds", "2"]
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROBES = ["def main():\n", "import sys\n", "class A:\n"]
 
@@ -144,6 +148,44 @@ def test_killed_replica_loses_no_sample_and_rejoins_with_current_weights(fleet):
     assert fleet.replica_stats()[victim["index"]]["samples_since_restart"] > 0
 
 
+def test_a_stalled_replica_leaves_the_routing_until_its_engine_moves_again(fleet):
+    """A replica whose engine process is stopped (SIGSTOP) while a request waits on it turns health
+    NOT_SERVING (its liveness watchdog): the fleet routes around it, and takes it back, the same
+    server, once the engine runs again (SIGCONT)."""
+    _wait_for(lambda: all(r["state"] == "healthy" for r in fleet.replica_stats()))
+    victim = fleet.replica_stats()[1]
+    engine = _engine_process(victim["server_pid"])
+    stuck = RolloutClient(victim["address"], timeout=120).stream([[1, 2, 3]], sampling=GREEDY, request_id="stuck")
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        _wait_for(lambda: fleet.replica_stats()[1]["state"] == "recovering", timeout=60)
+        before = [r["samples"] for r in fleet.replica_stats()]
+        table = fleet.generate(PROBES, n=2, sampling=GREEDY)
+        assert _pairs(table) == [(p, s) for p in range(3) for s in range(2)]
+        served = [r["samples"] - b for r, b in zip(fleet.replica_stats(), before)]
+        assert served == [6, 0]
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    assert to_table(list(stuck)).num_rows == 1
+    _wait_for(lambda: fleet.replica_stats()[1]["state"] == "healthy")
+    back = fleet.replica_stats()[1]
+    assert back["incarnation"] == victim["incarnation"] and back["restarts"] == victim["restarts"]
+
+
+def _engine_process(server_pid: int) -> int:
+    """The server's engine process: its child started by multiprocessing's spawn."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (entry / "cmdline").read_bytes()
+            except (OSError, IndexError):
+                continue
+            if parent == server_pid and b"spawn_main" in cmdline:
+                return int(entry.name)
+    raise AssertionError(f"no engine process under {server_pid}")
+
+
 def test_crashed_server_takes_its_actor_down_and_comes_back(fleet):
     before = fleet.replica_stats()[0]
     ray.get(fleet.actors[0].kill_server.remote())
@@ -155,7 +197,7 @@ def test_crashed_server_takes_its_actor_down_and_comes_back(fleet):
 
 
 def test_replica_that_cannot_start_is_reported_with_its_log(fleet):
-    with pytest.raises(RuntimeError, match=r"exited with status \d+; log tail:\n.*no-such-checkpoint"):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with status \d+; log tail:\n.*no-such-checkpoint"):
         RolloutFleet(1, ["--model", "/no-such-checkpoint"], startup_timeout=60)
 
 
@@ -277,11 +319,14 @@ def test_weight_history_drops_updates_a_later_one_covers():
 
 
 def test_caller_rows_and_prompt_seeds():
+    """Rows and metadata in the caller's numbering: fleet policy versions, no one server's instance id."""
     table = pa.table({"request_id": ["sub/3/0"] * 2, "prompt_index": pa.array([0, 0], pa.int32()),
                       "policy_version": pa.array([1, 1], pa.int64())})  # fmt: skip
+    table = table.replace_schema_metadata({"model": "m", "instance_id": "abc", "policy_version": "1"})
     out = to_caller_rows(table, "req", 7, version_offset=2)
     assert out.to_pydict() == {"request_id": ["req"] * 2, "prompt_index": [7, 7], "policy_version": [3, 3]}
-    assert out.schema == table.schema
+    assert out.schema.equals(table.schema, check_metadata=False)
+    assert out.schema.metadata == {b"model": b"m", b"policy_version": b"3"}
     seeds = {prompt_seed(5, p) for p in range(100)}
     assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds) and prompt_seed(5, 3) == prompt_seed(5, 3)
 

@@ -1,132 +1,28 @@
-"""The gRPC front end against a small fake engine defined here (the real engine's tests are in
-test_server.py): streaming and flushing, the error mapping, cancellation freeing KV blocks,
-Abort, weight-update plumbing, health and reflection, and the asyncio client. The fake obeys
-the engine API (rollout.engine.engine.LLMEngine) with trivial arithmetic in place of a model."""
+"""The gRPC front end against a small fake engine (tests/fake_engine.py; the real engine's tests
+are in test_server.py): streaming and flushing, the error mapping, cancellation freeing KV blocks,
+Abort, weight-update plumbing, health and reflection, and the asyncio client."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
-from types import SimpleNamespace
 
 import grpc
 import pyarrow as pa
 import pytest
 import torch
+from fake_engine import EOS, FAIL_TOKEN, MAX_LEN, MAX_QUEUED, TOTAL_BLOCKS, VOCAB, FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save_file
 
 from rollout.engine.outputs import SampleOutput
-from rollout.engine.params import validate_mask_request
-from rollout.errors import InvalidArgument, ResourceExhausted
+from rollout.errors import InvalidArgument
 from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.service import FlushPolicy
 from trainer_client import AsyncRolloutClient, RolloutClient
-
-VOCAB, EOS, MAX_LEN, TOTAL_BLOCKS, MAX_QUEUED = 264, 256, 64, 512, 300
-FAIL_TOKEN = 13  # a logit_bias on this id makes the fake fail the sample (a "mask overflow")
-
-
-class FakeEngine:
-    """Each step appends one token to every running sample: token = f(prompt, sample, position,
-    weights). One KV block per running sample. Weight updates wait for running samples to drain."""
-
-    vocab_size, eos_token_ids, model_name, drafter_name, max_model_len = VOCAB, [EOS], "fake", "none", MAX_LEN
-
-    def __init__(self, step_s: float = 0.002):
-        self.tokenizer = SimpleNamespace(encode=lambda text: SimpleNamespace(ids=list(text.encode())))
-        self.policy_version, self.weights, self.pending = 0, {"w": torch.zeros(4, 4)}, None
-        self.running: dict[tuple[str, int, int], dict] = {}
-        self.step_s, self.thread = step_s, None
-
-    def _check_thread(self) -> None:
-        self.thread = self.thread or threading.get_ident()
-        assert self.thread == threading.get_ident(), "engine called from two threads"
-
-    def add_request(self, request_id, prompts, params, n=1, mask=None, grammar=None) -> None:
-        self._check_thread()
-        params.validate(VOCAB)
-        validate_mask_request(mask, params, 8)
-        if not prompts:
-            raise InvalidArgument("prompts", "must not be empty")
-        if n < 1:
-            raise InvalidArgument("n", f"must be >= 1, got {n}")
-        for i, prompt in enumerate(prompts):
-            if not prompt or len(prompt) + params.max_tokens > MAX_LEN:
-                raise InvalidArgument(f"prompts[{i}]", "empty or too long for the context")
-            if any(not 0 <= t < VOCAB for t in prompt):
-                raise InvalidArgument(f"prompts[{i}]", "token id outside the vocabulary")
-        if grammar is not None and grammar.kind not in ("json_schema", "regex", "ebnf"):
-            raise InvalidArgument("grammar", f"unknown kind {grammar.kind!r}")
-        if len(self.running) + len(prompts) * n > MAX_QUEUED:
-            raise ResourceExhausted("queue full")
-        for p, prompt in enumerate(prompts):
-            for s in range(n):
-                self.running[(request_id, p, s)] = dict(
-                    prompt=list(prompt), params=params, mask=mask, tokens=[]
-                )
-
-    def step(self) -> list[SampleOutput]:
-        self._check_thread()
-        time.sleep(self.step_s)
-        if self.pending is not None and not self.running:
-            self.weights.update(self.pending)
-            self.pending, self.policy_version = None, self.policy_version + 1
-        finished = []
-        for key, st in list(self.running.items()):
-            shift = int(self.weights["w"].sum().item())
-            st["tokens"].append((sum(st["prompt"]) + key[2] + len(st["tokens"]) + shift) % 200)
-            if FAIL_TOKEN in st["params"].logit_bias or len(st["tokens"]) >= st["params"].max_tokens:
-                finished.append(self._output(key, self.running.pop(key), "length"))
-        return finished
-
-    def _output(self, key, st, reason) -> SampleOutput:
-        out = SampleOutput(key[0], key[1], key[2], st["prompt"], st["tokens"], [-0.5] * len(st["tokens"]))
-        out.finish_reason, out.accept_lengths, out.policy_version = (
-            reason,
-            [1] * len(st["tokens"]),
-            self.policy_version,
-        )
-        if st["mask"]:
-            out.support_ids = [[t, t + 1] for t in st["tokens"]]
-        if st["mask"] == "support":
-            out.support_logprobs = [[math.log(0.6), math.log(0.4)] for _ in st["tokens"]]
-        if FAIL_TOKEN in st["params"].logit_bias:
-            out.error, out.finish_reason = "support wider than max_mask_tokens", "error"
-        return out
-
-    def abort(self, request_id) -> list[SampleOutput]:
-        self._check_thread()
-        keys = [k for k in self.running if k[0] == request_id]
-        return [self._output(k, self.running.pop(k), "abort") for k in keys]
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def kv_blocks(self) -> tuple[int, int]:
-        return TOTAL_BLOCKS - len(self.running), TOTAL_BLOCKS
-
-    def info(self) -> dict:
-        limits = dict(max_mask_tokens=8, max_queued_samples=MAX_QUEUED, max_model_len=MAX_LEN)
-        return dict(model="fake", vocab_size=VOCAB, eos_token_ids=[EOS], spec_method="none", block_size=16,
-                    limits=limits, policy_version=self.policy_version, kv=self.kv_blocks())  # fmt: skip
-
-    def update_weights(self, state, draft_state=None) -> None:
-        self._check_thread()
-        for name, t in state.items():
-            if name not in self.weights or t.shape != self.weights[name].shape:
-                raise InvalidArgument(f"tensor {name}", f"unknown or wrong shape {list(t.shape)}")
-        self.pending = dict(state)
-
-    def weight_update_pending(self) -> bool:
-        return self.pending is not None
-
-    def compiled(self) -> dict[str, int]:
-        return dict(graphs=0, kernels=0)
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +114,7 @@ def test_duplicate_running_request_id_is_refused(client, server):
     _wait_for(lambda: server.engine_call(lambda e: any(k[0] == "dup" for k in e.running)))
     with pytest.raises(grpc.RpcError) as err:
         client.generate([[1]], sampling=dict(max_tokens=2), request_id="dup")
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.ABORTED and "request_id" in err.value.details()
     client.abort("dup")
     worker.join()
 
@@ -276,6 +172,7 @@ def test_update_weights_state_dict_file_and_refusal(client, tmp_path):
     after = client.generate([[1]], sampling=dict(max_tokens=3))
     assert after.column("token_ids").to_pylist() != before
     assert after.column("policy_version").to_pylist() == [v0 + 1]
+    assert after.schema.metadata[b"policy_version"] == str(v0 + 1).encode()
     save_file({"w": torch.zeros(4, 4)}, tmp_path / "w.safetensors")
     assert client.update_weights(tmp_path / "w.safetensors") == v0 + 2
     assert client.generate([[1]], sampling=dict(max_tokens=3)).column("token_ids").to_pylist() == before
@@ -321,19 +218,25 @@ def _wait_for(predicate, timeout: float = 10.0) -> None:
 
 def test_stream_encoder_writes_a_standard_ipc_stream_per_response():
     """Each response is a whole IPC stream (schema with its metadata, one batch, end of stream)
-    that pyarrow's reader takes as it is, response after response of one encoder."""
+    that pyarrow's reader takes as it is, response after response of one encoder; the metadata's
+    policy_version is each batch's newest."""
+    from functools import partial
+
     from rollout.masks.pack import Supports
     from rollout.schema import schema_with_metadata, to_record_batch
     from rollout.server.convert import StreamEncoder
 
-    schema = schema_with_metadata("m", "d", "dflash", "support", 4)
-    encoder = StreamEncoder(schema)
+    schema_for = partial(schema_with_metadata, "m", "d", "dflash", "support", 4, instance_id="abc")
+    encoder = StreamEncoder(schema_for)
     sup = Supports.from_lists([[3, 1], [2]], [[-0.1, -2.4], [0.0]])
-    for k in range(3):
+    for k in range(4):
         samples = [SampleOutput(f"r{k}", 0, j, [1, 2], token_ids=[3, 2], token_logprobs=[-0.1, 0.0],
-                                supports=sup, accept_lengths=[2]) for j in range(k + 1)]
+                                supports=sup, accept_lengths=[2], policy_version=k // 2 + j) for j in range(k + 1)]
         message = encoder.encode(samples)
         table = pa.ipc.open_stream(message.arrow_ipc).read_all()
+        schema = schema_for(policy_version=k // 2 + k)
         assert message.num_rows == table.num_rows == k + 1
         assert table.schema.metadata == schema.metadata
+        assert table.schema.metadata[b"policy_version"] == str(k // 2 + k).encode()
+        assert table.schema.metadata[b"instance_id"] == b"abc"
         assert table.equals(pa.Table.from_batches([to_record_batch(samples, schema)]))

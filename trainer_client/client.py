@@ -24,7 +24,7 @@ import torch
 from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
-from rollout.schema import ROLLOUT_SCHEMA
+from rollout.schema import POLICY_VERSION_KEY, ROLLOUT_SCHEMA
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 WEIGHT_PIECE_BYTES = 8 << 20
@@ -88,14 +88,22 @@ def decode_batch(response: pb.GenerateResponse) -> pa.RecordBatch:
 
 
 def to_table(batches: Sequence[pa.RecordBatch]) -> pa.Table:
-    """Streamed batches -> one table ordered by (prompt_index, sample_index)."""
+    """Streamed batches -> one table ordered by (prompt_index, sample_index). Its schema metadata
+    is the batches' (model, mask mode, the server's `instance_id`, ...), with `policy_version` the
+    newest of theirs."""
     if not batches:
         return ROLLOUT_SCHEMA.empty_table()
-    return pa.Table.from_batches(batches, schema=batches[0].schema).sort_by(SORT_KEYS)
+    schema = batches[0].schema
+    key = POLICY_VERSION_KEY.encode()
+    versions = [int(b.schema.metadata[key]) for b in batches if key in (b.schema.metadata or {})]
+    if versions:
+        schema = schema.with_metadata({**schema.metadata, key: str(max(versions)).encode()})
+    return pa.Table.from_batches(batches, schema=schema).sort_by(SORT_KEYS)
 
 
 def info_to_dict(info: pb.ServerInfo) -> dict[str, Any]:
-    """ServerInfo -> plain dict (ints stay ints)."""
+    """ServerInfo -> plain dict (ints stay ints), `instance_id` included: the same id means the
+    same server process (every table it streams carries it in its schema metadata too)."""
     out = {f.name: getattr(info, f.name) for f in pb.ServerInfo.DESCRIPTOR.fields}
     out["eos_token_ids"] = list(info.eos_token_ids)
     out["limits"] = dict(info.limits)

@@ -7,9 +7,11 @@ return one table in the caller's prompt order (`fleet_requests`). `update_weight
 weights in the Ray object store once and each actor pushes them to its server.
 
 Faults. A replica whose stream fails and whose health check then fails, or which the health
-monitor (every `health_interval` s) finds unreachable, leaves the routing; its unfinished prompts
-go to live replicas. Ray restarts its actor (`max_restarts`), which starts a fresh server; the
-fleet replays the weight updates on it and puts it back in the routing.
+monitor (every `health_interval` s) finds unreachable or NOT_SERVING (e.g. its engine stalled, see
+rollout.server.liveness), leaves the routing; its unfinished prompts go to live replicas. Ray
+restarts its actor (`max_restarts`), which starts a fresh server; the fleet replays the weight
+updates on it and puts it back in the routing. A server that was only NOT_SERVING goes back in
+the routing as it is once it is SERVING again.
 
 Versions. `policy_version` is the fleet's: the number of `update_weights` calls it has applied. A
 restarted server counts from 0 again, so each replica keeps an offset and the `policy_version`
@@ -311,7 +313,7 @@ class RolloutFleet:
                 info = ray.get(replica.actor.info.remote(), timeout=10)
                 same_server = info["incarnation"] == replica.incarnation
                 if same_server and not health_ok(info["address"], self.config.health_timeout):
-                    time.sleep(0.5)  # the actor has not died yet: Ray will restart it
+                    time.sleep(0.5)  # dying (Ray will restart it), or NOT_SERVING (its engine stalled)
                     continue
                 self._rejoin(replica, info)
                 return

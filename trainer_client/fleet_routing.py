@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollout.engine.intake import sample_seed
+from rollout.schema import INSTANCE_ID_KEY, POLICY_VERSION_KEY
 
 REPLICA_STATES = ("healthy", "recovering", "dead")
 
@@ -79,8 +80,15 @@ def prompt_seed(base: int, prompt_index: int) -> int:
 
 def to_caller_rows(table: pa.Table, request_id: str, prompt_index: int, version_offset: int) -> pa.Table:
     """A replica's table for one prompt -> the caller's numbering: its request id, the prompt's
-    index in the caller's list, and fleet policy versions."""
+    index in the caller's list, and fleet policy versions (in the metadata too, which loses the
+    server's instance id: a fleet's table comes from several servers)."""
     rows = table.num_rows
+    meta = dict(table.schema.metadata or {})
+    meta.pop(INSTANCE_ID_KEY.encode(), None)
+    version = meta.get(POLICY_VERSION_KEY.encode())
+    if version is not None:
+        meta[POLICY_VERSION_KEY.encode()] = str(int(version) + version_offset).encode()
+    table = table.replace_schema_metadata(meta)
     schema = table.schema
     new = {
         "request_id": pa.array([request_id] * rows, pa.string()),

@@ -9,7 +9,7 @@ import torch
 
 from rollout.engine.params import SamplingParams, validate_mask_request
 from rollout.engine.sequence import Sequence
-from rollout.errors import InvalidArgument, ResourceExhausted
+from rollout.errors import Aborted, InvalidArgument, ResourceExhausted
 
 _M64 = (1 << 64) - 1
 
@@ -36,8 +36,9 @@ class Intake:
         eng = self.engine
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id", "must be a non-empty string")
-        if request_id in self.requests:
-            raise InvalidArgument("request_id", f"{request_id!r} is already running")
+        if request_id in self.requests:  # (the one check: the server's layers rely on it)
+            raise Aborted(f"request_id: {request_id!r} is still running; retry once it has finished or "
+                          f"its abort has been handled")
         if not prompts:
             raise InvalidArgument("prompts", "at least one prompt is required")
         if not isinstance(n, int) or n < 1:

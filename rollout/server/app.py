@@ -1,39 +1,52 @@
 """Assembles and runs a rollout server: the engine loop (a thread here, or a child process), the
-Rollout service, gRPC health and server reflection on one grpc.aio server.
+Rollout service, gRPC health (with the liveness watchdog) and server reflection on one grpc.aio
+server.
 
-`serve` is `rollout serve`: it prints `rollout serving on HOST:PORT` once the port is bound and
-the engine is built, then runs until SIGTERM or SIGINT, when it reports NOT_SERVING, refuses new
-RPCs, lets in-flight requests finish (up to `drain_seconds`) and returns 0. `BackgroundServer`
-runs the same server on a private event loop in a thread, for benchmarks, notebooks and tests.
+`serve` is `rollout serve`: it binds its port for itself alone (a port another process listens on
+is refused, naming it, before the engine is built), prints `rollout serving on HOST:PORT` once the
+engine is built, then runs until SIGTERM or SIGINT (handled from the start), when it reports
+NOT_SERVING, refuses new RPCs, lets in-flight requests finish (up to `drain_seconds`; then they
+are cancelled) and returns 0. A second signal during the drain cancels the in-flight requests at
+once and returns 1. `BackgroundServer` runs the same server on a private event loop in a thread,
+for benchmarks, notebooks and tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import signal
+import socket
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rollout.errors import InvalidArgument
-from rollout.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout.server.admission import Admission, engine_prompt_setup
 from rollout.server.engine_process import EngineProcess
+from rollout.server.liveness import Health, Watchdog
 from rollout.server.logs import log_event
 from rollout.server.loop import EngineLoop
 from rollout.server.service import FlushPolicy, Identity, RolloutService
+from rollout.server.wire import SERVICE_NAME, add_rollout_service
 
-SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
-MAX_MESSAGE_BYTES = 1 << 30
+MIN_REQUEST_BYTES = 16 << 20  # room for trainer_client's 8 MiB weight pieces (one WeightChunk each)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Front-end settings of `rollout serve` (the engine has its own EngineConfig)."""
+    """Front-end settings of `rollout serve` (the engine has its own EngineConfig).
+
+    `max_request_bytes` bounds each message a client sends: a GenerateRequest, and each WeightChunk
+    of an UpdateWeights stream (trainer_client sends 8 MiB pieces); a larger one is refused with
+    RESOURCE_EXHAUSTED before it is read. `liveness_seconds`: see rollout.server.liveness (0: off)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -42,16 +55,28 @@ class ServeConfig:
     # the engine in a child process (EngineProcess; the factory must then be picklable) rather than
     # a thread of this one (EngineLoop): `rollout serve` does, see rollout.server.engine_process
     engine_process: bool = False
+    max_request_bytes: int = 64 << 20
+    liveness_seconds: float = 60.0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise InvalidArgument("port", f"must be in [0, 65535] (0 = pick a free one), got {self.port}")
         if not self.drain_seconds >= 0:
             raise InvalidArgument("drain_seconds", f"must be >= 0, got {self.drain_seconds}")
+        if not MIN_REQUEST_BYTES <= self.max_request_bytes < 2**31:
+            raise InvalidArgument("max_request_bytes", f"must be in [{MIN_REQUEST_BYTES}, 2**31), "
+                                                       f"got {self.max_request_bytes}")
+        if not self.liveness_seconds >= 0:
+            raise InvalidArgument("liveness_seconds", f"must be >= 0 (0 = no watchdog), got {self.liveness_seconds}")
 
     def address(self, port: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{port}"
+
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        return [("grpc.so_reuseport", 0),  # (grpc's default lets a second server share the port)
+                ("grpc.max_receive_message_length", self.max_request_bytes),
+                ("grpc.max_send_message_length", -1)]
 
 
 @dataclass
@@ -60,65 +85,130 @@ class RunningServer:
 
     server: grpc.aio.Server
     engine_loop: EngineLoop | EngineProcess
-    health: health.aio.HealthServicer
+    health: Health
     address: str
+    watchdog: asyncio.Task | None = None
 
     async def stop(self, grace: float | None) -> None:
         """NOT_SERVING, refuse new RPCs, wait up to `grace` s for running ones, stop the engine."""
-        await self.health.enter_graceful_shutdown()
+        await self.health.shutting_down()
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         await self.server.stop(grace)
         await self.engine_loop.stop()
 
 
 async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -> RunningServer:
-    """Builds the engine (on its own thread or in its own process), binds the port and starts serving."""
+    """Binds the port, builds the engine (on its own thread or in its own process) and starts serving."""
+    server = grpc.aio.server(options=config.grpc_options())
+    try:
+        port = bind(server, config)
+        log_event("server_starting", address=config.address(port), engine_process=config.engine_process)
+        return await _start(server, port, engine_factory, config)
+    except BaseException:
+        await server.stop(None)
+        raise
+
+
+def bind(server: grpc.aio.Server, config: ServeConfig) -> int:
+    """Listens on the configured host and port, alone; InvalidArgument naming the port when another
+    socket listens there (checked first with a socket of our own, so that grpc logs nothing)."""
+    address = config.address(config.port)
+    if config.port and _port_taken(config.host, config.port):
+        raise InvalidArgument("port", f"{address} is already in use (another server listens there)")
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        raise InvalidArgument("port", f"cannot listen on {address} (in use, or not an address of this host)") from None
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether binding host:port fails with EADDRINUSE (SO_REUSEADDR set, as grpc sets it)."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False  # grpc will say what is wrong with the host
+    for family, kind, proto, _, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+async def _start(server: grpc.aio.Server, port: int, engine_factory: Callable[[], Any],
+                 config: ServeConfig) -> RunningServer:
     loop_type = EngineProcess if config.engine_process else EngineLoop
     engine_loop = loop_type(engine_factory, asyncio.get_running_loop())
     await engine_loop.start()
-    identity = await engine_loop.call(engine_identity)
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", -1)]
-    server = grpc.aio.server(options=options)
-    rollout_pb2_grpc.add_RolloutServicer_to_server(
-        RolloutService(engine_loop, identity, config.flush), server
-    )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        return await _start_serving(server, port, engine_loop, config)
+    except BaseException:
+        await engine_loop.stop()
+        raise
+
+
+async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: EngineLoop | EngineProcess,
+                         config: ServeConfig) -> RunningServer:
+    identity = Identity(*await engine_loop.call(engine_names), instance_id=uuid.uuid4().hex)
+    admission = Admission(*await engine_loop.call(engine_prompt_setup))
+    add_rollout_service(RolloutService(engine_loop, identity, admission, config.flush), server)
+    health_state = Health(health.aio.HealthServicer())
+    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     if isinstance(engine_loop, EngineProcess):  # an engine process that dies: NOT_SERVING from then on
-        engine_loop.on_death = lambda: asyncio.ensure_future(_not_serving(health_servicer))
+        engine_loop.on_death = lambda: asyncio.ensure_future(health_state.engine_died())
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(config.address(config.port))
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_state.serving(True)
     address = config.address(port)
-    log_event("server_started", address=address, model=identity.model, spec=identity.spec_method)
-    return RunningServer(server, engine_loop, health_servicer, address)
+    running = RunningServer(server, engine_loop, health_state, address)
+    if config.liveness_seconds > 0:
+        running.watchdog = asyncio.ensure_future(Watchdog(engine_loop, health_state, config.liveness_seconds).run())
+    log_event("server_started", address=address, model=identity.model, spec=identity.spec_method,
+              instance_id=identity.instance_id)
+    return running
 
 
 async def serve(engine_factory: Callable[[], Any], config: ServeConfig) -> int:
-    """`rollout serve`: runs until SIGTERM/SIGINT, drains, returns the exit status (0)."""
+    """`rollout serve`: runs until SIGTERM/SIGINT, drains, returns the exit status (0; 1 when a
+    second signal cut the drain short)."""
+    signals = _Signals(asyncio.get_running_loop())  # before anything: a signal never kills it outright
     running = await start_server(engine_factory, config)
     print(f"rollout serving on {running.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await signals.first.wait()
     log_event("draining", requests=running.engine_loop.num_requests(), grace_s=config.drain_seconds)
-    await running.stop(config.drain_seconds)
+    drain = asyncio.ensure_future(running.stop(config.drain_seconds))
+    second = asyncio.ensure_future(signals.second.wait())
+    await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
+    cut_short = not drain.done()
+    second.cancel()
+    if cut_short:
+        log_event("drain_cut_short", logging.WARNING, requests=running.engine_loop.num_requests())
+        await running.server.stop(None)  # cancels the in-flight RPCs; the drain then stops the engine
+    await drain
     log_event("server_stopped")
-    return 0
+    return 1 if cut_short else 0
 
 
-async def _not_serving(health_servicer: health.aio.HealthServicer) -> None:
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+class _Signals:
+    """SIGTERM / SIGINT on the event loop: the first sets `first` (drain), the next `second` (stop now)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.first, self.second = asyncio.Event(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._received)
+
+    def _received(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()
 
 
-def engine_identity(engine) -> Identity:
-    """The names every streamed batch carries (a module-level function: it may run in the engine's
-    process)."""
-    return Identity(engine.model_name, engine.drafter_name, str(engine.info()["spec_method"]), engine.vocab_size)
+def engine_names(engine) -> tuple[str, str, str, int]:
+    """Model, drafter, spec method and vocabulary size, which every streamed batch carries (a
+    module-level function: it may run in the engine's process)."""
+    return engine.model_name, engine.drafter_name, str(engine.info()["spec_method"]), engine.vocab_size
 
 
 class BackgroundServer:

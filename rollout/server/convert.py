@@ -1,7 +1,7 @@
 """Translation between wire messages and the engine's Python types.
 
 Requests: a `GenerateRequest` becomes a `GenerateCall` (prompts as token ids or text still to be
-tokenised on the engine thread, `SamplingParams`, n, mask mode, grammar). Results: finished
+tokenised by rollout.server.admission, `SamplingParams`, n, mask mode, grammar). Results: finished
 samples become one Arrow IPC message (schema with metadata + one record batch). Range checks
 are not repeated here: the engine validates every field when the request is added.
 """
@@ -9,7 +9,7 @@ are not repeated here: the engine validates every field when the request is adde
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -38,8 +38,8 @@ _OPTIONAL_SAMPLING_FIELDS = (
 
 @dataclass
 class GenerateCall:
-    """One Generate request in engine terms. `prompts` holds token ids or text (tokenised by
-    the engine thread, which owns the tokenizer)."""
+    """One Generate request in engine terms. `prompts` holds token ids, or text until the
+    server's admission has tokenised it (rollout.server.admission)."""
 
     request_id: str
     prompts: list[list[int] | str]
@@ -89,20 +89,30 @@ _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 class StreamEncoder:
     """Finished samples -> one response holding an Arrow IPC stream of one record batch (schema
-    message, batch message, end of stream). One per Generate call: the schema message, the same in
-    every response of the call, is serialised once."""
+    message, batch message, end of stream). One per kind of call: its schema's metadata differs
+    between responses only in the batch's policy version (the newest of its rows), so the schema
+    message is built and serialised once per version, by `schema_for(policy_version=...)`."""
 
-    def __init__(self, schema: pa.Schema):
-        self.schema = schema
-        self._schema_message = schema.serialize().to_pybytes()
+    def __init__(self, schema_for: Callable[..., pa.Schema]):
+        self._schema_for = schema_for
+        self._version: int | None = None
+        self._schema: pa.Schema | None = None
+        self._schema_message = b""
+
+    def schema(self, policy_version: int) -> pa.Schema:
+        if policy_version != self._version:
+            self._schema = self._schema_for(policy_version=policy_version)
+            self._schema_message = self._schema.serialize().to_pybytes()
+            self._version = policy_version
+        return self._schema
 
     def encode(self, samples: Sequence[SampleOutput]) -> pb.GenerateResponse:
-        batch = to_record_batch(samples, self.schema)
+        batch = to_record_batch(samples, self.schema(max(s.policy_version for s in samples)))
         stream = b"".join((self._schema_message, batch.serialize().to_pybytes(), _END_OF_STREAM))
         return pb.GenerateResponse(arrow_ipc=stream, num_rows=batch.num_rows)
 
 
-def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str) -> pb.ServerInfo:
+def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str, instance_id: str) -> pb.ServerInfo:
     """engine.info() + engine.kv_blocks() -> ServerInfo. `limits` gathers the integer `max_*`
     entries (and the spec block size), whether info nests them under "limits" or not."""
     flat = {**info, **dict(info.get("limits", {}))}
@@ -124,4 +134,5 @@ def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str) ->
         policy_version=int(info["policy_version"]),
         kv_blocks_free=free,
         kv_blocks_total=total,
+        instance_id=instance_id,
     )

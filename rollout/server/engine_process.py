@@ -15,7 +15,13 @@ Commands and results are pickled: `call` takes a picklable function of the engin
 module-level function or a `functools.partial`, not a lambda), and the engine factory must be
 picklable too. A child that dies (a crash, a kill) fails every pending command and running
 request with `Unavailable` (gRPC UNAVAILABLE) naming its exit code, and so does every later
-call: the server answers instead of hanging.
+call: the server answers instead of hanging. The child's side is rollout.server.engine_child.
+
+Each `add` is an admission with a key of its own, and the child sends its deliveries under that
+key: a request id whose abort has run in the child can be admitted again at once, while the old
+admission's last delivery is still on its way here. The one check that an id is not running twice
+is the engine's (`Aborted`). A shared counter that the child's engine loop ticks tells the
+liveness watchdog (rollout.server.liveness) whether it makes progress.
 """
 
 from __future__ import annotations
@@ -25,19 +31,18 @@ import itertools
 import logging
 import multiprocessing
 import pickle
-import signal
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from rollout.errors import InvalidArgument, Unavailable
+from rollout.errors import Unavailable
 from rollout.server import logs
 from rollout.server.convert import GenerateCall
+from rollout.server.engine_child import READY, child_main
 from rollout.server.logs import log_event
-from rollout.server.loop import Delivery, EngineLoop, Sink
+from rollout.server.loop import Delivery, Sink, discard
 
-_READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
 
 
@@ -49,15 +54,17 @@ class EngineProcess:
         self._factory = engine_factory
         self._loop = loop
         self._log_level = log_level or logging.getLevelName(logging.getLogger(logs.LOGGER_NAME).getEffectiveLevel())
-        self._ids = itertools.count(_READY + 1)
+        self._ids = itertools.count(READY + 1)  # command ids and admission keys
         self._pending: dict[int, asyncio.Future] = {}
-        self._sinks: dict[str, Sink] = {}
+        self._admitted: dict[int, tuple[str, Sink]] = {}  # admission key -> (request id, sink)
+        self._keys: dict[Sink, int] = {}  # sink -> admission key
         self._send_lock = threading.Lock()
         self._batch: list[tuple] = []  # commands of this event-loop iteration, sent together
         self._dead: BaseException | None = None
         self._stopping = False
         self._conn = None
         self._proc = None
+        self._progress = None  # the child engine loop's tick counter, in shared memory
         self.on_death: Callable[[], None] | None = None  # called on the event loop if the child dies
 
     async def start(self) -> None:
@@ -65,9 +72,11 @@ class EngineProcess:
         pickle.dumps(self._factory)  # fail here, clearly, rather than in the child
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, name="rollout-engine", daemon=True,
-                                 args=(self._factory, child_conn, self._log_level, sys.getswitchinterval()))
-        ready = self._pending[_READY] = self._loop.create_future()
+        self._progress = ctx.RawValue("q", 0)
+        self._proc = ctx.Process(target=child_main, name="rollout-engine", daemon=True,
+                                 args=(self._factory, child_conn, self._log_level, sys.getswitchinterval(),
+                                       self._progress))
+        ready = self._pending[READY] = self._loop.create_future()
         self._proc.start()
         child_conn.close()
         threading.Thread(target=self._read, name="rollout-engine-reader", daemon=True).start()
@@ -93,34 +102,45 @@ class EngineProcess:
         return self._command("call", fn)
 
     async def add(self, call: GenerateCall, sink: Sink) -> None:
-        """Admits a request (raises the engine's InvalidArgument / ResourceExhausted)."""
-        if call.request_id in self._sinks:  # (the child would refuse it too, but its sink is taken here)
-            raise InvalidArgument("request_id", f"{call.request_id!r} is already running")
-        self._sinks[call.request_id] = sink  # before the child can deliver anything for it
+        """Admits a request (raises the engine's InvalidArgument / ResourceExhausted / Aborted)."""
+        key = next(self._ids)
+        self._admitted[key] = (call.request_id, sink)  # before the child can deliver anything for it
+        self._keys[sink] = key
         try:
-            await self._command("add", call)
+            await self._command("add", call, key)
         except BaseException as exc:
-            if self._sinks.get(call.request_id) is sink:
-                del self._sinks[call.request_id]
+            self._forget(key)
             if isinstance(exc, asyncio.CancelledError) and self._dead is None:
                 # the caller went away while the child admits it: abort it there (after the add)
-                self._command("abort", call.request_id, "client went away during admission")
+                discard(self._command("abort", call.request_id, "client went away during admission", key))
             raise
 
     def abort(self, request_id: str, reason: str, sink: Sink | None = None) -> asyncio.Future:
         """As `EngineLoop.abort`; with `sink`, only the request admitted with that sink."""
-        if sink is not None and self._sinks.get(request_id) is not sink:
-            fut = self._loop.create_future()
-            fut.set_result(0)
-            return fut
-        return self._command("abort", request_id, reason)
+        key = None
+        if sink is not None:
+            key = self._keys.get(sink)
+            if key is None:  # that admission has ended
+                fut = self._loop.create_future()
+                fut.set_result(0)
+                return fut
+        return self._command("abort", request_id, reason, key)
 
     async def update_weights(self, state: dict, draft_state: dict | None) -> int:
         """Validates in the child, resolves with the new policy_version once applied there."""
         return await self._command("weights", state, draft_state, send_in_thread=True)
 
     def num_requests(self) -> int:
-        return len(self._sinks)
+        return len(self._admitted)
+
+    def progress(self) -> int:
+        """Ticks of the child's engine loop so far (see EngineLoop.progress)."""
+        return self._progress.value if self._progress is not None else 0
+
+    def _forget(self, key: int) -> None:
+        entry = self._admitted.pop(key, None)  # (gone already if the child died meanwhile)
+        if entry is not None:
+            self._keys.pop(entry[1], None)
 
     # -- parent side ---------------------------------------------------------------------------
 
@@ -173,16 +193,16 @@ class EngineProcess:
         for kind, key, value, error in batch:
             if kind == "result":
                 self._settle(key, value, error)
-            else:  # a delivery for request `key`
-                sink = self._sinks.get(key)
-                if sink is None:
+            else:  # a delivery for admission `key`
+                entry = self._admitted.get(key)
+                if entry is None:
                     continue
                 if value.done:
-                    del self._sinks[key]
+                    self._forget(key)
                 try:
-                    sink(value)
+                    entry[1](value)
                 except Exception:
-                    log_event("sink_failed", logging.ERROR, exc_info=True, request_id=key)
+                    log_event("sink_failed", logging.ERROR, exc_info=True, request_id=entry[0])
 
     def _settle(self, cmd_id: int, value: Any, error: BaseException | None) -> None:
         fut = self._pending.pop(cmd_id, None)
@@ -201,144 +221,16 @@ class EngineProcess:
 
     def _on_exit(self) -> None:
         error = self._died()
-        if self._pending or self._sinks:
+        if not self._stopping:  # (a stop is answered after every command sent before it)
             log_event("engine_process_died", logging.ERROR, exit_code=self._proc.exitcode,
-                      commands=len(self._pending), requests=len(self._sinks))
+                      commands=len(self._pending), requests=len(self._admitted))
         for cmd_id in list(self._pending):
             self._settle(cmd_id, None, error)
-        sinks, self._sinks = self._sinks, {}
-        for request_id, sink in sinks.items():
+        admitted, self._admitted, self._keys = self._admitted, {}, {}
+        for request_id, sink in admitted.values():
             sink(Delivery([], done=True, error=Unavailable(f"request {request_id}: {error}")))
         if self.on_death is not None and not self._stopping:
             self.on_death()
-
-
-# -- child side --------------------------------------------------------------------------------
-
-
-def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval: float) -> None:
-    """The child's entry point: the engine loop runs on this, the main thread, and the asyncio side
-    (commands in, results and deliveries out) on a second one. The main thread matters: glibc
-    gives other threads their own malloc arenas, which return memory to the system and take it
-    back (tens of page faults per step of a small model, measured on CPU); the main heap does not.
-    SIGINT / SIGTERM are the parent's to handle: it drains, then sends `stop`. A parent that goes
-    away closes the pipe, which stops the child too."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.setswitchinterval(switch_interval)
-    logs.configure(log_level)
-    loop = asyncio.new_event_loop()
-    engine_loop = EngineLoop(factory, loop, thread=False)
-    front = threading.Thread(target=loop.run_until_complete, args=(_serve_engine(engine_loop, conn),),
-                             name="rollout-engine-front", daemon=True)
-    front.start()
-    engine_loop.run()  # returns once stopped, or at once if the factory failed
-    front.join(60)
-
-
-class _Outbox:
-    """The child's messages to the parent, sent as one pickled batch per event-loop iteration."""
-
-    def __init__(self, conn, loop: asyncio.AbstractEventLoop):
-        self._conn, self._loop = conn, loop
-        self._batch: list[tuple] = []
-
-    def post(self, kind: str, key: Any, value: Any = None, error: BaseException | None = None) -> None:
-        if not self._batch:
-            self._loop.call_soon(self.flush)
-        if isinstance(value, Delivery) and value.error is not None:
-            value.error = _picklable(value.error)
-        self._batch.append((kind, key, value, _picklable(error)))
-
-    def flush(self) -> None:
-        batch, self._batch = self._batch, []
-        if not batch:
-            return
-        try:
-            self._conn.send(batch)
-        except OSError:  # the parent is gone; the reader sees EOF and stops the child
-            pass
-        except Exception:  # something in the batch does not pickle: send the rest, fail that one
-            log_event("engine_message_unpicklable", logging.ERROR, exc_info=True)
-            for kind, key, value, error in batch:
-                self._send_one(kind, key, value, error)
-
-    def _send_one(self, kind: str, key: Any, value: Any, error: BaseException | None) -> None:
-        try:
-            self._conn.send([(kind, key, value, error)])
-        except OSError:
-            pass
-        except Exception as exc:
-            failure = RuntimeError(f"the engine's answer could not be sent: {type(exc).__name__}: {exc}")
-            if kind == "result":
-                self._conn.send([(kind, key, None, failure)])
-            else:
-                self._conn.send([(kind, key, Delivery([], done=True, error=failure), None)])
-
-
-async def _serve_engine(engine_loop: EngineLoop, conn) -> None:
-    loop = asyncio.get_running_loop()
-    out = _Outbox(conn, loop)
-    try:
-        await engine_loop.start()
-    except BaseException as exc:
-        out.post("result", _READY, error=exc)
-        out.flush()
-        return
-    out.post("result", _READY)
-    commands: asyncio.Queue = asyncio.Queue()
-    threading.Thread(target=_read_commands, args=(conn, loop, commands), daemon=True).start()
-    running: set[asyncio.Task] = set()
-    while True:
-        message = await commands.get()
-        if message is None or message[0] == "stop":  # stop, or the parent went away (EOF)
-            await engine_loop.stop()
-            await asyncio.sleep(0)  # the deliveries of the aborted requests, then the answer
-            if message is not None:
-                out.post("result", message[1])
-            out.flush()
-            return
-        task = loop.create_task(_execute(engine_loop, message, out))
-        running.add(task)
-        task.add_done_callback(running.discard)
-
-
-def _read_commands(conn, loop: asyncio.AbstractEventLoop, commands: asyncio.Queue) -> None:
-    """The parent's batches of commands into `commands`, one message at a time (None: EOF)."""
-    while True:
-        try:
-            batch = conn.recv()
-        except (EOFError, OSError):
-            batch = [None]
-        loop.call_soon_threadsafe(_put_all, commands, batch)
-        if any(message is None or message[0] == "stop" for message in batch):
-            return
-
-
-def _put_all(commands: asyncio.Queue, batch: list) -> None:
-    for message in batch:
-        commands.put_nowait(message)
-
-
-async def _execute(engine_loop: EngineLoop, message: tuple, out: _Outbox) -> None:
-    op, cmd_id, *args = message
-    try:
-        if op == "add":
-            (call,) = args
-            rid = call.request_id
-            result = await engine_loop.add(call, lambda delivery: out.post("delivery", rid, delivery))
-        elif op == "abort":
-            result = await engine_loop.abort(*args)
-        elif op == "call":
-            result = await engine_loop.call(args[0])
-        elif op == "weights":
-            result = await engine_loop.update_weights(*args)
-        else:
-            raise ValueError(f"unknown engine command {op!r}")
-    except Exception as exc:
-        out.post("result", cmd_id, error=exc)
-        return
-    out.post("result", cmd_id, result)
 
 
 def _send_error(task: asyncio.Task) -> BaseException | None:
@@ -346,14 +238,3 @@ def _send_error(task: asyncio.Task) -> BaseException | None:
     if task.cancelled():
         return asyncio.CancelledError()
     return task.exception()
-
-
-def _picklable(error: BaseException | None) -> BaseException | None:
-    """The error itself when it survives pickling, else a RuntimeError with its text."""
-    if error is None:
-        return None
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")

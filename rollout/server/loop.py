@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import logging
 import queue
 import threading
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engine.outputs import SampleOutput
-from rollout.errors import FailedPrecondition, InvalidArgument
+from rollout.errors import FailedPrecondition, Unavailable
 from rollout.server.convert import GenerateCall
 from rollout.server.logs import elapsed_ms, log_event
 
@@ -58,10 +59,13 @@ class _Route:
 class EngineLoop:
     """Owns the engine built by `engine_factory` on its own thread (see module docstring)."""
 
-    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, thread: bool = True):
+    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, thread: bool = True,
+                 progress: ctypes.c_int64 | None = None):
         """`thread=False`: no thread of its own; whoever owns the engine calls `run()` (an engine
-        process runs it on its main thread, see rollout.server.engine_process)."""
+        process runs it on its main thread, see rollout.server.engine_process). `progress`: the
+        counter to tick (an engine process passes one in shared memory)."""
         self._factory = engine_factory
+        self._progress = progress if progress is not None else ctypes.c_int64(0)
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[Callable[[], None]] = []  # run on the event loop, in order
@@ -111,6 +115,11 @@ class EngineLoop:
     def num_requests(self) -> int:
         return len(self._routes)
 
+    def progress(self) -> int:
+        """How many times the engine thread has gone round its loop (commands run, a step taken):
+        it stands still while the thread waits idle, or is stuck (rollout.server.liveness)."""
+        return self._progress.value
+
     # -- engine thread -------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -140,11 +149,23 @@ class EngineLoop:
             if self._busy() and not self._stopping:
                 self._step()
                 self._send_outbox()
+            self._progress.value += 1
         for request_id in list(self._routes):
             self._abort(self.engine, request_id, "server stopped")
         for fut in self._weight_waiters:
             self._resolve(fut, error=FailedPrecondition("weights: the server stopped before the update applied"))
+        self._refuse_late_commands()
         self._send_outbox()
+
+    def _refuse_late_commands(self) -> None:
+        """Commands queued after `stop` fail rather than wait forever."""
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1] is not None:
+                self._resolve(item[1], error=Unavailable("the engine loop has stopped"))
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished() or self.engine.weight_update_pending()
@@ -228,11 +249,10 @@ class EngineLoop:
         self._outbox.append(lambda: sink(delivery))
 
     def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
-        if call.request_id in self._routes:
-            raise InvalidArgument("request_id", f"{call.request_id!r} is already running")
-        prompts = [engine.tokenizer.encode(p).ids if isinstance(p, str) else p for p in call.prompts]
+        # the engine refuses an id it still runs (Aborted), so a route is never replaced; an id whose
+        # abort was queued before this add is free again here (commands run in order)
         engine.add_request(
-            call.request_id, prompts, call.params, n=call.n, mask=call.mask, grammar=call.grammar
+            call.request_id, call.prompts, call.params, n=call.n, mask=call.mask, grammar=call.grammar
         )
         self._routes[call.request_id] = _Route(sink, call.num_samples, time.perf_counter())
         if self._busy_period is not None:
@@ -316,6 +336,12 @@ def _failure(samples: list[SampleOutput]) -> FailedPrecondition | None:
     if failed is None:
         return None
     return FailedPrecondition(f"sample {failed.prompt_index}/{failed.sample_index}: {failed.error}")
+
+
+def discard(fut: asyncio.Future) -> None:
+    """Lets `fut` settle unobserved (a clean-up abort nobody waits for): its error, e.g. the
+    engine process having exited meanwhile, is not reported as never retrieved."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:

@@ -1,16 +1,19 @@
 """The `rollout.v1.Rollout` servicer: grpc.aio handlers on top of the engine loop.
 
-Generate admits the request on the engine thread, then streams finished samples as Arrow
+Generate parses and admits the request here (rollout.server.admission: size checks, then text
+tokenised off the event loop), adds it on the engine, then streams finished samples as Arrow
 record batches, flushing when `FlushPolicy.rows` samples are pending or the oldest pending
 sample has waited `FlushPolicy.seconds`. If the client goes away (cancel, deadline) the handler
-is cancelled and the request is aborted on the engine, which frees its KV blocks. Errors reach
-the client through `rollout.server.status.to_status`, the one mapping.
+is cancelled and the request is aborted on the engine, which frees its KV blocks. Requests arrive
+as bytes (rollout.server.wire). Errors reach the client through `rollout.server.status.to_status`,
+the one mapping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,12 +26,14 @@ from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import schema_with_metadata
-from rollout.server.convert import GenerateCall, StreamEncoder, parse_generate, server_info_message
+from rollout.server.admission import Admission
+from rollout.server.convert import GenerateCall, StreamEncoder, server_info_message
 from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
-from rollout.server.loop import Delivery, EngineLoop
+from rollout.server.loop import Delivery, EngineLoop, discard
 from rollout.server.status import to_status
 from rollout.server.weights import assemble
+from rollout.server.wire import parse_request
 
 
 @dataclass(frozen=True)
@@ -47,12 +52,14 @@ class FlushPolicy:
 
 @dataclass(frozen=True)
 class Identity:
-    """Names that go into every batch's schema metadata."""
+    """Names that go into every batch's schema metadata; `instance_id` is made when the server
+    starts (GetServerInfo reports it too)."""
 
     model: str
     drafter: str
     spec_method: str
     vocab_size: int
+    instance_id: str
 
 
 @contextlib.asynccontextmanager
@@ -83,14 +90,13 @@ def engine_info(engine) -> tuple[dict, tuple[int, int]]:
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, engine_loop: EngineLoop | EngineProcess, identity: Identity, flush: FlushPolicy = FlushPolicy()):
+    def __init__(self, engine_loop: EngineLoop | EngineProcess, identity: Identity, admission: Admission,
+                 flush: FlushPolicy = FlushPolicy()):
         self.engine_loop = engine_loop
         self.identity = identity
+        self.admission = admission
         self.flush = flush
         self._encoders: dict[tuple[str, int | None], StreamEncoder] = {}
-
-    def schema(self, call: GenerateCall):
-        return self.encoder(call).schema
 
     def encoder(self, call: GenerateCall) -> StreamEncoder:
         """The call's encoder (its schema's metadata: the mask mode and bound), made once per kind of
@@ -101,21 +107,24 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             if len(self._encoders) >= 256:  # (bounds up to --max-mask-tokens: keep it small)
                 self._encoders.clear()
             ident = self.identity
-            schema = schema_with_metadata(ident.model, ident.drafter, ident.spec_method, key[0], key[1],
-                                          ident.vocab_size)
-            encoder = self._encoders[key] = StreamEncoder(schema)
+            schema_for = functools.partial(schema_with_metadata, ident.model, ident.drafter, ident.spec_method,
+                                           key[0], key[1], ident.vocab_size, instance_id=ident.instance_id)
+            encoder = self._encoders[key] = StreamEncoder(schema_for)
         return encoder
 
-    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, data: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
+        async with status_on_error(context, "Generate"):
+            request = parse_request(pb.GenerateRequest, data)
         async with status_on_error(context, "Generate", request.request_id):
-            call = parse_generate(request)
+            call = self.admission.parse(request)
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         sink = inbox.put_nowait
         try:
             async with status_on_error(context, "Generate", call.request_id):
+                await self.admission.tokenize(call)
                 await self.engine_loop.add(call, sink)
         except asyncio.CancelledError:
-            self.engine_loop.abort(call.request_id, "client went away during admission", sink)
+            discard(self.engine_loop.abort(call.request_id, "client went away during admission", sink))
             raise
         log_event(  # debug: at info, a burst of requests would spend ~40 us each formatting and writing it
             "request_admitted",
@@ -135,7 +144,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             delivered = True
         finally:
             if not delivered:
-                self.engine_loop.abort(call.request_id, "client went away or request failed", sink)
+                discard(self.engine_loop.abort(call.request_id, "client went away or request failed", sink))
 
     async def _flushes(self, inbox: asyncio.Queue[Delivery]) -> AsyncIterator[list[SampleOutput]]:
         """Groups delivered samples into messages of at most `rows` samples; a partial group is
@@ -165,15 +174,17 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                     yield pending
                 return
 
-    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        async with status_on_error(context, "Abort", request.request_id):
+    async def Abort(self, data: bytes, context) -> pb.AbortResponse:
+        async with status_on_error(context, "Abort"):
+            request = parse_request(pb.AbortRequest, data)
             aborted = await self.engine_loop.abort(request.request_id, "abort rpc")
             return pb.AbortResponse(num_aborted=aborted)
 
-    async def GetServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfo:
+    async def GetServerInfo(self, data: bytes, context) -> pb.ServerInfo:
         async with status_on_error(context, "GetServerInfo"):
+            parse_request(pb.ServerInfoRequest, data)
             info, kv_blocks = await self.engine_loop.call(engine_info)
-            return server_info_message(info, kv_blocks, self.identity.drafter)
+            return server_info_message(info, kv_blocks, self.identity.drafter, self.identity.instance_id)
 
     async def UpdateWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
         async with status_on_error(context, "UpdateWeights"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from rollout.errors import FailedPrecondition, InvalidArgument, LoadError, ResourceExhausted, Unavailable
+from rollout.errors import Aborted, FailedPrecondition, InvalidArgument, LoadError, ResourceExhausted, Unavailable
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -17,6 +17,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (LoadError, grpc.StatusCode.INVALID_ARGUMENT),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Aborted, grpc.StatusCode.ABORTED),
 )
 
 

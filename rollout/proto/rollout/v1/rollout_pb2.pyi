@@ -106,7 +106,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total")
+    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total", "instance_id")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class ServerInfo(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     spec_method: str
@@ -136,7 +137,8 @@ class ServerInfo(_message.Message):
     policy_version: int
     kv_blocks_free: int
     kv_blocks_total: int
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
