@@ -7,6 +7,11 @@ once caught up but for its last token, by that token plus up to `num_spec` draft
 (a decode / verify step). Admission needs free KV blocks; when blocks run out the most
 recently admitted sequence is preempted (blocks freed, recomputed later), so the oldest
 work always progresses and nothing deadlocks.
+
+A step also has at most `max_rows` logits rows (min(max_num_batched_tokens, max_num_seqs x
+(num_spec + 1)): what its sequences' own rows can reach), the bound the engine's memory plan
+reserves for. The samples forked from a prompt read its last row too; those that do not fit
+start later as sequences of their own (their prompt's full blocks come from the prefix cache).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec = num_spec
+        self.max_rows = min(max_num_batched_tokens, max_num_seqs * (num_spec + 1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admission_paused = False
@@ -71,6 +77,7 @@ class Scheduler:
             elif not self._preempt_last(keep=seq):
                 break
         self._admit(batch, budget)
+        self._cap_rows(batch)
         return batch
 
     def finish(self, seq: Sequence) -> None:
@@ -140,6 +147,22 @@ class Scheduler:
             self.running.append(seq)
             batch.append(item)
             budget -= item.num_new_tokens + item.num_draft
+
+    def _cap_rows(self, batch: list[ScheduledSeq]) -> None:
+        """Keep the forked samples' rows within `max_rows`; the rest wait as sequences of their own
+        (started: they belong to their request's weights)."""
+        sampling = [it for it in batch if it.samples]
+        left = self.max_rows - sum(1 + it.num_draft for it in sampling)
+        for item in sampling:
+            seq = item.seq
+            if seq.num_output_tokens or not seq.children:
+                continue
+            keep = max(0, left)
+            for child in reversed(seq.children[keep:]):
+                child.started = True
+                self.waiting.appendleft(child)
+            seq.children = seq.children[:keep]
+            left -= len(seq.children)
 
     def _preempt_last(self, keep: Sequence) -> bool:
         """Preempt the newest running sequence (recompute later). Returns False when

@@ -140,6 +140,7 @@ class BlockDrafter(Drafter):
             hidden, logits = self.graphs.run(key, anchors, anchor_pos, table)
         else:
             hidden, logits = self._block_forward(anchors, anchor_pos, table, ctx_len)
+        logits = logits.float()  # [S, B-1, V]
         temps = [s.params.temperature for s in seqs]
         drafts, q, keep = self._choose(logits, hidden, anchors, temps, seqs, anchor_pos + 1)
         limit = [items[i].num_draft for i in rows]
@@ -154,7 +155,8 @@ class BlockDrafter(Drafter):
     def _block_forward(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, table: torch.Tensor, ctx_len: int):
         """The block forward: anchors, anchor_pos [S]; table [S, W]; keys of the first ctx_len
         positions gathered (those at or past a sequence's anchor position are masked). Returns the
-        hidden states [S, B-1, H] and float32 logits [S, B-1, V] of the drafted positions."""
+        hidden states [S, B-1, H] and the logits [S, B-1, V] (in the head's dtype) of the drafted
+        positions."""
         ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
         ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
         block_ids = torch.full((anchors.shape[0], self.block), self.model.config.mask_token_id,
@@ -162,7 +164,7 @@ class BlockDrafter(Drafter):
         block_ids[:, 0] = anchors
         positions = anchor_pos[:, None] + torch.arange(self.block, device=anchors.device)  # [S, B]
         hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
-        return hidden, self.model.logits(hidden)
+        return hidden, self.model.head_logits(hidden)
 
     def _choose(self, logits, hidden, anchors, temps, seqs, first_pos):
         """Greedy samples draft the argmax (one-hot q); sampled ones draw from q =
