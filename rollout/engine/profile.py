@@ -36,6 +36,7 @@ from rollout.errors import InvalidArgument
 
 PROFILE_BLOCKS = 4  # the dummy sequences' blocks (and one scratch block after them)
 ROWS, TOKENS, GRAPHS, DRAFT_GRAPHS = "max_num_seqs", "max_num_batched_tokens", "cuda_graphs", "draft_graphs"
+KINDS = ("masked", "top_p", "plain", "mixed")  # the policy's runs on the largest rows step (row_kinds)
 
 Shape = tuple[int, int]  # an item's (tokens this step, of which drafts); drafts 0 and tokens > 1: a prefill chunk
 
@@ -78,7 +79,7 @@ def row_kinds(vocab_size: int, max_mask_tokens: int) -> dict[str, list[tuple[Sam
                              min_tokens=1, stop_token_ids=[0], **penalties), "support", True)
     top_p = (SamplingParams(top_p=0.95, **penalties), None, True)
     plain = (SamplingParams(), None, False)
-    return {"masked": [masked], "top_p": [top_p], "plain": [plain], "mixed": [masked, top_p, plain]}
+    return dict(zip(KINDS, ([masked], [top_p], [plain], [masked, top_p, plain]), strict=True))
 
 
 class AllowAll:
@@ -141,30 +142,30 @@ def run_largest_steps(engine, max_model_len: int, meter, graphs: bool) -> None:
             shapes = step_shapes(config.max_num_seqs, config.max_num_batched_tokens, num_spec, max_model_len)
             for name, items in shapes.items():
                 with meter.section(name):
-                    run_step(engine, items, max_model_len, name == ROWS)
+                    run_step(engine, items, max_model_len, list(KINDS) if name == ROWS else ["mixed"])
             if graphs:
                 _run_graphs(engine, max_model_len, meter)
     finally:
         _restore(engine, saved)
 
 
-def run_step(engine, shapes: list[Shape], context: int, every_kind: bool) -> None:
-    """One dummy step of items `shapes`, each ending at `context`; the policy once per kind of row
-    (`every_kind`), else on the mixed rows only."""
+def run_step(engine, shapes: list[Shape], context: int, kinds: list[str]) -> None:
+    """One dummy step of items `shapes`, each ending at `context`: the drafter and the forward, then
+    the policy once per kind of row in `kinds` (see row_kinds)."""
     items = [_item(engine, i, tokens, drafts, context) for i, (tokens, drafts) in enumerate(shapes)]
     table = padded_block_table([it.seq.block_table for it in items])
     drafts = engine._draft(items, table)
     step = build_step(items, drafts.num_per_item, engine.config.block_size, engine.device, table)
-    kinds = row_kinds(engine.vocab_size, engine.config.max_mask_tokens)
+    every = row_kinds(engine.vocab_size, engine.config.max_mask_tokens)
     with torch.inference_mode():
         hidden = engine._forward_step(step, drafts)
-        for name, cycle in kinds.items():
-            if every_kind or name == "mixed":
-                for e, seq in enumerate(step.entries):
-                    seq.params, seq.mask, grammar = cycle[e % len(cycle)]
-                    seq.grammar = AllowAll() if grammar else None
-                    seq.mask_bound = seq.params.support_bound if seq.mask else 0
-                engine._sample(step, drafts, hidden)
+        for name in kinds:
+            cycle = every[name]
+            for e, seq in enumerate(step.entries):
+                seq.params, seq.mask, grammar = cycle[e % len(cycle)]
+                seq.grammar = AllowAll() if grammar else None
+                seq.mask_bound = seq.params.support_bound if seq.mask else 0
+            engine._sample(step, drafts, hidden)
         del hidden, drafts, step
 
 
@@ -198,9 +199,9 @@ def _run_graphs(engine, max_model_len: int, meter) -> None:
         steps.append([(2, 1)] * min(config.max_num_seqs, draft_graphs.buckets[-1],
                                     config.max_num_batched_tokens // 2))
         _metered(meter, DRAFT_GRAPHS, draft_graphs)
-    for shapes in steps:
+    for shapes in steps:  # the forwards only: the policy's memory is the largest steps' above
         if shapes and context > q:
-            run_step(engine, shapes, context, every_kind=False)
+            run_step(engine, shapes, context, kinds=[])
 
 
 def _metered(meter, name: str, graphs) -> None:
