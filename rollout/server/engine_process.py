@@ -13,9 +13,12 @@ on its side of one duplex pipe. The parent sends commands (`add`, `abort`, `call
 request's deliveries in the order its event loop produced them, batched per loop iteration.
 Commands and results are pickled: `call` takes a picklable function of the engine (a
 module-level function or a `functools.partial`, not a lambda), and the engine factory must be
-picklable too. A child that dies (a crash, a kill) fails every pending command and running
-request with `Unavailable` (gRPC UNAVAILABLE) naming its exit code, and so does every later
-call: the server answers instead of hanging.
+picklable too. The child's batches go with their large arrays (the samples' masks) out of band
+(`send_message`): written to the pipe from where they lie, with the GIL released, instead of
+copied into the pickle under the engine process's GIL and out of it again in the parent.
+A child that dies (a crash, a kill) fails every pending command and running request with
+`Unavailable` (gRPC UNAVAILABLE) naming its exit code, and so does every later call: the server
+answers instead of hanging.
 """
 
 from __future__ import annotations
@@ -39,6 +42,32 @@ from rollout.server.loop import Delivery, EngineLoop, Sink
 
 _READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
+IN_BAND_BYTES = 1 << 16  # smaller buffers stay inside the pickle (one write less each)
+
+
+def send_message(conn, obj: Any) -> None:
+    """obj pickled (protocol 5) with its buffers of IN_BAND_BYTES or more out of band: one pipe
+    message for the pickle (prefixed by the number of buffers), then one per buffer, each written
+    from its own memory. Read with `recv_message`; one writer per connection."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < IN_BAND_BYTES:
+            return True
+        buffers.append(buffer)
+        return False
+
+    head = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+    conn.send_bytes(len(buffers).to_bytes(4, "little") + head)
+    for buffer in buffers:
+        conn.send_bytes(buffer.raw())
+
+
+def recv_message(conn) -> Any:
+    """The object `send_message` sent (its out-of-band arrays read-only, on the received bytes)."""
+    head = conn.recv_bytes()
+    buffers = [conn.recv_bytes() for _ in range(int.from_bytes(head[:4], "little"))]
+    return pickle.loads(memoryview(head)[4:], buffers=buffers)
 
 
 class EngineProcess:
@@ -161,7 +190,7 @@ class EngineProcess:
         try:
             while True:
                 try:
-                    batch = self._conn.recv()
+                    batch = recv_message(self._conn)
                 except (EOFError, OSError):
                     break
                 self._loop.call_soon_threadsafe(self._on_batch, batch)
@@ -255,7 +284,7 @@ class _Outbox:
         if not batch:
             return
         try:
-            self._conn.send(batch)
+            send_message(self._conn, batch)
         except OSError:  # the parent is gone; the reader sees EOF and stops the child
             pass
         except Exception:  # something in the batch does not pickle: send the rest, fail that one
@@ -265,15 +294,15 @@ class _Outbox:
 
     def _send_one(self, kind: str, key: Any, value: Any, error: BaseException | None) -> None:
         try:
-            self._conn.send([(kind, key, value, error)])
+            send_message(self._conn, [(kind, key, value, error)])
         except OSError:
             pass
         except Exception as exc:
             failure = RuntimeError(f"the engine's answer could not be sent: {type(exc).__name__}: {exc}")
             if kind == "result":
-                self._conn.send([(kind, key, None, failure)])
+                send_message(self._conn, [(kind, key, None, failure)])
             else:
-                self._conn.send([(kind, key, Delivery([], done=True, error=failure), None)])
+                send_message(self._conn, [(kind, key, Delivery([], done=True, error=failure), None)])
 
 
 async def _serve_engine(engine_loop: EngineLoop, conn) -> None:
