@@ -206,8 +206,11 @@ def run_in_process(engine: LLMEngine, case: dict, prompts, tag: str, device: str
     sync(device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
+    plan = engine.memory_plan
+    planned = {} if plan is None else dict(plan_held_gb=plan.held / 1e9, plan_step_gb=plan.step / 1e9,
+                                           plan_graphs_gb=plan.graphs / 1e9, plan_step_setting=plan.step_setting)
     return dict(tokens=tokens, seconds=seconds, steps=steps, step_ms=step_seconds * 1e3 / steps,
-                peak_gb=peak, compiled=engine.compiled()), log.records
+                peak_gb=peak, compiled=engine.compiled(), **planned), log.records
 
 
 def run_service(server: ServerProcess, seen: int, case: dict, prompts, device: str) -> tuple[dict, int]:
@@ -325,7 +328,8 @@ def main() -> None:
                 bench_group(args, dirs, spec, cases, rows, result)
     result["seconds"] = time.perf_counter() - start
     columns = ["case", "path", "spec", "mask", "prompts", "n", "prompt_len", "output_len", "tokens_per_s", "steps",
-               "step_ms", "peak_gb", "kv_blocks", "limit_s", "fraction", "service_over_in_process"]
+               "step_ms", "peak_gb", "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction",
+               "service_over_in_process"]
     print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "
                 f"(fraction = memory-bound limit / run time; service: in-process limit)", rows, columns)
     report(rows, result, args)

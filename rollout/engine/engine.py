@@ -58,6 +58,7 @@ class LLMEngine:
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
         self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
         self.graphs: StepGraphs | None = None
+        self.memory_plan: memory.DeviceMemory | None = None  # what the profile measured (CUDA)
         limits = [config.max_model_len or self.loaded.config.max_position_embeddings,
                   self.drafter and self.drafter.max_model_len()]
         limit = min(x for x in limits if x)
@@ -89,7 +90,7 @@ class LLMEngine:
             per_block += self.drafter.bytes_per_block(config.block_size)
         if self.device.type != "cuda":
             return config.num_kv_blocks or memory.cpu_kv_blocks(config.cpu_kv_bytes, per_block)
-        measured = profile.measure(self, max_model_len)
+        measured = self.memory_plan = profile.measure(self, max_model_len)
         log.info("memory plan: %s held, largest step %s (%s), CUDA graphs %s", memory.gib(measured.held),
                  memory.gib(measured.step), measured.step_setting, memory.gib(measured.graphs))
         planned = memory.gpu_kv_blocks(measured, config.gpu_memory_fraction, per_block) - 1  # the scratch block

@@ -51,6 +51,7 @@ class Scheduler:
         self.admission_paused = False
         self.num_preemptions = 0
         self._fork_blocks = 0  # free blocks promised to this step's forks (copies of partial blocks)
+        self._forking = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,6 +67,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         self._fork_blocks = 0
+        self._forking = False  # some item forks samples this step (their rows are capped)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -77,7 +79,8 @@ class Scheduler:
             elif not self._preempt_last(keep=seq):
                 break
         self._admit(batch, budget)
-        self._cap_rows(batch)
+        if self._forking:
+            self._cap_rows(batch)
         return batch
 
     def finish(self, seq: Sequence) -> None:
@@ -126,6 +129,7 @@ class Scheduler:
             # hold one block per forked sample (for its partial-block copy) as far as they go;
             # a sample left without one waits and recomputes its prompt (Committer._fork)
             self._fork_blocks += min(len(seq.children), self.bm.num_free_blocks - self._fork_blocks)
+            self._forking = True
         return True
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
