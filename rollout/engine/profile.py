@@ -6,14 +6,15 @@ it), the way vLLM and SGLang profile a dummy forward.
 The steps: `max_rows` = min(max_num_batched_tokens, max_num_seqs x (num_spec + 1)) logits rows
 (the scheduler's bound) as decode items carrying all their drafts; and, when those leave part of
 the token budget, max_num_seqs - 1 of them next to prefill chunks that use it all (the forward's
-largest activations; the torch attention path pads every sequence to the longest chunk). Every item
-ends at context max_model_len (the torch path and a drafter gather each sequence's context to the
-longest). The sampling rows are as costly as a request can make them: after one forward the policy
-runs once per kind of row (top_k at max_mask_tokens with top_p, min_p, penalties, a logit bias,
-min_tokens, a grammar bitmask and support masks; top_p alone; no truncation; the three mixed), on
-flat logits, which make every top-p row need the whole vocabulary. Whatever `policy` allocates
-for them is measured, not assumed. The dummy block tables cycle through a few scratch blocks: the
-kernels' shapes, not the cache's contents, set the memory.
+largest activations; the torch attention path pads every sequence to the longest chunk). The
+items end at context max_model_len (the torch path and a drafter gather each sequence's context
+to the longest), but for the second and later prefill chunks, which would only add attention work.
+The sampling rows are as costly as a request can make them: after one forward the policy runs once
+per kind of row (top_k at max_mask_tokens with top_p, min_p, penalties, a logit bias, min_tokens, a
+grammar bitmask and support masks; top_p alone; no truncation; the three mixed), on flat logits,
+which make every top-p row need the whole vocabulary. Whatever `policy` allocates for them is
+measured, not assumed. The dummy block tables cycle through a few scratch blocks: the kernels'
+shapes, not the cache's contents, set the memory.
 
 CUDA graphs: each graph set (the target's, the drafter's) runs its static-buffer path eagerly at its
 largest key; that peak, plus its buffers, is what its pool will hold (see rollout/engine/graphs.py).
@@ -150,9 +151,12 @@ def run_largest_steps(engine, max_model_len: int, meter, graphs: bool) -> None:
 
 
 def run_step(engine, shapes: list[Shape], context: int, kinds: list[str]) -> None:
-    """One dummy step of items `shapes`, each ending at `context`: the drafter and the forward, then
-    the policy once per kind of row in `kinds` (see row_kinds)."""
-    items = [_item(engine, i, tokens, drafts, context) for i, (tokens, drafts) in enumerate(shapes)]
+    """One dummy step of items `shapes`, each ending at `context` but prefill chunks after the first
+    (they start at 0: every kernel's shapes are the same, the attention work far less): the drafter
+    and the forward, then the policy once per kind of row in `kinds` (see row_kinds)."""
+    chunks = [i for i, (tokens, drafts) in enumerate(shapes) if tokens > 1 and not drafts]
+    items = [_item(engine, i, tokens, drafts, tokens if i in chunks[1:] else context)
+             for i, (tokens, drafts) in enumerate(shapes)]
     table = padded_block_table([it.seq.block_table for it in items])
     drafts = engine._draft(items, table)
     step = build_step(items, drafts.num_per_item, engine.config.block_size, engine.device, table)
