@@ -29,8 +29,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-confidence-threshold", type=float, default=0.0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="default: what fits once the largest step is profiled (CUDA) or --cpu-kv-bytes")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.85,
+                   help="of the device for weights, the largest step, CUDA graphs and the KV cache")
     p.add_argument("--cpu-kv-bytes", type=int, default=256 << 20, help="KV budget on --device cpu")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode / verify steps eagerly on CUDA")

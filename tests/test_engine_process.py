@@ -152,3 +152,27 @@ def test_a_factory_that_cannot_cross_the_process_boundary_is_refused_at_once():
 def test_errors_keep_their_type_and_field_across_the_process_boundary():
     err = pickle.loads(pickle.dumps(InvalidArgument("top_k", "must be >= 1")))
     assert isinstance(err, InvalidArgument) and err.field == "top_k" and str(err) == "top_k: must be >= 1"
+
+
+def test_the_childs_messages_carry_large_arrays_out_of_band():
+    """send_message / recv_message (the child's deliveries): large arrays (a sample's masks) travel
+    as pipe messages of their own and arrive read-only on the received bytes, not copied out of the
+    pickle; small ones stay inside it; everything arrives equal."""
+    import multiprocessing
+
+    import numpy as np
+
+    from rollout.server.pipe import IN_BAND_BYTES, recv_message, send_message
+
+    big = np.arange(IN_BAND_BYTES // 4 + 7, dtype=np.int32)
+    small = np.arange(5, dtype=np.float32)
+    ours, theirs = multiprocessing.Pipe()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(recv_message(theirs)))
+    reader.start()
+    send_message(ours, [("delivery", "r", {"big": big, "small": small, "n": 3}, None)])
+    reader.join(10)
+    (kind, key, value, error), = got[0]
+    assert (kind, key, value["n"], error) == ("delivery", "r", 3, None)
+    assert np.array_equal(value["big"], big) and np.array_equal(value["small"], small)
+    assert not value["big"].flags.writeable and value["small"].flags.writeable

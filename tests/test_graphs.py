@@ -36,6 +36,7 @@ def test_static_replay_matches_eager_decode(tiny_random_qwen3):
     base, _ = _run(tiny_random_qwen3, static=False)
     outs, eng = _run(tiny_random_qwen3, static=True)
     assert eng.graphs.num_replays > 5 and len(eng.graphs.graphs) >= 2  # several batch buckets were used
+    assert _one_output_buffer(eng.graphs)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     for a, b in zip(outs, base):
         assert max(abs(x - y) for x, y in zip(a.token_logprobs, b.token_logprobs)) < 1e-4
@@ -48,6 +49,13 @@ def test_static_replay_matches_eager_verify(tiny_random_qwen3):
     assert eng.graphs.num_replays > 0
     assert any(k[1] == 4 for k in eng.graphs.graphs)  # verify blocks of 1 + 3 drafts were replayed
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+
+
+def _one_output_buffer(graphs) -> bool:
+    """Every graph of a set writes its outputs into the set's one buffer per output (the memory
+    plan reserves one forward's working set for a set's pool, not outputs per captured key)."""
+    return all(len({g[i].untyped_storage().data_ptr() for g in graphs.graphs.values()}) == 1
+               for i in (1, 2) if all(g[i] is not None for g in graphs.graphs.values()))
 
 
 def _assert_finite(eng) -> None:
@@ -74,6 +82,7 @@ def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, ran
     outs, eng = _run(tiny_random_qwen3, static=True, after_step=_assert_finite, **kw)
     assert eng.graphs.num_replays > 0 and any(k[1] == 4 for k in eng.graphs.graphs)
     assert eng.drafter.graphs.num_replays > 0 and len(eng.drafter.graphs.graphs) >= 2  # drafter graphs too
+    assert _one_output_buffer(eng.graphs) and _one_output_buffer(eng.drafter.graphs)
     assert eng.compiled()["graphs"] == len(eng.graphs.graphs) + len(eng.drafter.graphs.graphs)
     assert base_eng.compiled()["graphs"] == 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]

@@ -144,6 +144,10 @@ def _row_arrays(entry_draft: list[int], entry_row0: list[int], entry_pos: list[i
 
 
 def padded_block_table(tables: list[list[int]]) -> np.ndarray:
-    """Block tables of several sequences as one [S, max_blocks] int64 host array, 0-padded."""
-    width = max(map(len, tables))
-    return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+    """Block tables of several sequences as one [S, max_blocks] int64 host array, 0-padded: one
+    pass over the block ids in C, no padded Python lists."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))  # [S]
+    out = np.zeros((len(tables), int(lens.max())), np.int64)
+    ids = np.fromiter(itertools.chain.from_iterable(tables), np.int64, int(lens.sum()))
+    out[np.arange(out.shape[1]) < lens[:, None]] = ids
+    return out

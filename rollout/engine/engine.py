@@ -14,14 +14,14 @@ import random
 
 import torch
 
-from rollout.engine import triton_ops, triton_prefix_attention
+from rollout.engine import memory, profile, triton_ops, triton_prefix_attention
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.commit import Committer
 from rollout.engine.config import EngineConfig
 from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake
-from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
+from rollout.engine.kv import allocate_kv, bytes_per_block, copy_blocks
 from rollout.engine.loader import load_model
 from rollout.engine.outputs import SampleOutput
 from rollout.engine.prefix_plan import SharedPrefixPlanner
@@ -54,29 +54,49 @@ class LLMEngine:
             self.drafter, self.drafter_name = drafter, type(drafter).__name__
         else:
             self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
-        num_blocks = size_kv_blocks(config, self.loaded.config, self.drafter, self.device)
+        self.intake = Intake(self, random.Random())
+        self.capture = MaskCapture()
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
+        self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
+        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
+        self.graphs: StepGraphs | None = None
+        self.memory_plan: memory.DeviceMemory | None = None  # what the profile measured (CUDA)
+        limits = [config.max_model_len or self.loaded.config.max_position_embeddings,
+                  self.drafter and self.drafter.max_model_len()]
+        limit = min(x for x in limits if x)
+        num_blocks = self._plan_kv_blocks(limit)
         # one more block than the manager hands out: the scratch block of padded graph rows
         self.kv_caches = allocate_kv(self.loaded.config, num_blocks + 1, config.block_size, self.device,
                                      self.model.embed_tokens.weight.dtype)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks + 1, config.block_size)  # + the graphs' scratch block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        limits = [config.max_model_len or self.loaded.config.max_position_embeddings,
-                  (num_blocks - 1) * config.block_size, self.drafter and self.drafter.max_model_len()]
-        self.max_model_len = min(x for x in limits if x)
+        self.max_model_len = memory.max_model_len(config, limit, num_blocks)
         num_spec = self.drafter.num_spec if self.drafter else 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_spec)
-        self.intake = Intake(self, random.Random())
-        self.capture = MaskCapture()
         self.weights = WeightUpdater(self)
         self.committer = Committer(self)
         self.pending_copies: list[tuple[int, int]] = []
-        self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
-        self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
-        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
-        use_graphs = self.device.type == "cuda" and config.cuda_graphs
-        self.graphs = self.make_step_graphs(capture=True) if use_graphs else None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.graphs = self.make_step_graphs(capture=True)
+
+    def _plan_kv_blocks(self, max_model_len: int) -> int:
+        """KV blocks for the pool (see rollout.engine.memory): on CUDA what the profile of the largest
+        step leaves under gpu_memory_fraction (or num_kv_blocks, when that fits), on CPU
+        num_kv_blocks or cpu_kv_bytes."""
+        config = self.config
+        per_block = bytes_per_block(self.loaded.config, config.block_size,
+                                    self.model.embed_tokens.weight.element_size())
+        if self.drafter is not None:
+            per_block += self.drafter.bytes_per_block(config.block_size)
+        if self.device.type != "cuda":
+            return config.num_kv_blocks or memory.cpu_kv_blocks(config.cpu_kv_bytes, per_block)
+        measured = self.memory_plan = profile.measure(self, max_model_len)
+        log.info("memory plan: %s held, largest step %s (%s), CUDA graphs %s", memory.gib(measured.held),
+                 memory.gib(measured.step), measured.step_setting, memory.gib(measured.graphs))
+        planned = memory.gpu_kv_blocks(measured, config.gpu_memory_fraction, per_block) - 1  # the scratch block
+        return memory.choose_kv_blocks(config, planned)
 
     # -- public API (see rollout.server) --------------------------------------------------
 
@@ -153,10 +173,20 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _run(self, step: StepBatch, drafts: Drafts):
-        input_ids = step.input_ids.index_put((step.draft_token_index,), drafts.tokens)
-        hidden, _ = self._forward(input_ids, step.meta)  # the drafter's context is updated in there
+        hidden = self._forward_step(step, drafts)
         if not step.entries:
             return None, None
+        return self._sample(step, drafts, hidden)
+
+    def _forward_step(self, step: StepBatch, drafts: Drafts) -> torch.Tensor:
+        """The step's tokens with the drafts in their slots -> hidden [T, H]; the drafter's context is
+        updated in there."""
+        input_ids = step.input_ids.index_put((step.draft_token_index,), drafts.tokens)
+        hidden, _ = self._forward(input_ids, step.meta)
+        return hidden
+
+    def _sample(self, step: StepBatch, drafts: Drafts, hidden: torch.Tensor):
+        """Logits of the step's rows, Contract 1, verification and mask capture."""
         logits = self.model.compute_logits(hidden[step.logits_index])  # [R, V]
         bitmask = self.intake.grammar_bitmask(step, drafts)
         rows = build_row_params(step, drafts.tokens, self.vocab_size, bitmask, self.device)
@@ -183,8 +213,9 @@ class LLMEngine:
         return hidden, aux
 
     def make_step_graphs(self, capture: bool) -> StepGraphs:
-        """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests)."""
-        forward = self._target_forward
+        """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests). The
+        graphs keep the hidden states only: the drafter reads the taps inside the forward."""
+        forward = lambda ids, meta: (self._target_forward(ids, meta)[0], None)  # noqa: E731
         max_q = (self.drafter.num_spec + 1) if self.drafter else 1
         max_blocks = -(-self.max_model_len // self.config.block_size) + 1
         max_batch = min(256, self.config.max_num_seqs)

@@ -7,6 +7,11 @@ once caught up but for its last token, by that token plus up to `num_spec` draft
 (a decode / verify step). Admission needs free KV blocks; when blocks run out the most
 recently admitted sequence is preempted (blocks freed, recomputed later), so the oldest
 work always progresses and nothing deadlocks.
+
+A step also has at most `max_rows` logits rows (min(max_num_batched_tokens, max_num_seqs x
+(num_spec + 1)): what its sequences' own rows can reach), the bound the engine's memory plan
+reserves for. The samples forked from a prompt read its last row too; those that do not fit
+start later as sequences of their own (their prompt's full blocks come from the prefix cache).
 """
 
 from __future__ import annotations
@@ -40,11 +45,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec = num_spec
+        self.max_rows = min(max_num_batched_tokens, max_num_seqs * (num_spec + 1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admission_paused = False
         self.num_preemptions = 0
         self._fork_blocks = 0  # free blocks promised to this step's forks (copies of partial blocks)
+        self._forking = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -60,6 +67,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         self._fork_blocks = 0
+        self._forking = False  # some item forks samples this step (their rows are capped)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -71,6 +79,8 @@ class Scheduler:
             elif not self._preempt_last(keep=seq):
                 break
         self._admit(batch, budget)
+        if self._forking:
+            self._cap_rows(batch)
         return batch
 
     def finish(self, seq: Sequence) -> None:
@@ -119,6 +129,7 @@ class Scheduler:
             # hold one block per forked sample (for its partial-block copy) as far as they go;
             # a sample left without one waits and recomputes its prompt (Committer._fork)
             self._fork_blocks += min(len(seq.children), self.bm.num_free_blocks - self._fork_blocks)
+            self._forking = True
         return True
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
@@ -140,6 +151,22 @@ class Scheduler:
             self.running.append(seq)
             batch.append(item)
             budget -= item.num_new_tokens + item.num_draft
+
+    def _cap_rows(self, batch: list[ScheduledSeq]) -> None:
+        """Keep the forked samples' rows within `max_rows`; the rest wait as sequences of their own
+        (started: they belong to their request's weights)."""
+        sampling = [it for it in batch if it.samples]
+        left = self.max_rows - sum(1 + it.num_draft for it in sampling)
+        for item in sampling:
+            seq = item.seq
+            if seq.num_output_tokens or not seq.children:
+                continue
+            keep = max(0, left)
+            for child in reversed(seq.children[keep:]):
+                child.started = True
+                self.waiting.appendleft(child)
+            seq.children = seq.children[:keep]
+            left -= len(seq.children)
 
     def _preempt_last(self, keep: Sequence) -> bool:
         """Preempt the newest running sequence (recompute later). Returns False when

@@ -16,11 +16,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
 
 def upload(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A list (or nested list, or host tensor) as a tensor on `device`, queued behind the
-    stream's work instead of waiting for it."""
-    host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    """A list (or nested list, or host array or tensor) as a tensor on `device`, queued behind the
+    stream's work instead of waiting for it. Lists go through numpy: torch.tensor takes ~1 us per
+    element (10 s for a 10M-token penalty history), numpy a sixth of that."""
+    host = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.asarray(data, dtype=_NUMPY[dtype]))
     return host.to(device=device, dtype=dtype, non_blocking=True)
 
 

@@ -33,7 +33,7 @@ if triton is not None:
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEADS_P2: tl.constexpr, QK_NORM: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         heads = tl.arange(0, HEADS_P2)  # q heads, then k heads, then v heads
         dims = tl.arange(0, HEAD_DIM)
         total = NUM_HEADS + 2 * NUM_KV_HEADS
@@ -73,7 +73,7 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, stride_x, stride_res,
                              SIZE: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         cols = tl.arange(0, BLOCK)
         ok = cols < SIZE
         s = (tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
@@ -87,7 +87,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, SIZE: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # 262,144 tokens x 2 x 12,288 (8B's gate|up) passes 2**31
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < SIZE
         gate = tl.load(gate_up_ptr + t * stride_in + cols, mask=ok, other=0.0).to(tl.float32)

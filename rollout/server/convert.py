@@ -108,7 +108,7 @@ class StreamEncoder:
 
     def encode(self, samples: Sequence[SampleOutput]) -> pb.GenerateResponse:
         batch = to_record_batch(samples, self.schema(max(s.policy_version for s in samples)))
-        stream = b"".join((self._schema_message, batch.serialize().to_pybytes(), _END_OF_STREAM))
+        stream = b"".join((self._schema_message, batch.serialize(), _END_OF_STREAM))  # (Arrow's buffer, not a copy)
         return pb.GenerateResponse(arrow_ipc=stream, num_rows=batch.num_rows)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from rollout.server import logs
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop, Sink
+from rollout.server.pipe import send_message
 
 READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 
@@ -66,7 +67,7 @@ class _Outbox:
         if not batch:
             return
         try:
-            self._conn.send(batch)
+            send_message(self._conn, batch)
         except OSError:  # the parent is gone; the reader sees EOF and stops the child
             pass
         except Exception:  # something in the batch does not pickle: send the rest, fail that one
@@ -76,15 +77,15 @@ class _Outbox:
 
     def _send_one(self, kind: str, key: Any, value: Any, error: BaseException | None) -> None:
         try:
-            self._conn.send([(kind, key, value, error)])
+            send_message(self._conn, [(kind, key, value, error)])
         except OSError:
             pass
         except Exception as exc:
             failure = RuntimeError(f"the engine's answer could not be sent: {type(exc).__name__}: {exc}")
             if kind == "result":
-                self._conn.send([(kind, key, None, failure)])
+                send_message(self._conn, [(kind, key, None, failure)])
             else:
-                self._conn.send([(kind, key, Delivery([], done=True, error=failure), None)])
+                send_message(self._conn, [(kind, key, Delivery([], done=True, error=failure), None)])
 
 
 class _Admissions:

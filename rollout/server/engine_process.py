@@ -21,7 +21,8 @@ Each `add` is an admission with a key of its own, and the child sends its delive
 key: a request id whose abort has run in the child can be admitted again at once, while the old
 admission's last delivery is still on its way here. The one check that an id is not running twice
 is the engine's (`Aborted`). A shared counter that the child's engine loop ticks tells the
-liveness watchdog (rollout.server.liveness) whether it makes progress.
+liveness watchdog (rollout.server.liveness) whether it makes progress. The child's batches carry
+their large arrays (the samples' masks) out of band (rollout.server.pipe).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from rollout.server.convert import GenerateCall
 from rollout.server.engine_child import READY, child_main
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, Sink, discard
+from rollout.server.pipe import recv_message
 
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
 
@@ -181,7 +183,7 @@ class EngineProcess:
         try:
             while True:
                 try:
-                    batch = self._conn.recv()
+                    batch = recv_message(self._conn)
                 except (EOFError, OSError):
                     break
                 self._loop.call_soon_threadsafe(self._on_batch, batch)

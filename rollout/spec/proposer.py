@@ -32,6 +32,8 @@ from rollout.spec.draft_graphs import DraftGraphs
 from rollout.spec.draft_model import DraftModel
 from rollout.spec.verify import Proposal
 
+GATHER_BYTES = 1 << 30  # the most context K (or V) one draft layer gathers at once
+
 
 @dataclass
 class Drafts:
@@ -142,6 +144,7 @@ class BlockDrafter(Drafter):
             hidden, logits = self.graphs.run(key, anchors, anchor_pos, table)
         else:
             hidden, logits = self._block_forward(anchors, anchor_pos, table, ctx_len)
+        logits = logits.float()  # [S, B-1, V]
         temps = [s.params.temperature for s in seqs]
         drafts, q, keep = self._choose(logits, hidden, anchors, temps, seqs, anchor_pos + 1)
         limit = [items[i].num_draft for i in rows]
@@ -156,7 +159,21 @@ class BlockDrafter(Drafter):
     def _block_forward(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, table: torch.Tensor, ctx_len: int):
         """The block forward: anchors, anchor_pos [S]; table [S, W]; keys of the first ctx_len
         positions gathered (those at or past a sequence's anchor position are masked). Returns the
-        hidden states [S, B-1, H] and float32 logits [S, B-1, V] of the drafted positions."""
+        hidden states [S, B-1, H] and the logits [S, B-1, V] (in the head's dtype) of the drafted
+        positions. The sequences go in groups whose gathered context stays within GATHER_BYTES per
+        tensor: the gather pads every sequence to ctx_len, so a step's memory would otherwise grow
+        as S x the longest context (43 GB per layer at 256 x 40,960 for a Qwen3-8B-shaped drafter)."""
+        bb = self.model.config.backbone
+        row_bytes = max(ctx_len, 1) * bb.num_key_value_heads * bb.head_dim * self.model.fc.weight.element_size()
+        group = max(1, GATHER_BYTES // row_bytes)
+        if anchors.shape[0] <= group:
+            return self._block_group(anchors, anchor_pos, table, ctx_len)
+        parts = [self._block_group(anchors[i:i + group], anchor_pos[i:i + group], table[i:i + group], ctx_len)
+                 for i in range(0, anchors.shape[0], group)]
+        return torch.cat([h for h, _ in parts]), torch.cat([z for _, z in parts])
+
+    def _block_group(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, table: torch.Tensor, ctx_len: int):
+        """`_block_forward` of one group of sequences."""
         ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
         ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
         block_ids = torch.full((anchors.shape[0], self.block), self.model.config.mask_token_id,
@@ -164,7 +181,7 @@ class BlockDrafter(Drafter):
         block_ids[:, 0] = anchors
         positions = anchor_pos[:, None] + torch.arange(self.block, device=anchors.device)  # [S, B]
         hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
-        return hidden, self.model.logits(hidden)
+        return hidden, self.model.head_logits(hidden)
 
     def _choose(self, logits, hidden, anchors, temps, seqs, first_pos):
         """Greedy samples draft the argmax (one-hot q); sampled ones draw from q =
