@@ -20,64 +20,51 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rollout.server.config import ServeConfig
 from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import EngineLoop
-from rollout.server.service import FlushPolicy, Identity, RolloutService
+from rollout.server.metrics import Metrics, RequestCounter, serve_metrics
+from rollout.server.service import Identity, RolloutService
+from rollout.server.stats_log import log_stats
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 MAX_MESSAGE_BYTES = 1 << 30
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    """Front-end settings of `rollout serve` (the engine has its own EngineConfig)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    drain_seconds: float = 300.0
-    flush: FlushPolicy = field(default_factory=FlushPolicy)
-    # the engine in a child process (EngineProcess; the factory must then be picklable) rather than
-    # a thread of this one (EngineLoop): `rollout serve` does, see rollout.server.engine_process
-    engine_process: bool = False
-
-    def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise InvalidArgument("port", f"must be in [0, 65535] (0 = pick a free one), got {self.port}")
-        if not self.drain_seconds >= 0:
-            raise InvalidArgument("drain_seconds", f"must be >= 0, got {self.drain_seconds}")
-
-    def address(self, port: int) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{port}"
-
-
 @dataclass
 class RunningServer:
-    """A started server. `address` is HOST:PORT with the bound port."""
+    """A started server. `address` is HOST:PORT with the bound port; `metrics_address` the URL of
+    its Prometheus endpoint ("" without --metrics-port)."""
 
     server: grpc.aio.Server
     engine_loop: EngineLoop | EngineProcess
     health: health.aio.HealthServicer
     address: str
+    metrics: Metrics
+    metrics_address: str = ""
+    closers: list[Callable[[], Any]] = field(default_factory=list)  # the metrics endpoint, the stats log
 
     async def stop(self, grace: float | None) -> None:
         """NOT_SERVING, refuse new RPCs, wait up to `grace` s for running ones, stop the engine."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.engine_loop.stop()
+        for close in self.closers:
+            close()
 
 
 async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -> RunningServer:
     """Builds the engine (on its own thread or in its own process), binds the port and starts serving."""
     loop_type = EngineProcess if config.engine_process else EngineLoop
     engine_loop = loop_type(engine_factory, asyncio.get_running_loop())
+    metrics = Metrics(engine_loop.num_requests)
+    engine_loop.on_stats = metrics.update
     await engine_loop.start()
     identity = await engine_loop.call(engine_identity)
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", -1)]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=[RequestCounter(metrics)])
     rollout_pb2_grpc.add_RolloutServicer_to_server(
         RolloutService(engine_loop, identity, config.flush), server
     )
@@ -90,14 +77,28 @@ async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    address = config.address(port)
-    log_event("server_started", address=address, model=identity.model, spec=identity.spec_method)
-    return RunningServer(server, engine_loop, health_servicer, address)
+    running = RunningServer(server, engine_loop, health_servicer, config.address(port), metrics)
+    _observe(running, config)
+    log_event("server_started", address=running.address, model=identity.model, spec=identity.spec_method,
+              metrics=running.metrics_address or None)
+    return running
+
+
+def _observe(running: RunningServer, config: ServeConfig) -> None:
+    """The metrics endpoint (--metrics-port) and the periodic stats line (--stats-interval)."""
+    if config.metrics_port is not None:
+        stop, running.metrics_address = serve_metrics(running.metrics, config.metrics_host, config.metrics_port)
+        running.closers.append(stop)
+    if config.stats_interval > 0:
+        task = asyncio.ensure_future(log_stats(running.metrics, config.stats_interval))
+        running.closers.append(task.cancel)
 
 
 async def serve(engine_factory: Callable[[], Any], config: ServeConfig) -> int:
     """`rollout serve`: runs until SIGTERM/SIGINT, drains, returns the exit status (0)."""
     running = await start_server(engine_factory, config)
+    if running.metrics_address:
+        print(f"rollout metrics on {running.metrics_address}", flush=True)
     print(f"rollout serving on {running.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -121,6 +122,9 @@ def engine_identity(engine) -> Identity:
     return Identity(engine.model_name, engine.drafter_name, str(engine.info()["spec_method"]))
 
 
+BACKGROUND = ServeConfig(port=0, engine_process=False, stats_interval=0)  # BackgroundServer's default
+
+
 class BackgroundServer:
     """A server on a private event loop in a daemon thread; a context manager.
 
@@ -128,7 +132,7 @@ class BackgroundServer:
         client = RolloutClient(server.address)
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], config: ServeConfig = ServeConfig()):
+    def __init__(self, engine_factory: Callable[[], Any], config: ServeConfig = BACKGROUND):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-server", daemon=True)
         self._factory, self._config = engine_factory, config

@@ -59,10 +59,16 @@ class EngineProcess:
         self._conn = None
         self._proc = None
         self.on_death: Callable[[], None] | None = None  # called on the event loop if the child dies
+        self.on_stats: Callable[[Any], None] | None = None  # the child's StatsSnapshots, on the event loop
 
     async def start(self) -> None:
         """Starts the child and waits until its engine is built; raises what the factory raised."""
-        pickle.dumps(self._factory)  # fail here, clearly, rather than in the child
+        try:  # fail here, clearly, rather than in the child
+            pickle.dumps(self._factory)
+        except Exception as exc:
+            raise InvalidArgument("engine_process", f"the engine factory cannot be sent to a child process "
+                                  f"({exc}); use a module-level function or functools.partial, or run the "
+                                  f"engine on a thread (ServeConfig(engine_process=False))") from exc
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, name="rollout-engine", daemon=True,
@@ -173,6 +179,9 @@ class EngineProcess:
         for kind, key, value, error in batch:
             if kind == "result":
                 self._settle(key, value, error)
+            elif kind == "stats":
+                if self.on_stats is not None:
+                    self.on_stats(value)
             else:  # a delivery for request `key`
                 sink = self._sinks.get(key)
                 if sink is None:
@@ -279,6 +288,7 @@ class _Outbox:
 async def _serve_engine(engine_loop: EngineLoop, conn) -> None:
     loop = asyncio.get_running_loop()
     out = _Outbox(conn, loop)
+    engine_loop.on_stats = lambda snapshot: out.post("stats", None, snapshot)
     try:
         await engine_loop.start()
     except BaseException as exc:
