@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import socket
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import read_state_dict
 from rollout.engine.outputs import SampleOutput
+from rollout.errors import InvalidArgument
 from rollout.masks.pack import Supports
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.engine_stats import EngineStats
@@ -102,7 +104,7 @@ def test_engine_stats_count_steps_samples_and_masks():
     counts = stats.counts
     assert counts.steps[0] == 1 and counts.steps[2] == 1 and counts.steps[-1] == 1  # 20 s: the +Inf bucket
     assert counts.samples == {"stop": 1, "abort": 1} and counts.generated_tokens == 3 and counts.prompt_tokens == 6
-    assert counts.verify_steps == 2 and counts.acceptance[2] == 1 and counts.acceptance_sum == 1.5  # 3 tokens / 2 (le 1.5)
+    assert counts.verify_steps == 2 and counts.acceptance[2] == 1 and counts.acceptance_sum == 1.5  # 3 tokens in 2
     assert counts.mask_bytes == 3 * 4 + 2 * 4 + 3 * 4  # ids, lengths, log-probs
 
 
@@ -128,7 +130,15 @@ def test_weight_loading_progress_shows_on_a_terminal_only(tiny_random_qwen3, cap
     assert log_file.getvalue() == ""  # redirected stderr (a log): no bar
 
 
-def test_metrics_endpoint_is_off_by_default_and_local_when_on():
+def test_metrics_endpoint_is_off_by_default_and_a_taken_port_is_refused(tiny_random_qwen3):
     assert ServeConfig().metrics_port is None and ServeConfig().metrics_host == "127.0.0.1"
-    with pytest.raises(ValueError, match="metrics_port"):
+    with pytest.raises(InvalidArgument, match="metrics_port"):
         ServeConfig(metrics_port=70000)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=16)
+        with pytest.raises(InvalidArgument, match=f"metrics_port: cannot listen on 127.0.0.1:{port}: "):
+            BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0, engine_process=False,
+                                                                    metrics_port=port)).__enter__()

@@ -117,6 +117,16 @@ def test_metrics_count_samples_and_tokens_per_verify_step(servers):
     assert value(after, "rollout_requests_total", rpc="Generate", code="OK") >= 1
 
 
+def test_server_info_says_what_bounds_the_context(servers):
+    with RolloutClient(servers("dflash").address, timeout=60) as client:
+        info = client.server_info()
+    limits = info["limits"]
+    assert limits["max_model_len_by_model"] == 512  # the model's max_position_embeddings
+    assert limits["max_model_len_by_drafter"] == 512 - 4 + 2  # its last draft block (of 4) must fit
+    assert info["max_model_len"] == limits["max_model_len"] == min(
+        v for k, v in limits.items() if k.startswith("max_model_len_by_"))
+
+
 def test_greedy_is_identical_across_spec_methods(servers):
     greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = {}

@@ -2,7 +2,8 @@
 Rollout service, gRPC health and server reflection on one grpc.aio server.
 
 `serve` is `rollout serve`: it prints `rollout serving on HOST:PORT` once the port is bound and
-the engine is built, then runs until SIGTERM or SIGINT, when it reports NOT_SERVING, refuses new
+the engine is built (after `rollout metrics on URL` when its metrics endpoint is on, see
+rollout.server.metrics), then runs until SIGTERM or SIGINT, when it reports NOT_SERVING, refuses new
 RPCs, lets in-flight requests finish (up to `drain_seconds`) and returns 0. `BackgroundServer`
 runs the same server on a private event loop in a thread, for benchmarks, notebooks and tests.
 """
@@ -20,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout.server.config import ServeConfig
 from rollout.server.engine_process import EngineProcess
@@ -78,7 +80,12 @@ async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = RunningServer(server, engine_loop, health_servicer, config.address(port), metrics)
-    _observe(running, config)
+    try:
+        _observe(running, config)
+    except OSError as exc:
+        await running.stop(0)
+        raise InvalidArgument("metrics_port", f"cannot listen on {config.metrics_host}:{config.metrics_port}: "
+                                              f"{exc.strerror or exc}") from exc
     log_event("server_started", address=running.address, model=identity.model, spec=identity.spec_method,
               metrics=running.metrics_address or None)
     return running
