@@ -42,22 +42,33 @@ def test_metrics_move_during_a_rollout(server):
     before = scrape(url)
     assert value(before, "rollout_kv_blocks", state="free") > 0 and value(before, "rollout_running_requests") == 0
     with RolloutClient(server.address, timeout=120) as client:
-        stream = client.stream(["def f(x):"], n=8, sampling=SAMPLING, mask="support")  # 2 at a time: 4 waves
-        during = scrape_until(url, lambda m: value(m, "rollout_samples_total", finish_reason="length") >= 1)
-        assert value(during, "rollout_running_requests") == 1  # scraped while the request runs
-        assert value(during, "rollout_queued_samples") + value(during, "rollout_running_sequences") >= 1
-        assert value(during, "rollout_kv_blocks", state="used") > 0
-        assert sum(batch.num_rows for batch in stream) == 8
-    after = scrape_until(url, lambda m: value(m, "rollout_samples_total", finish_reason="length") == 8)
-    assert value(after, "rollout_generated_tokens_total") == 8 * 24
-    assert value(after, "rollout_requests_total", rpc="Generate", code="OK") == 1
-    assert value(after, "rollout_step_seconds_count") >= 8 * 24 / 2 - 4  # 2 samples per step, a token each
-    assert value(after, "rollout_step_seconds_sum") > 0
-    assert value(after, "rollout_verify_steps_total") == 8 * 24  # one token per step without a drafter
-    assert value(after, "rollout_tokens_per_verify_step_bucket", le="1.0") == 8  # every sample's mean is 1
-    assert value(after, "rollout_mask_bytes_total") > 8 * 24 * 8  # at least an int32 id per token and a bit more
-    assert value(after, "rollout_running_requests") == 0
-    assert ("rollout_preemptions_total", ()) in after
+        long = dict(SAMPLING, max_tokens=300)  # 2 samples at a time: the request runs on after the first two
+        with client.stream(["def f(x):"], n=8, sampling=long, mask="support") as stream:
+            during = scrape_until(url, lambda m: value(m, "rollout_samples_total", finish_reason="length") >= 1
+                                  and value(m, "rollout_kv_blocks", state="used") > 0)  # (not between two waves)
+            assert value(during, "rollout_running_requests") == 1  # scraped while the request runs
+            assert value(during, "rollout_queued_samples") + value(during, "rollout_running_sequences") >= 1
+            assert value(during, "rollout_kv_blocks", state="used") + value(during, "rollout_kv_blocks",
+                                                                            state="free") == 128
+            assert value(during, "rollout_mask_bytes_total") > 300 * 8  # at least an int32 id per token
+            assert ("rollout_output_tokens_in_flight", ()) in during and ("rollout_preemptions_total", ()) in during
+            assert next(stream).num_rows >= 1
+        # leaving the block cancelled it: the rest of its samples were aborted
+        cancelled = scrape_until(url, lambda m: value(m, "rollout_samples_total", finish_reason="abort") + value(
+            m, "rollout_samples_total", finish_reason="length") == 8 and not value(m, "rollout_running_requests"))
+        assert value(cancelled, "rollout_requests_total", rpc="Generate", code="CANCELLED") == 1
+        table = client.generate(["a"], n=4, sampling=SAMPLING)
+    after = scrape_until(url, lambda m: value(m, "rollout_requests_total", rpc="Generate", code="OK") == 1 and value(
+        m, "rollout_samples_total", finish_reason="length") - value(cancelled, "rollout_samples_total",
+                                                                   finish_reason="length") == 4)
+    tokens = value(after, "rollout_generated_tokens_total") - value(cancelled, "rollout_generated_tokens_total")
+    assert table.num_rows == 4 and tokens == 4 * 24
+    steps = value(after, "rollout_step_seconds_count") - value(cancelled, "rollout_step_seconds_count")
+    assert steps >= 24 and value(after, "rollout_step_seconds_sum") > 0  # a step per token of a sample
+    verify_steps = value(after, "rollout_verify_steps_total") - value(cancelled, "rollout_verify_steps_total")
+    assert verify_steps == 4 * 24  # one token per step without a drafter
+    assert value(after, "rollout_tokens_per_verify_step_bucket", le="1.0") == value(
+        after, "rollout_tokens_per_verify_step_count")  # every sample's mean is 1 (aborted ones too)
 
 
 def test_rpcs_are_counted_by_status_code_and_weight_updates_by_version(server):

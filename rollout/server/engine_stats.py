@@ -46,6 +46,7 @@ class StatsSnapshot:
     acceptance_sum: float = 0.0
     mask_bytes: int = 0
     preemptions: int = 0
+    tokens_in_flight: int = 0  # output tokens of unfinished samples (so rates move before samples finish)
     waiting: int = 0
     running: int = 0
     kv_blocks_free: int = 0
@@ -95,7 +96,8 @@ class EngineStats:
                     0 if supports.logprobs is None else supports.logprobs.nbytes)
 
     def snapshot(self, engine: Any) -> StatsSnapshot:
-        """The counters so far and the engine's gauges now (a copy: the engine goes on counting)."""
+        """The counters so far and the engine's gauges now (a copy: the engine goes on counting).
+        O(unfinished samples), every SHIP_INTERVAL_S: not per step."""
         counts = self.counts
         free, total = engine.kv_blocks()
         scheduler = getattr(engine, "scheduler", _NO_SCHEDULER)  # (an engine without one: zeros)
@@ -106,6 +108,8 @@ class EngineStats:
             prompt_tokens=counts.prompt_tokens, verify_steps=counts.verify_steps,
             acceptance=list(counts.acceptance), acceptance_sum=counts.acceptance_sum,
             mask_bytes=counts.mask_bytes, preemptions=scheduler.num_preemptions,
+            tokens_in_flight=sum(len(seq.output_token_ids) for queue in (scheduler.running, scheduler.waiting)
+                                 for seq in queue),
             waiting=len(scheduler.waiting), running=len(scheduler.running),
             kv_blocks_free=free, kv_blocks_total=total, policy_version=engine.policy_version,
         )  # fmt: skip

@@ -61,6 +61,8 @@ class EngineCollector(Collector):
         yield samples
         yield CounterMetricFamily("rollout_generated_tokens", "Output tokens of finished samples",
                                   value=s.generated_tokens)
+        yield GaugeMetricFamily("rollout_output_tokens_in_flight", "Output tokens of unfinished samples so far",
+                                value=s.tokens_in_flight)
         yield CounterMetricFamily("rollout_prompt_tokens", "Prompt tokens of finished samples (once per sample)",
                                   value=s.prompt_tokens)
         yield GaugeMetricFamily("rollout_queued_samples", "Samples waiting to start (or to resume after a "

@@ -27,7 +27,8 @@ async def log_stats(metrics: Metrics, interval: float) -> None:
 def headline(last: StatsSnapshot, now: StatsSnapshot, running_requests: int) -> dict:
     """Figures between two snapshots: counts and rates per second over the interval, gauges now."""
     seconds = max(now.taken - last.taken, 1e-9)
-    tokens = now.generated_tokens - last.generated_tokens
+    # tokens committed in the interval, to finished samples or not (a failed sample's are dropped)
+    tokens = max(now.generated_tokens + now.tokens_in_flight - last.generated_tokens - last.tokens_in_flight, 0)
     samples = now.num_samples - last.num_samples
     steps = now.num_steps - last.num_steps
     verify_steps = now.verify_steps - last.verify_steps
@@ -37,7 +38,8 @@ def headline(last: StatsSnapshot, now: StatsSnapshot, running_requests: int) -> 
         kv_used=f"{used}/{now.kv_blocks_total}", samples=samples, tokens=tokens,
         samples_per_s=round(samples / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
         step_ms=round((now.step_seconds - last.step_seconds) / steps * 1e3, 2) if steps else None,
-        tokens_per_verify_step=round(tokens / verify_steps, 2) if verify_steps else None,
+        tokens_per_verify_step=round((now.generated_tokens - last.generated_tokens) / verify_steps, 2)
+        if verify_steps else None,
         preemptions=now.preemptions - last.preemptions, policy_version=now.policy_version,
     )  # fmt: skip
 
