@@ -60,8 +60,13 @@ def cmd_validate(argv: list[str]) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rollout.server.demo import run_demo
+    from rollout.server.process import ServerStartError
 
-    return run_demo(args.spec, args.n, args.max_tokens, args.prompt, args.seed, args.model, args.draft)
+    try:
+        return run_demo(args.spec, args.n, args.max_tokens, args.prompt, args.seed, args.model, args.draft)
+    except ServerStartError as exc:
+        print(f"rollout demo: {exc}", file=sys.stderr)
+        return 1
 
 
 class SubcommandParser(argparse.ArgumentParser):

@@ -139,3 +139,16 @@ def test_serve_refuses_a_bad_switch_interval_and_names_it(capsys):
 
     assert main(["serve", "--port", "0", "--gil-switch-ms", "0"]) == 2
     assert "gil_switch_ms" in capsys.readouterr().err
+
+
+def test_demo_whose_server_cannot_start_says_so_without_a_traceback(monkeypatch, capsys):
+    from rollout.server import demo
+    from rollout.server.process import ServerStartError
+
+    def fail(*args):
+        raise ServerStartError("rollout serve did not start: rollout serve: model directory '/x' does not exist")
+
+    monkeypatch.setattr(demo, "run_demo", fail)
+    assert main(["demo", "--model", "/x"]) == 1
+    assert capsys.readouterr().err == ("rollout demo: rollout serve did not start: rollout serve: model directory "
+                                       "'/x' does not exist\n")
