@@ -38,11 +38,13 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, drafter: Drafter | None = None):
-        """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names."""
+    def __init__(self, config: EngineConfig, drafter: Drafter | None = None, load_progress=None):
+        """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names;
+        `load_progress` shows checkpoint reads (rollout.engine.loader.LoadProgress)."""
         self.config = config
         self.device = torch.device(config.device)
-        self.loaded = load_model(config.model_path, self.device, load_format=config.load_format)
+        self.loaded = load_model(config.model_path, self.device, load_format=config.load_format,
+                                 progress=load_progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.config.vocab_size
@@ -53,7 +55,7 @@ class LLMEngine:
         if drafter is not None:
             self.drafter, self.drafter_name = drafter, type(drafter).__name__
         else:
-            self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
+            self.drafter, self.drafter_name = _build_drafter(config, self.loaded, load_progress)
         self.intake = Intake(self, random.Random())
         self.capture = MaskCapture()
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
@@ -71,7 +73,8 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.allocate(num_blocks + 1, config.block_size)  # + the graphs' scratch block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.max_model_len = memory.max_model_len(config, limit, num_blocks)
+        self.max_model_len = memory.max_model_len(config, limit, num_blocks)  # refuses a length the pool lacks
+        self.context_limits = _context_limits(config, self.loaded.config, num_blocks, self.drafter)
         num_spec = self.drafter.num_spec if self.drafter else 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_spec)
@@ -145,7 +148,8 @@ class LLMEngine:
                     max_model_len=self.max_model_len, max_mask_tokens=self.config.max_mask_tokens,
                     max_queued_samples=self.config.max_queued_samples,
                     max_num_seqs=self.config.max_num_seqs, policy_version=self.policy_version,
-                    kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size)
+                    kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size,
+                    **self.context_limits)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -250,6 +254,19 @@ def _to_host(result: VerifyResult | None, masks):
     return host
 
 
+def _context_limits(config: EngineConfig, model_config, num_blocks: int, drafter) -> dict[str, int]:
+    """What bounds a sequence's length (prompt + output), by name; max_model_len is the smallest.
+    The model's positions (or --max-model-len instead), the KV cache (one block kept back), and a
+    drafter's: the draft block after the last anchor must fit in the positions too, so the longest
+    sequence is max_position_embeddings - block + 2 (4096 - 8 + 2 = 4090 for a block of 8)."""
+    limits = {"max_model_len_by_flag": config.max_model_len} if config.max_model_len else {
+        "max_model_len_by_model": model_config.max_position_embeddings}
+    limits["max_model_len_by_kv_cache"] = (num_blocks - 1) * config.block_size
+    if drafter is not None and drafter.max_model_len():
+        limits["max_model_len_by_drafter"] = drafter.max_model_len()
+    return limits
+
+
 def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:
     """The configured backend; "auto" is the Triton kernel on CUDA when it supports the shape."""
     from rollout.engine import triton_attention
@@ -272,7 +289,7 @@ def _prefix_planner(config: EngineConfig, model_config, backend: str) -> SharedP
     return SharedPrefixPlanner(config.block_size, groups, model_config.num_key_value_heads)
 
 
-def _build_drafter(config: EngineConfig, loaded):
+def _build_drafter(config: EngineConfig, loaded, progress):
     if config.spec == "none":
         return None, ""
     from rollout.spec.draft_loader import load_drafter
@@ -281,5 +298,5 @@ def _build_drafter(config: EngineConfig, loaded):
     path = config.draft_path
     model = load_drafter(path, loaded, kind=config.spec, block_size=config.spec_block_size,
                          device=loaded.model.embed_tokens.weight.device,
-                         dtype=loaded.model.embed_tokens.weight.dtype)
+                         dtype=loaded.model.embed_tokens.weight.dtype, progress=progress)
     return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold), path.name

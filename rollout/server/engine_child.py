@@ -114,6 +114,7 @@ class _Admissions:
 async def _serve_engine(engine_loop: EngineLoop, conn) -> None:
     loop = asyncio.get_running_loop()
     out = _Outbox(conn, loop)
+    engine_loop.on_stats = lambda snapshot: out.post("stats", None, snapshot)
     try:
         await engine_loop.start()
     except BaseException as exc:

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rollout.errors import Unavailable
+from rollout.errors import InvalidArgument, Unavailable
 from rollout.server import logs
 from rollout.server.convert import GenerateCall
 from rollout.server.engine_child import READY, child_main
@@ -68,10 +68,16 @@ class EngineProcess:
         self._proc = None
         self._progress = None  # the child engine loop's tick counter, in shared memory
         self.on_death: Callable[[], None] | None = None  # called on the event loop if the child dies
+        self.on_stats: Callable[[Any], None] | None = None  # the child's StatsSnapshots, on the event loop
 
     async def start(self) -> None:
         """Starts the child and waits until its engine is built; raises what the factory raised."""
-        pickle.dumps(self._factory)  # fail here, clearly, rather than in the child
+        try:  # fail here, clearly, rather than in the child
+            pickle.dumps(self._factory)
+        except Exception as exc:
+            raise InvalidArgument("engine_process", f"the engine factory cannot be sent to a child process "
+                                  f"({exc}); use a module-level function or functools.partial, or run the "
+                                  f"engine on a thread (ServeConfig(engine_process=False))") from exc
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_conn = ctx.Pipe()
         self._progress = ctx.RawValue("q", 0)
@@ -195,6 +201,9 @@ class EngineProcess:
         for kind, key, value, error in batch:
             if kind == "result":
                 self._settle(key, value, error)
+            elif kind == "stats":
+                if self.on_stats is not None:
+                    self.on_stats(value)
             else:  # a delivery for admission `key`
                 entry = self._admitted.get(key)
                 if entry is None:

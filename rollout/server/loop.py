@@ -33,6 +33,7 @@ from typing import Any
 from rollout.engine.outputs import SampleOutput
 from rollout.errors import FailedPrecondition, Unavailable
 from rollout.server.convert import GenerateCall
+from rollout.server.engine_stats import EngineStats, StatsSnapshot
 from rollout.server.logs import elapsed_ms, log_event
 
 
@@ -77,6 +78,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self.run, name="rollout-engine", daemon=True) if thread else None
         self._busy_period: _BusyPeriod | None = None
         self.engine: Any = None
+        self.stats = EngineStats()
+        # called on the event loop with a StatsSnapshot now and then (rollout.server.engine_stats)
+        self.on_stats: Callable[[StatsSnapshot], None] | None = None
 
     async def start(self) -> None:
         """Builds the engine on the loop thread; raises whatever the factory raised."""
@@ -137,17 +141,23 @@ class EngineLoop:
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
+        self._ship_stats()
+        self._send_outbox()
         while not self._stopping:
             busy = self._busy()
             if not busy and self._busy_period is not None:  # idle again: one log line for the period
                 self._busy_period.log(self.engine.compiled())
                 self._busy_period = None
+                self._ship_stats()
+                self._send_outbox()
             self._run_commands(block=not busy)
             if self._busy_period is None and self._busy():  # left idle (a request came in): a period begins
                 self._busy_period = _BusyPeriod(time.perf_counter(), self.engine.compiled())
             self._send_outbox()
             if self._busy() and not self._stopping:
                 self._step()
+                if time.perf_counter() >= self.stats.due:
+                    self._ship_stats()
                 self._send_outbox()
             self._progress.value += 1
         for request_id in list(self._routes):
@@ -212,6 +222,19 @@ class EngineLoop:
             calls, self._outbox = self._outbox, []
             self._loop.call_soon_threadsafe(_run_all, calls)
 
+    def _ship_stats(self) -> None:
+        """Hands a snapshot of the counters to `on_stats` with the next outbox (if anyone listens)."""
+        on_stats = self.on_stats
+        if on_stats is None:
+            return
+        try:
+            snapshot = self.stats.snapshot(self.engine)
+        except Exception:  # metrics must not stop the engine
+            log_event("engine_stats_failed", logging.ERROR, exc_info=True)
+            self.on_stats = None
+            return
+        self._outbox.append(lambda: on_stats(snapshot))
+
     def _step(self) -> None:
         start = time.perf_counter()
         if self._busy_period.steps == 0:
@@ -223,6 +246,9 @@ class EngineLoop:
             log_event("engine_step_failed", logging.ERROR, exc_info=True)
             self._fail_all(exc)
             return
+        self.stats.record_step(time.perf_counter() - start)
+        if finished:
+            self.stats.record_samples(finished)
         self._dispatch(finished)
         self._settle_weight_updates()
 
@@ -264,6 +290,7 @@ class EngineLoop:
             return 0
         del self._routes[request_id]
         aborted = engine.abort(request_id)
+        self.stats.record_samples(aborted)
         log_event("request_aborted", request_id=request_id, reason=reason, samples=len(aborted))
         failed = _failure(aborted)  # (a sample whose masks overflowed fails even when aborted)
         self._post(route.sink, Delivery([] if failed else aborted, done=True, error=failed))
@@ -272,7 +299,7 @@ class EngineLoop:
     def _fail(self, request_id: str, error: BaseException) -> None:
         route = self._routes.pop(request_id)
         try:
-            self.engine.abort(request_id)
+            self.stats.record_samples(self.engine.abort(request_id))
         except Exception:
             log_event("abort_failed", logging.ERROR, exc_info=True, request_id=request_id)
         log_event("request_failed", logging.WARNING, request_id=request_id, error=str(error))
