@@ -37,6 +37,7 @@ import torch
 from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import rollout
 import rollout.engine.engine as engine_module
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
@@ -171,7 +172,7 @@ def build_engine(spec: str, dirs: tuple[str, str] | None, args: argparse.Namespa
     batch = max(args.batches)
     per_seq = -(-(args.prompt_len + max_tokens + 2 * args.block) // KV_BLOCK) + 1
     model, draft = dirs if dirs else (None, None)
-    return LLMEngine(EngineConfig(
+    return rollout.build_engine(EngineConfig(
         model=model, load_format="safetensors" if args.embedded else "random", spec=spec,
         draft=draft if spec != "none" else None, spec_block_size=args.block if spec != "none" else None,
         device=args.device, block_size=KV_BLOCK, num_kv_blocks=batch * per_seq + 8, max_num_seqs=batch,

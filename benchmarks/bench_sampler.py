@@ -40,7 +40,7 @@ from rollout.engine.sampler import (
     uniform_keys,
     uniform_of_keys,
 )
-from rollout.spec.verify import Proposal, verify
+from rollout.engine.verify import Proposal, verify
 
 KINDS = {
     "greedy": dict(temperature=0.0),

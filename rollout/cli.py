@@ -49,12 +49,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
     """Validates the engine configuration now; the engine itself is built on the engine thread."""
+    from rollout import build_engine
     from rollout.engine.config import EngineConfig
-    from rollout.engine.engine import LLMEngine
 
     names = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)]
     config = EngineConfig(**{name: getattr(args, name) for name in names})
-    return functools.partial(LLMEngine, config)  # picklable: it may be built in the engine process
+    return functools.partial(build_engine, config)  # picklable: it may be built in the engine process
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

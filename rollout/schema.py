@@ -12,8 +12,8 @@ from itertools import chain
 import numpy as np
 import pyarrow as pa
 
-from rollout.engine.outputs import SampleOutput
 from rollout.masks.pack import Supports
+from rollout.outputs import SampleOutput
 
 ROLLOUT_SCHEMA = pa.schema(
     [

@@ -9,9 +9,9 @@ import json
 import pyarrow as pa
 import pytest
 
+from rollout import build_engine
 from rollout.cli import main, read_prompts
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
 from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
@@ -22,7 +22,7 @@ from rollout.spec.draft_loader import random_drafter, save_drafter
 @pytest.fixture(scope="module")
 def server(tiny_random_qwen3):
     config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256)
-    with BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0)) as srv:
+    with BackgroundServer(lambda: build_engine(config), ServeConfig(port=0)) as srv:
         yield srv
 
 

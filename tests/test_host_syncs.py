@@ -32,11 +32,12 @@ import torch
 from host_waits import HostWaits
 
 import rollout.engine.engine as engine_mod
-import rollout.spec.grammar as grammar_mod
+import rollout.engine.grammar as grammar_mod
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
+from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
-from rollout.spec.grammar import GrammarSpec
 
 GRAMMAR_SITE = ("rollout/engine/intake.py", "grammar_bitmask")
 THRESHOLD_SITE = ("rollout/spec/proposer.py", "_lengths")
@@ -45,7 +46,7 @@ SPECS = {"none": ("none", 0.0), "dflash": ("dflash", 0.0), "dspark": ("dspark", 
 
 
 def _engine(model, drafters, spec: str, threshold: float = 0.0, static: bool = False) -> LLMEngine:
-    eng = LLMEngine(EngineConfig(model=str(model), spec=spec, draft=drafters.get(spec), block_size=4,
+    eng = build_engine(EngineConfig(model=str(model), spec=spec, draft=drafters.get(spec), block_size=4,
                                  num_kv_blocks=300, spec_confidence_threshold=threshold))
     if static:  # the CUDA-graph paths (target step and drafter forward), replayed eagerly
         eng.graphs = eng.make_step_graphs(capture=False)
@@ -158,7 +159,7 @@ INJECTED = {
 
 @pytest.fixture(scope="module")
 def plain_engine(tiny_random_qwen3) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=64))
+    return build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=64))
 
 
 @pytest.mark.parametrize("name", list(INJECTED))

@@ -24,6 +24,7 @@ import torch
 from contract1_ref import reference_policy
 
 import rollout.spec.proposer as proposer
+from rollout import build_engine
 from rollout.engine.config import DEFAULT_MODEL, EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -38,7 +39,7 @@ BLOCK = 3  # two drafts per block: the second and third tokens
 
 @pytest.fixture(scope="module", params=["dflash", "dspark"])
 def engine(request) -> LLMEngine:
-    return LLMEngine(EngineConfig(spec=request.param, spec_block_size=BLOCK, block_size=4,
+    return build_engine(EngineConfig(spec=request.param, spec_block_size=BLOCK, block_size=4,
                                   num_kv_blocks=3 * NUM_SAMPLES, max_num_seqs=NUM_SAMPLES,
                                   max_num_batched_tokens=BLOCK * NUM_SAMPLES))
 

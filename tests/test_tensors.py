@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rollout.engine.outputs import SampleOutput
+from rollout.outputs import SampleOutput
 from rollout.schema import schema_with_metadata, to_record_batch
 from trainer_client.tensors import masked_logprobs, to_torch
 

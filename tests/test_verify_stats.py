@@ -19,7 +19,7 @@ import torch
 from spec_helpers import proposal
 from spec_helpers import verify_rows as verify
 
-import rollout.spec.verify as verify_mod
+import rollout.engine.verify as verify_mod
 from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform_of_keys
 
 V = 6

@@ -12,11 +12,11 @@ finish)."""
 from __future__ import annotations
 
 from rollout.engine.batch import StepBatch
-from rollout.engine.outputs import SampleOutput
+from rollout.engine.capture import committed_masks
 from rollout.engine.sequence import Sequence
 from rollout.errors import GrammarRejected
-from rollout.masks.capture import committed_masks
 from rollout.masks.pack import assemble_supports
+from rollout.outputs import SampleOutput
 
 
 class StepMasks:

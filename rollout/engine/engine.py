@@ -11,34 +11,40 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 import torch
 
 from rollout.engine import triton_ops
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.capture import MaskCapture
 from rollout.engine.commit import Committer
 from rollout.engine.config import EngineConfig
+from rollout.engine.drafter import Drafter, Drafts
 from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake
 from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
-from rollout.engine.loader import load_model
-from rollout.engine.outputs import SampleOutput
+from rollout.engine.loader import LoadedModel, load_model
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
+from rollout.engine.verify import VerifyResult, verify
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import InvalidArgument
-from rollout.masks.capture import MaskCapture
-from rollout.spec.proposer import Drafter, Drafts
-from rollout.spec.verify import VerifyResult, verify
+from rollout.outputs import SampleOutput
 
 log = logging.getLogger(__name__)
 
+# builds the engine's drafter for the loaded target (rollout.spec.proposer.build_drafter, or a test double)
+DrafterFactory = Callable[[EngineConfig, LoadedModel], Drafter]
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, drafter: Drafter | None = None):
-        """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names."""
+    def __init__(self, config: EngineConfig, drafter_factory: DrafterFactory | None = None):
+        """`drafter_factory(config, target)` builds the drafter. The engine imports no drafter: a
+        config whose `spec` names one needs a factory (`rollout.build_engine(config)` passes
+        rollout.spec's); one given with `spec="none"` plugs in a custom drafter."""
         self.config = config
         self.device = torch.device(config.device)
         self.loaded = load_model(config.model_path, self.device, load_format=config.load_format)
@@ -49,10 +55,8 @@ class LLMEngine:
         self.model_name = self.loaded.name
         self.kernel_backend = _kernel_backend(config, self.loaded.config, self.model.embed_tokens.weight)
         self.model.set_kernel_backend(self.kernel_backend)
-        if drafter is not None:
-            self.drafter, self.drafter_name = drafter, type(drafter).__name__
-        else:
-            self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
+        self.drafter = _build_drafter(config, self.loaded, drafter_factory)
+        self.drafter_name = (self.drafter.name or type(self.drafter).__name__) if self.drafter else ""
         num_blocks = size_kv_blocks(config, self.loaded.config, self.drafter, self.device)
         # one more block than the manager hands out: the scratch block of padded graph rows
         self.kv_caches = allocate_kv(self.loaded.config, num_blocks + 1, config.block_size, self.device,
@@ -228,14 +232,10 @@ def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) ->
     return config.kernel_backend
 
 
-def _build_drafter(config: EngineConfig, loaded):
-    if config.spec == "none":
-        return None, ""
-    from rollout.spec.draft_loader import load_drafter
-    from rollout.spec.proposer import BlockDrafter
-
-    path = config.draft_path
-    model = load_drafter(path, loaded, kind=config.spec, block_size=config.spec_block_size,
-                         device=loaded.model.embed_tokens.weight.device,
-                         dtype=loaded.model.embed_tokens.weight.dtype)
-    return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold), path.name
+def _build_drafter(config: EngineConfig, loaded: LoadedModel, factory: DrafterFactory | None) -> Drafter | None:
+    if factory is not None:
+        return factory(config, loaded)
+    if config.spec != "none":
+        raise InvalidArgument("spec", f"{config.spec!r} needs a drafter factory: build the engine with "
+                                      f"rollout.build_engine(config)")
+    return None

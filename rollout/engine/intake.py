@@ -108,7 +108,7 @@ class Intake:
 
     def grammars(self):
         if self._grammars is None:
-            from rollout.spec.grammar import GrammarCompilerCache
+            from rollout.engine.grammar import GrammarCompilerCache
 
             eng = self.engine
             self._grammars = GrammarCompilerCache(eng.tokenizer, eng.vocab_size, eng.eos_token_ids)
@@ -122,7 +122,7 @@ class Intake:
         with_grammar = [e for e, s in enumerate(step.entries) if s.grammar is not None]
         if not with_grammar:
             return None
-        from rollout.spec.grammar import allocate_bitmask, upload_bitmask
+        from rollout.engine.grammar import allocate_bitmask, upload_bitmask
 
         drafted = any(step.num_draft[e] for e in with_grammar)
         draft_list = drafts.tokens.tolist() if drafted else []

@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 from rollout.errors import InvalidArgument
+from rollout.masks import MASK_MODES
 
-MASK_MODES = ("selected", "support")
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 TEMPERATURE_RANGE = (1e-5, 1e5)  # besides 0 (greedy)
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollout.engine.grammar import apply_bitmask
 from rollout.engine.transfer import upload
 from rollout.engine.truncation import (
     NEG_INF,
@@ -56,7 +57,6 @@ from rollout.engine.truncation import (
     top_p_by_sort,
     truncate_sorted,
 )
-from rollout.spec.grammar import apply_bitmask
 
 PURPOSE_SAMPLE = 1  # the token drawn from p (or from the residual after a rejection)
 PURPOSE_ACCEPT = 2  # the acceptance test of a draft token

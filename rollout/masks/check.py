@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from rollout.engine.params import MASK_MODES
 from rollout.errors import InvalidArgument
+from rollout.masks import MASK_MODES
 from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA, VOCAB_SIZE_KEY
 
 FINISH_REASONS = ("stop", "length", "abort")

@@ -124,7 +124,7 @@ def engine_identity(engine) -> Identity:
 class BackgroundServer:
     """A server on a private event loop in a daemon thread; a context manager.
 
-    with BackgroundServer(lambda: LLMEngine(EngineConfig())) as server:
+    with BackgroundServer(lambda: rollout.build_engine(EngineConfig())) as server:
         client = RolloutClient(server.address)
     """
 

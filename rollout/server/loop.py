@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engine.outputs import SampleOutput
 from rollout.errors import FailedPrecondition, InvalidArgument
+from rollout.outputs import SampleOutput
 from rollout.server.convert import GenerateCall
 from rollout.server.logs import elapsed_ms, log_event
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from rollout.engine.outputs import SampleOutput
 from rollout.errors import InvalidArgument
+from rollout.outputs import SampleOutput
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import schema_with_metadata
