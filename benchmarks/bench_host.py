@@ -2,7 +2,7 @@
 forwards (the gap between a ~7 ms 8B decode forward and the 9.9 ms step on an H200).
 
 Builds an engine (on CPU by default) with a tiny random Qwen3 (hidden 64, 2 layers, vocabulary
-264: the forward and the Contract-1 sort are small, so the numbers are mostly host cost; `--shape`
+264: the forward and the policy's sort are small, so the numbers are mostly host cost; `--shape`
 picks a larger random one, e.g. qwen3-8b on a GPU) and, with
 `--spec dflash`, an untrained one-layer DFlash drafter (block 8). B samples (`--prompt-len`
 tokens, 32 by default; EOS ignored) are prefilled, a few decode steps warm up, then every
@@ -58,7 +58,7 @@ PHASES = (
     ("forward", "engine", "_forward"),
     ("ctx", "drafter", "update_context"),
     ("logits", "model", "compute_logits"),
-    ("grammar", "intake", "grammar_bitmask"),
+    ("grammar", "module", "grammar_bitmask"),
     ("rows", "module", "build_row_params"),
     ("policy", "module", "policy"),
     ("verify", "module", "verify"),

@@ -1,10 +1,14 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    schedule -> draft -> forward -> policy -> verify -> capture -> (last step's masks) -> sync -> commit/emit
+    schedule -> draft -> forward -> policy -> verify -> capture -> (last step's masks) -> sync
+    -> advance (scheduler) -> commit/emit (committer) -> truncate drafts (scheduler)
 
-One step is one target forward over a ragged batch (prefill chunks, decode anchors and
-draft blocks mixed), one Contract-1 policy over the rows that sample, one verification, one
-host synchronisation. The engine is single-threaded: the server calls it from one loop.
+One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
+blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
+(docs/verification.md), one host synchronisation. The engine is single-threaded: the server
+calls it from one loop. Its parts get what they need as arguments (the scheduler its block
+manager, the intake and the committer the scheduler, the weight updater the modules it loads
+into); the drafter comes from a factory (rollout.engine.drafter), so the engine imports none.
 """
 
 from __future__ import annotations
@@ -13,20 +17,21 @@ import logging
 import random
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rollout.engine import triton_ops
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.capture import MaskCapture
-from rollout.engine.commit import Committer
+from rollout.engine.commit import Committer, HostStep
 from rollout.engine.config import EngineConfig
 from rollout.engine.drafter import Drafter, Drafts
 from rollout.engine.graphs import StepGraphs
-from rollout.engine.intake import Intake
+from rollout.engine.intake import Intake, Limits
 from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
 from rollout.engine.loader import LoadedModel, load_model
-from rollout.engine.rows import build_row_params
+from rollout.engine.rows import build_row_params, grammar_bitmask
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.verify import VerifyResult, verify
@@ -70,11 +75,12 @@ class LLMEngine:
         num_spec = self.drafter.num_spec if self.drafter else 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_spec)
-        self.intake = Intake(self, random.Random())
+        checks = Limits(self.vocab_size, self.max_model_len, config.max_mask_tokens, config.max_queued_samples)
+        self.intake = Intake(self.scheduler, checks, self.eos_token_ids, self.tokenizer, random.Random())
         self.capture = MaskCapture()
-        self.weights = WeightUpdater(self)
-        self.committer = Committer(self)
-        self.pending_copies: list[tuple[int, int]] = []
+        self.weights = WeightUpdater(self.model, getattr(self.drafter, "model", None), self.scheduler,
+                                     self.block_manager)
+        self.committer = Committer(self.scheduler, self.intake, self.max_model_len, lambda: self.weights.version)
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
         self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
         use_graphs = self.device.type == "cuda" and config.cuda_graphs
@@ -136,15 +142,18 @@ class LLMEngine:
         if not plan:
             self.committer.hand_over_masks()
             return []
-        self._copy_pending_blocks()  # forked samples' partial blocks, before anyone reads them
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
         drafts = self._draft(plan, table)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
-        self.committer.hand_over_masks()  # the last step's masks, while the device computes this step
+        self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
         host = _to_host(result, masks)
-        return self.committer.commit(step, host, captured)
+        copies = self.scheduler.advance(plan, step.accepted_per_item(None if host is None else host.num_accepted))
+        self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
+        outputs = self.committer.commit(step.rows, host, captured)
+        self.scheduler.truncate_drafts(plan)
+        return outputs
 
     def _draft(self, plan, table) -> Drafts:
         if self.drafter is None:
@@ -153,16 +162,17 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _run(self, step: StepBatch, drafts: Drafts):
-        input_ids = step.input_ids.index_put((step.draft_token_index,), drafts.tokens)
-        hidden, _ = self._forward(input_ids, step.meta)  # the drafter's context is updated in there
-        if not step.entries:
+        tokens, rows = step.tokens, step.rows
+        input_ids = tokens.input_ids.index_put((tokens.draft_token_index,), drafts.tokens)
+        hidden, _ = self._forward(input_ids, tokens.meta)  # the drafter's context is updated in there
+        if not rows.entries:
             return None, None
-        logits = self.model.compute_logits(hidden[step.logits_index])  # [R, V]
-        bitmask = self.intake.grammar_bitmask(step, drafts)
-        rows = build_row_params(step, drafts.tokens, self.vocab_size, bitmask, self.device)
-        pol = policy(logits, rows, overwrite=True)  # logits are not read again
-        result = verify(pol, drafts.tokens, drafts.q, step)
-        return result, self.capture.capture(pol, step)
+        logits = self.model.compute_logits(hidden[rows.logits_index])  # [R, V]
+        bitmask = grammar_bitmask(rows, drafts.tokens, self.vocab_size, self.device)
+        params = build_row_params(rows, drafts.tokens, self.vocab_size, bitmask, self.device)
+        pol = policy(logits, params, overwrite=True)  # logits are not read again
+        result = verify(pol, drafts.tokens, drafts.q, rows)
+        return result, self.capture.capture(pol, rows)
 
     def _forward(self, input_ids: torch.Tensor, meta):
         key = self.graphs.key(meta) if self.graphs is not None else None
@@ -195,28 +205,26 @@ class LLMEngine:
                           max_blocks_per_seq=max_blocks, max_q=max_q, device=self.device, capture=capture,
                           max_batch=max_batch)
 
-    def _copy_pending_blocks(self) -> None:
-        if not self.pending_copies:
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Whole-block KV copies (src, dst) in the target's and the drafter's caches."""
+        if not pairs:
             return
-        copy_blocks(self.kv_caches, self.pending_copies)
+        copy_blocks(self.kv_caches, pairs)
         if self.drafter is not None:
-            self.drafter.copy_blocks(self.pending_copies)
-        self.pending_copies = []
+            self.drafter.copy_blocks(pairs)
 
 
-def _to_host(result: VerifyResult | None, masks):
+def _to_host(result: VerifyResult | None, masks: np.ndarray | None) -> HostStep | None:
     """The step's one device -> host synchronisation: committed tokens, logprobs and
-    acceptance counts, plus the packed masks' host array (its copy already started: see
+    acceptance counts, with the packed masks' host array (its copy already started: see
     `MaskCapture.to_host`) when the batch has mask requests."""
     if result is None:
         return None
-    tensors = [result.tokens, result.logprobs, result.num_accepted, result.has_support]
+    tensors = (result.tokens, result.logprobs, result.num_accepted, result.has_support)
     host = [t.to("cpu", non_blocking=True) for t in tensors]
-    if masks is not None:
-        host.append(masks)
-    if tensors[0].is_cuda:
+    if result.tokens.is_cuda:
         torch.cuda.current_stream().synchronize()
-    return host
+    return HostStep(*(h.tolist() for h in host), masks)
 
 
 def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:
