@@ -36,6 +36,7 @@ from rollout.server import logs
 from rollout.server.convert import GenerateCall
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop, Sink
+from rollout.server.outbox import Outbox
 
 _READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
@@ -53,7 +54,7 @@ class EngineProcess:
         self._pending: dict[int, asyncio.Future] = {}
         self._sinks: dict[str, Sink] = {}
         self._send_lock = threading.Lock()
-        self._batch: list[tuple] = []  # commands of this event-loop iteration, sent together
+        self._outbox: Outbox[tuple] = Outbox(self._send, loop, on_error=self._unsent)  # a batch per loop iteration
         self._dead: BaseException | None = None
         self._stopping = False
         self._conn = None
@@ -136,21 +137,13 @@ class EngineProcess:
             task = self._loop.create_task(asyncio.to_thread(self._send, [message]))
             task.add_done_callback(lambda t: self._settle(cmd_id, None, _send_error(t)) if _send_error(t) else None)
         else:  # one pickle and one write per event-loop iteration (a burst of Generate calls)
-            if not self._batch:
-                self._loop.call_soon(self._flush)
-            self._batch.append(message)
+            self._outbox.post(message)
         return fut
 
-    def _flush(self) -> None:
-        batch, self._batch = self._batch, []
-        try:
-            self._send(batch)
-        except Exception:  # a command that does not pickle (nothing was written), or the pipe is gone
-            for message in batch:
-                try:
-                    self._send([message])
-                except Exception as exc:
-                    self._settle(message[1], None, self._died() if isinstance(exc, OSError) else exc)
+    def _unsent(self, message: tuple, exc: Exception) -> None:
+        """A command that does not pickle (nothing was written) fails; so does one the pipe refuses
+        (the child is gone)."""
+        self._settle(message[1], None, self._died() if isinstance(exc, OSError) else exc)
 
     def _send(self, batch: list[tuple]) -> None:
         with self._send_lock:
@@ -220,7 +213,7 @@ def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interva
     """The child's entry point: the engine loop runs on this, the main thread, and the asyncio side
     (commands in, results and deliveries out) on a second one. The main thread matters: glibc
     gives other threads their own malloc arenas, which return memory to the system and take it
-    back (tens of page faults per step of a small model, measured on CPU); the main heap does not.
+    back (page faults in every step; BENCHMARKS.md, issue 5); the main heap does not.
     SIGINT / SIGTERM are the parent's to handle: it drains, then sends `stop`. A parent that goes
     away closes the pipe, which stops the child too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -236,49 +229,39 @@ def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interva
     front.join(60)
 
 
-class _Outbox:
-    """The child's messages to the parent, sent as one pickled batch per event-loop iteration."""
+class _Replies:
+    """The child's messages to the parent (results and deliveries): one pickled batch per event-loop
+    iteration, through an `Outbox`."""
 
     def __init__(self, conn, loop: asyncio.AbstractEventLoop):
-        self._conn, self._loop = conn, loop
-        self._batch: list[tuple] = []
+        self._conn = conn
+        self._outbox: Outbox[tuple] = Outbox(conn.send, loop, on_error=self._unsent)
 
     def post(self, kind: str, key: Any, value: Any = None, error: BaseException | None = None) -> None:
-        if not self._batch:
-            self._loop.call_soon(self.flush)
         if isinstance(value, Delivery) and value.error is not None:
             value.error = _picklable(value.error)
-        self._batch.append((kind, key, value, _picklable(error)))
+        self._outbox.post((kind, key, value, _picklable(error)))
 
     def flush(self) -> None:
-        batch, self._batch = self._batch, []
-        if not batch:
-            return
-        try:
-            self._conn.send(batch)
-        except OSError:  # the parent is gone; the reader sees EOF and stops the child
-            pass
-        except Exception:  # something in the batch does not pickle: send the rest, fail that one
-            log_event("engine_message_unpicklable", logging.ERROR, exc_info=True)
-            for kind, key, value, error in batch:
-                self._send_one(kind, key, value, error)
+        self._outbox.flush()
 
-    def _send_one(self, kind: str, key: Any, value: Any, error: BaseException | None) -> None:
-        try:
-            self._conn.send([(kind, key, value, error)])
-        except OSError:
-            pass
-        except Exception as exc:
-            failure = RuntimeError(f"the engine's answer could not be sent: {type(exc).__name__}: {exc}")
-            if kind == "result":
-                self._conn.send([(kind, key, None, failure)])
-            else:
-                self._conn.send([(kind, key, Delivery([], done=True, error=failure), None)])
+    def _unsent(self, message: tuple, exc: Exception) -> None:
+        """A message the pipe refuses: the parent is gone (the reader sees EOF and stops the
+        child); one that does not pickle: its command or request fails instead."""
+        if isinstance(exc, OSError):
+            return
+        log_event("engine_message_unpicklable", logging.ERROR, exc_info=True)
+        kind, key, _, _ = message
+        failure = RuntimeError(f"the engine's answer could not be sent: {type(exc).__name__}: {exc}")
+        if kind == "result":
+            self._conn.send([(kind, key, None, failure)])
+        else:
+            self._conn.send([(kind, key, Delivery([], done=True, error=failure), None)])
 
 
 async def _serve_engine(engine_loop: EngineLoop, conn) -> None:
     loop = asyncio.get_running_loop()
-    out = _Outbox(conn, loop)
+    out = _Replies(conn, loop)
     try:
         await engine_loop.start()
     except BaseException as exc:
@@ -320,7 +303,7 @@ def _put_all(commands: asyncio.Queue, batch: list) -> None:
         commands.put_nowait(message)
 
 
-async def _execute(engine_loop: EngineLoop, message: tuple, out: _Outbox) -> None:
+async def _execute(engine_loop: EngineLoop, message: tuple, out: _Replies) -> None:
     op, cmd_id, *args = message
     try:
         if op == "add":
