@@ -1,5 +1,5 @@
 """The `rollout` command: `serve` (the gRPC server), `generate` (prompts -> Arrow IPC file through
-a running server), `validate` (Contract 3 checks on such a file) and `demo` (a local server with
+a running server), `validate` (the mask contract's checks on such a file, docs/masks.md) and `demo` (a local server with
 the embedded models, one GRPO group with support masks, a readable summary).
 
 Each subcommand is a small function from parsed arguments to an exit status; `main(argv)` is
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    sub.add_parser("validate", help="check an Arrow IPC rollout file (Contract 3)", add_help=False)
+    sub.add_parser("validate", help="check an Arrow IPC rollout file (docs/masks.md)", add_help=False)
 
     demo = sub.add_parser("demo", help="local server + one GRPO group with support masks")
     demo.add_argument("--spec", choices=("none", "dflash", "dspark"), default="dflash")

@@ -1,4 +1,4 @@
-"""The one Arrow schema of a rollout (DESIGN.md Contract 4): one row per finished sample.
+"""The one Arrow schema of a rollout (docs/wire.md): one row per finished sample.
 
 Everything that writes or reads rollout record batches imports it from here: the server,
 `rollout generate`, the validator and trainer_client.
@@ -38,7 +38,7 @@ VOCAB_SIZE_KEY = "vocab_size"  # every token id of the batch is in [0, vocab_siz
 
 def schema_with_metadata(model: str, drafter: str, spec_method: str, mask_mode: str,
                          mask_top_k: int | None = None, vocab_size: int | None = None) -> pa.Schema:
-    """The rollout schema carrying the names DESIGN.md asks for in its metadata, plus the
+    """The rollout schema carrying the names docs/wire.md lists in its metadata, plus the
     request's support bound (top_k, 1 for greedy) when it asked for masks and the model's
     vocabulary size, so a validator can check widths and token ids without knowing the request
     or the model."""

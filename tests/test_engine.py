@@ -4,7 +4,7 @@ Greedy generation equals transformers' greedy `generate`; paging with tiny block
 prefill and preemption give the tokens of the same requests run one at a time; the n samples
 of a prompt share its blocks and prefill once; prefixes are reused across requests; seeded
 requests reproduce whatever else is in the batch; finish reasons (stop ids, EOS, min_tokens,
-max_tokens); abort frees every block at once; token_logprobs equal Contract-1 log-probs
+max_tokens); abort frees every block at once; token_logprobs equal the log-probs of docs/sampling.md
 recomputed from transformers' logits with the independent reference of contract1_ref.py.
 """
 

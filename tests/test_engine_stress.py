@@ -1,7 +1,7 @@
 """A seeded random workload through the engine (bounded: 100 steps per configuration): mixed
 sampling settings, masks, grammars, n > 1, prefix reuse, aborts, small KV budgets, all three
 spec methods. Every sample of every request comes back exactly once (or aborted), masked
-samples pass the Contract-3 validator, and every KV block is free at the end. This is the
+samples pass the mask validator (docs/masks.md), and every KV block is free at the end. This is the
 test that found forks copying a first sample's accepted drafts. Every generated request is valid,
 so a refusal fails the test (it used to be swallowed: a validation that refused, say, masks with a
 grammar passed)."""

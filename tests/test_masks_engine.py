@@ -1,4 +1,4 @@
-"""Sampling masks captured after acceptance (Contract 3) through the real engine: the
+"""Sampling masks captured after acceptance (docs/masks.md) through the real engine: the
 {none, DFlash, DSpark} x {greedy, sampled, mixed} x {selected, support} matrix, independent
 recomputation against transformers, grammar-constrained verify, support overflow, and
 zero capture work for requests without masks."""
@@ -104,7 +104,7 @@ PENALISED = SamplingParams(temperature=0.8, top_k=10, top_p=0.92, min_p=0.05, re
 
 
 def _reference_row(z, history, sp, end_ids, out_index):
-    """Contract 1 for one row from tests/contract1_ref.py: (support ids by prob desc / id, logprobs)."""
+    """The sampling distribution of one row from tests/contract1_ref.py: (support ids by prob desc / id, logprobs)."""
     p = reference_policy(
         z.tolist(), temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
         logit_bias=sp.logit_bias, history=history, repetition_penalty=sp.repetition_penalty,

@@ -1,7 +1,7 @@
-"""Speculative decoding through the real engine (Contract 2): greedy outputs equal
+"""Speculative decoding through the real engine (docs/verification.md): greedy outputs equal
 non-speculative greedy outputs token for token for DFlash, DSpark and a drafter whose drafts
 are often accepted, across block sizes, batch sizes and preemption; sampled outputs follow
-the exact Contract-1 law (with truncation, penalties and bias on), with a negative control;
+the exact law of docs/sampling.md (with truncation, penalties and bias on), with a negative control;
 mismatched drafters are refused at load."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ NUM_SAMPLES = 2000
 
 
 def _reference_joint(model_dir):
-    """p(t1, t2) from transformers logits with Contract 1 applied (penalties count prompt + t1)."""
+    """p(t1, t2) from transformers logits with the sampling distribution applied (penalties count prompt + t1)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,11 +1,11 @@
-"""Sampled drafts through the real engine where they are accepted often (Contract 2).
+"""Sampled drafts through the real engine where they are accepted often (docs/verification.md).
 
 The embedded DFlash and DSpark drafters propose for the embedded target at temperature 1, top-k 4:
 about 70% of their sampled drafts are accepted, so the law of the committed tokens depends on the q
 each drafter reports with its drafts (a random drafter, accepted ~1% of the time, barely tests q).
 1,500 samples of one prompt run to four tokens; the first comes from the prefill, the second and
 third from verified drafts (block size 3: two drafts). Their joint law of the first three tokens
-must equal the exact Contract-1 law, computed from transformers' logits by the independent
+must equal the exact law of docs/sampling.md, computed from transformers' logits by the independent
 reference (tests/contract1_ref.py): chi-square, fixed seeds.
 
 Negative controls: the same statistic must fail, by at least twice its critical value, for three

@@ -1,5 +1,5 @@
 """trainer_client.tensors: padding of a hand-made table, and the mask replay reproducing the
-Contract-1 log-probs of supports computed by hand from known logits, with gradients."""
+log-probs (docs/sampling.md) of supports computed by hand from known logits, with gradients."""
 
 from __future__ import annotations
 
