@@ -54,7 +54,8 @@ class EngineProcess:
         self._pending: dict[int, asyncio.Future] = {}
         self._sinks: dict[str, Sink] = {}
         self._send_lock = threading.Lock()
-        self._outbox: Outbox[tuple] = Outbox(self._send, loop, on_error=self._unsent)  # a batch per loop iteration
+        # commands of one event-loop iteration, sent together (`_send` is looked up at each send)
+        self._outbox: Outbox[tuple] = Outbox(lambda batch: self._send(batch), loop, on_error=self._unsent)
         self._dead: BaseException | None = None
         self._stopping = False
         self._conn = None
