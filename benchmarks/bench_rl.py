@@ -50,6 +50,7 @@ from common import (
 )
 
 import rollout.engine.engine as engine_module
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -172,7 +173,8 @@ class StepLog:
                 end = item.seq.num_computed_tokens + item.num_new_tokens + k
                 context += end
                 qk += (item.num_new_tokens + k) * end
-            self.records.append((step.input_ids.shape[0], step.cu_rows[-1], context, qk, sum(map(bool, num_drafts))))
+            self.records.append((step.tokens.input_ids.shape[0], step.rows.cu_rows[-1], context, qk,
+                                 sum(map(bool, num_drafts))))
             return step
 
         engine_module.build_step = build_step
@@ -261,7 +263,7 @@ def bench_group(args, dirs: dict, spec: bool, cases: list[str], rows: list[dict]
     warmup = dict(workloads[cases[0]], output_len=args.warmup_tokens)
     vocab, limits = SHAPES[args.shape]["vocab_size"], {}
     if "in_process" in args.paths:
-        engine = LLMEngine(EngineConfig(**fields))
+        engine = build_engine(EngineConfig(**fields))
         costs = Costs.of(engine)
         run_in_process(engine, warmup, prompts_of(warmup, vocab, 99), "warmup", args.device)
         for name, case in workloads.items():

@@ -37,6 +37,7 @@ from common import (
     write_json,
 )
 
+import rollout
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -72,7 +73,7 @@ def drafter_dirs(args: argparse.Namespace) -> dict[str, str | None]:
 
 def build_engine(spec: str, draft: str | None, args: argparse.Namespace) -> LLMEngine:
     per_seq = -(-(256 + args.output_len + 2 * args.block) // 16) + 1
-    return LLMEngine(EngineConfig(
+    return rollout.build_engine(EngineConfig(
         spec=spec, draft=draft, spec_block_size=None if spec == "none" else args.block, device=args.device,
         num_kv_blocks=max(args.batches) * per_seq + 8, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(2048, 256 * max(args.batches)), enable_prefix_caching=False,

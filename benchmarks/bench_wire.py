@@ -23,8 +23,8 @@ import time
 import numpy as np
 from common import environment, print_table, write_json
 
-from rollout.engine.outputs import SampleOutput
 from rollout.masks.pack import Supports
+from rollout.outputs import SampleOutput
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.schema import schema_with_metadata
 from rollout.server.convert import StreamEncoder

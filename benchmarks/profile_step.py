@@ -22,6 +22,7 @@ from pathlib import Path
 from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
 
 import rollout.engine.engine as engine_mod
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -153,7 +154,7 @@ def main() -> None:
                               device=args.device, num_kv_blocks=max(args.batches) * per_seq * 2 + 8,
                               max_num_seqs=max(args.batches), enable_prefix_caching=False,
                               max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len))
-        engine = LLMEngine(config)
+        engine = build_engine(config)
     result = dict(args=vars(args), env=environment(args.device), rows=[], kernels=[])
     for backend in args.backends:
         engine.model.set_kernel_backend(backend)

@@ -1,6 +1,6 @@
 """The `rollout` command: `serve` (the gRPC server), `generate` (prompts -> Arrow IPC file through
-a running server), `validate` (Contract 3 checks on such a file) and `demo` (a local server with
-the embedded models, one GRPO group with support masks, a readable summary).
+a running server), `validate` (the mask contract's checks on such a file, docs/masks.md) and `demo`
+(a local server with the embedded models, one GRPO group with support masks, a readable summary).
 
 Each subcommand is a small function from parsed arguments to an exit status; `main(argv)` is
 the console entry point.
@@ -25,10 +25,10 @@ __all__ = ["build_parser", "main", "read_prompts"]
 def engine_factory(args: argparse.Namespace) -> Callable[[], Any]:
     """Validates the engine configuration now; the engine itself is built on the engine thread
     (or in the engine process: the factory pickles)."""
+    from rollout import build_engine
     from rollout.engine.config import EngineConfig
-    from rollout.engine.engine import LLMEngine
 
-    return functools.partial(LLMEngine, from_options(EngineConfig, args), load_progress=weights_progress)
+    return functools.partial(build_engine, from_options(EngineConfig, args), load_progress=weights_progress)
 
 
 def weights_progress(items: list, description: str, file: Any = None) -> Iterable:
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="prompts -> Arrow IPC file through a running server", **kw)
     add_generate_args(gen)
 
-    sub.add_parser("validate", help="check an Arrow IPC rollout file (Contract 3); see rollout validate --help",
+    sub.add_parser("validate", help="check an Arrow IPC rollout file (docs/masks.md); see rollout validate --help",
                    add_help=False)
 
     demo = sub.add_parser("demo", help="local server + one GRPO group with support masks", **kw)

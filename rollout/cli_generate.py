@@ -17,8 +17,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from rollout.engine.params import MASK_MODES, SamplingParams
+from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
+from rollout.masks import MASK_MODES
 
 MASK_HELP = ("sampling masks, one per output token (needs --top-k between 1 and the server's --max-mask-tokens, "
              "or --temperature 0): 'selected' returns support_ids, the token ids of the finite support each token "

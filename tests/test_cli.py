@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from rollout import build_engine
 from rollout.cli import main, read_prompts
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
 from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def server(tiny_random_qwen3):
     config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256)
-    with BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0, engine_process=False)) as srv:
+    with BackgroundServer(lambda: build_engine(config), ServeConfig(port=0, engine_process=False)) as srv:
         yield srv
 
 
@@ -82,7 +82,7 @@ def test_generate_reports_server_errors_in_one_line(server, tmp_path, capsys, fl
 def one_at_a_time(tiny_random_qwen3):
     """A server that runs one sample at a time: a request of many samples takes seconds."""
     config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=64, max_num_seqs=1)
-    with BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0, engine_process=False)) as srv:
+    with BackgroundServer(lambda: build_engine(config), ServeConfig(port=0, engine_process=False)) as srv:
         yield srv
 
 

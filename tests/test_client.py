@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
@@ -44,8 +44,8 @@ def test_to_table_orders_the_streamed_rows_by_prompt_then_sample():
 
     import numpy as np
 
-    from rollout.engine.outputs import SampleOutput
     from rollout.masks.pack import Supports
+    from rollout.outputs import SampleOutput
     from rollout.schema import schema_with_metadata, to_record_batch
 
     rng = random.Random(0)
@@ -123,7 +123,7 @@ def test_masked_logprobs_on_the_models_own_logits_reproduce_token_logprobs(tiny_
     temperature = 0.8
     sampling = dict(temperature=temperature, top_k=16, top_p=0.9, max_tokens=10, seed=5)
     config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=128)
-    with BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0, engine_process=False)) as server:
+    with BackgroundServer(lambda: build_engine(config), ServeConfig(port=0, engine_process=False)) as server:
         with RolloutClient(server.address, timeout=120) as client:
             table = client.generate([[7, 8, 9, 10], "x = "], n=2, sampling=sampling, mask="support")
     batch = to_torch(table)

@@ -12,6 +12,7 @@ import torch
 from conftest import TINY_QWEN3, save_random_hf_model, write_byte_tokenizer
 from safetensors.torch import load_file, save_file
 
+from rollout import build_engine
 from rollout.engine.loader import load_model
 from rollout.errors import LoadError
 from rollout.spec.draft_loader import load_drafter, random_drafter, save_drafter
@@ -256,10 +257,9 @@ def test_embedded_drafters_are_accepted_in_the_engine(kind):
     is 4.42 (DFlash) and 4.87 (DSpark); it was 2.88 and 3.33 when the last layer's tap missed
     its norm."""
     from rollout.engine.config import DEFAULT_DRAFTS, EngineConfig
-    from rollout.engine.engine import LLMEngine
     from rollout.engine.params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(spec=kind, draft=str(DEFAULT_DRAFTS[kind]), spec_block_size=8, num_kv_blocks=200))
+    eng = build_engine(EngineConfig(spec=kind, draft=str(DEFAULT_DRAFTS[kind]), spec_block_size=8, num_kv_blocks=200))
     eng.add_request("r", [list(p) for p in ENGINE_PROMPTS], SamplingParams(temperature=0.0, max_tokens=96,
                                                                            ignore_eos=True))
     outs = []

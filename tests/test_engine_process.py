@@ -19,8 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.errors import InvalidArgument, LoadError
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.engine_process import EngineProcess
@@ -33,7 +33,7 @@ def _engine_pid(engine) -> int:
 
 def test_a_dead_engine_process_fails_requests_with_unavailable(tiny_random_qwen3):
     """(On the way: a second request with a running request's id is refused, the first runs on.)"""
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
     with BackgroundServer(factory, ServeConfig(port=0, engine_process=True)) as server:
         pid = server.engine_call(_engine_pid)
         assert pid != os.getpid()
@@ -84,7 +84,7 @@ def test_a_request_whose_admission_is_cancelled_is_aborted_in_the_child(tiny_ran
     from rollout.engine.params import SamplingParams
     from rollout.server.convert import GenerateCall
 
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
 
     async def main():
         engine = EngineProcess(factory, asyncio.get_running_loop())
@@ -112,7 +112,7 @@ def _answer(engine) -> int:
 def test_commands_of_one_iteration_go_together_and_one_that_cannot_be_sent_fails_alone(tiny_random_qwen3):
     """Commands issued in one event-loop iteration cross the pipe as one batch; a command that does
     not pickle fails with its own error, and the others of its batch still run."""
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
 
     async def main():
         engine = EngineProcess(factory, asyncio.get_running_loop())
@@ -136,7 +136,7 @@ def test_commands_of_one_iteration_go_together_and_one_that_cannot_be_sent_fails
 
 
 def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error(tmp_path):
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tmp_path / "missing")))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tmp_path / "missing")))
     with pytest.raises(LoadError, match="missing"):
         BackgroundServer(factory, ServeConfig(port=0, engine_process=True)).__enter__()
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import RepeatDrafter
+from spec_helpers import RepeatDrafter, factory_of
 
+from rollout import build_engine
 from rollout.engine.attention import AttentionMetadata
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.graphs import StepGraphs
 from rollout.engine.params import SamplingParams
 
@@ -17,7 +17,8 @@ PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [42], [1, 2, 3, 4, 5, 6, 7
 
 
 def _run(model, static: bool, drafter=None, params=None, after_step=None, prompts=PROMPTS, n=3, **config):
-    eng = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200, **config), drafter=drafter)
+    eng = build_engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200, **config),
+                       drafter_factory=factory_of(drafter))
     if static:
         eng.graphs = eng.make_step_graphs(capture=False)
     eng.add_request("g", prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

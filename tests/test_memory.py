@@ -9,9 +9,9 @@ import contextlib
 
 import pytest
 
+from rollout import build_engine
 from rollout.engine import memory, profile
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.memory import DeviceMemory
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
@@ -48,12 +48,12 @@ def test_num_kv_blocks_is_refused_beyond_the_plan_and_kept_within():
 
 def test_an_explicit_max_model_len_the_pool_cannot_hold_is_refused(tiny_random_qwen3):
     with pytest.raises(InvalidArgument) as exc:  # 7 usable blocks of 16 = 112 tokens
-        LLMEngine(EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=8, max_model_len=200))
+        build_engine(EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=8, max_model_len=200))
     assert exc.value.field == "max_model_len"
-    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=8))  # unset: capped to the pool
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=8))  # unset: capped to the pool
     assert eng.max_model_len == 112
     with pytest.raises(InvalidArgument) as exc:
-        LLMEngine(EngineConfig(model=str(tiny_random_qwen3), cpu_kv_bytes=1000))
+        build_engine(EngineConfig(model=str(tiny_random_qwen3), cpu_kv_bytes=1000))
     assert exc.value.field == "cpu_kv_bytes"
 
 
@@ -77,9 +77,9 @@ def _recorded(engine, steps: list):
     section = [None]
 
     def sample(step, drafts, hidden):
-        masked = sum(bool(s.mask) for s in step.entries)
-        grammar = sum(s.grammar is not None for s in step.entries)
-        steps.append((section[0], step.input_ids.shape[0], step.cu_rows[-1], masked, grammar))
+        masked = sum(bool(s.mask) for s in step.rows.entries)
+        grammar = sum(s.grammar is not None for s in step.rows.entries)
+        steps.append((section[0], step.tokens.input_ids.shape[0], step.rows.cu_rows[-1], masked, grammar))
         return real(step, drafts, hidden)
 
     class Meter:
@@ -106,8 +106,8 @@ def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tin
     kw = dict(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], spec_block_size=4,
               num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=40, max_mask_tokens=16)
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=5, ignore_eos=True)
-    fresh = LLMEngine(EngineConfig(**kw))
-    eng = LLMEngine(EngineConfig(**kw))
+    fresh = build_engine(EngineConfig(**kw))
+    eng = build_engine(EngineConfig(**kw))
     steps = []
     with _recorded(eng, steps) as meter:
         profile.run_largest_steps(eng, 300, meter, graphs=True)

@@ -15,13 +15,13 @@ import pytest
 import torch
 from metrics_helpers import scrape, scrape_until, value
 
+from rollout import build_engine
 from rollout.cli import weights_progress
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import read_state_dict
-from rollout.engine.outputs import SampleOutput
 from rollout.errors import InvalidArgument
 from rollout.masks.pack import Supports
+from rollout.outputs import SampleOutput
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.engine_stats import EngineStats
 from trainer_client import RolloutClient
@@ -33,7 +33,7 @@ SAMPLING = dict(temperature=1.0, top_k=8, max_tokens=24, ignore_eos=True, seed=5
 def server(tiny_random_qwen3):
     config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=128, max_num_seqs=2)
     serve = ServeConfig(port=0, engine_process=False, metrics_port=0, stats_interval=0.2)
-    with BackgroundServer(lambda: LLMEngine(config), serve) as srv:
+    with BackgroundServer(lambda: build_engine(config), serve) as srv:
         yield srv
 
 
@@ -151,5 +151,5 @@ def test_metrics_endpoint_is_off_by_default_and_a_taken_port_is_refused(tiny_ran
         port = taken.getsockname()[1]
         config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=16)
         with pytest.raises(InvalidArgument, match=f"metrics_port: cannot listen on 127.0.0.1:{port}: "):
-            BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0, engine_process=False,
+            BackgroundServer(lambda: build_engine(config), ServeConfig(port=0, engine_process=False,
                                                                     metrics_port=port)).__enter__()

@@ -110,7 +110,7 @@ def test_draft_with_spec_none_is_refused_naming_the_field(tmp_path, capsys):
 
 
 def test_a_missing_drafter_directory_is_reported_as_missing(tmp_path):
-    from rollout.engine.engine import LLMEngine
+    from rollout import build_engine
 
     with pytest.raises(LoadError, match=r"drafter directory '.*nowhere' does not exist"):
-        LLMEngine(EngineConfig(spec="dflash", draft=str(tmp_path / "nowhere")))
+        build_engine(EngineConfig(spec="dflash", draft=str(tmp_path / "nowhere")))

@@ -17,6 +17,7 @@ import torch
 from metrics_helpers import scrape, scrape_until, value
 from safetensors.torch import load_file
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
@@ -39,7 +40,7 @@ def drafters(tiny_random_qwen3, tmp_path_factory):
     return root
 
 
-def _server_pool(model, drafters, engine_process: bool, build=LLMEngine):
+def _server_pool(model, drafters, engine_process: bool, build=build_engine):
     """get(spec, **engine_overrides) -> a BackgroundServer, started once per configuration, and
     the servers started. `build(config)` makes the engine (a module-level function: it may run in
     the engine process)."""
@@ -277,10 +278,10 @@ def test_update_weights_replaces_the_drafter_in_the_same_call_losslessly(servers
 
 def _engine_with_mask_bound_2(config: EngineConfig) -> LLMEngine:
     """An engine process whose mask capture pretends the bound is 2 (runs in the child only)."""
-    import rollout.masks.capture as capture_mod
+    import rollout.engine.capture as capture_mod
 
     capture_mod.mask_width = lambda entries: 2
-    return LLMEngine(config)
+    return build_engine(config)
 
 
 @pytest.mark.parametrize("engine", ["engine-thread", "engine-process"])
@@ -288,7 +289,7 @@ def test_mask_overflow_during_generation_is_failed_precondition(thread_servers, 
                                                                 monkeypatch, engine):
     """A support that exceeds its bound fails that request with FAILED_PRECONDITION (no partial
     masks); a concurrent request on the same engine finishes normally."""
-    import rollout.masks.capture as capture_mod
+    import rollout.engine.capture as capture_mod
 
     if engine == "engine-thread":
         server = thread_servers("none", num_kv_blocks=512)

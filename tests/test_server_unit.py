@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save_file
 
-from rollout.engine.outputs import SampleOutput
 from rollout.errors import InvalidArgument
+from rollout.outputs import SampleOutput
 from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.service import FlushPolicy

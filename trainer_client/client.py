@@ -1,4 +1,4 @@
-"""The trainer's gRPC client of a rollout server (DESIGN.md Contract 4, "What users get").
+"""The trainer's gRPC client of a rollout server (docs/wire.md).
 
 `RolloutClient(address)` sends prompts (text or token ids) with sampling parameters and gets the
 finished samples back as a `pyarrow.Table` (`generate`) or as record batches while they finish
@@ -127,14 +127,16 @@ def weight_chunks(
     pieces: list[Callable[[], Iterator[pb.WeightChunk]]] = []
     for source, to_draft in ((weights, draft), (draft_weights, True)):
         if isinstance(source, str | Path):
-            files = enumerate(_safetensors_files(Path(source)))
+            files = enumerate(safetensors_files(Path(source)))
             pieces += [partial(_file_chunks, index, file, to_draft) for index, file in files]
         elif source is not None:
             pieces += [partial(_tensor_chunks, name, tensor, to_draft) for name, tensor in source.items()]
     return itertools.chain.from_iterable(piece() for piece in pieces)
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files a weights path names: the file itself, or a directory's *.safetensors
+    in name order. Raises InvalidArgument("weights") when there are none."""
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise InvalidArgument(

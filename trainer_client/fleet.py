@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 
 from rollout.errors import InvalidArgument
 from trainer_client.aio import AsyncRolloutClient
-from trainer_client.client import Prompt, Weights, sampling_to_proto, to_table
+from trainer_client.client import Prompt, Weights, safetensors_files, sampling_to_proto, to_table
 from trainer_client.fleet_replica import RolloutReplica, health_ok
 from trainer_client.fleet_requests import FleetRequest
 from trainer_client.fleet_routing import Replica, WeightHistory
@@ -399,11 +399,7 @@ def _state(weights: Weights | None) -> Mapping | None:
         return None
     if isinstance(weights, Mapping):
         return {name: tensor.detach().cpu() for name, tensor in weights.items()}
-    path = Path(weights)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise InvalidArgument("weights", f"{path} is neither a .safetensors file nor a directory holding some")
-    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+    return {name: tensor for file in safetensors_files(Path(weights)) for name, tensor in load_file(file).items()}
 
 
 def named_actors(name: str, namespace: str | None = None) -> list:

@@ -10,6 +10,8 @@ from rollout.engine.transfer import upload
 
 
 def bytes_per_block(mcfg: ModelConfig, block_size: int, elem: int) -> int:
+    """KV bytes of one block of the layers `mcfg` describes (K and V, `elem` bytes each): the
+    target's, and a block drafter's for its own layers."""
     return 2 * mcfg.num_hidden_layers * block_size * mcfg.num_key_value_heads * mcfg.head_dim * elem
 
 

@@ -73,14 +73,25 @@ def choose_kv_blocks(config: EngineConfig, planned: int) -> int:
     return config.num_kv_blocks
 
 
-def max_model_len(config: EngineConfig, limit: int, num_blocks: int) -> int:
-    """The engine's max_model_len: `limit` (config or model and drafter positions), capped to what
-    the pool holds (one block stays free for a fork's copy). An explicit `max_model_len` the pool
-    cannot hold is refused."""
+def context_limits(config: EngineConfig, max_position_embeddings: int, drafter_limit: int | None) -> dict[str, int]:
+    """What bounds a sequence's length (prompt + output) before the pool is sized, by name: the
+    model's positions (or `max_model_len` instead) and a drafter's (its draft block after the last
+    anchor must fit in its positions too: max_position_embeddings - block + 2, 4090 for 4096 and a
+    block of 8). The profile sizes steps for the smallest."""
+    limits = {"max_model_len_by_flag": config.max_model_len} if config.max_model_len else {
+        "max_model_len_by_model": max_position_embeddings}
+    if drafter_limit:
+        limits["max_model_len_by_drafter"] = drafter_limit
+    return limits
+
+
+def kv_cache_limit(config: EngineConfig, num_blocks: int) -> int:
+    """The longest sequence a pool of `num_blocks` holds (one block stays free for a fork's copy).
+    An explicit `max_model_len` the pool cannot hold is refused."""
     room = (num_blocks - 1) * config.block_size
     if config.max_model_len is not None and config.max_model_len > room:
         raise InvalidArgument("max_model_len", f"{config.max_model_len} tokens need "
                               f"{-(-config.max_model_len // config.block_size) + 1} KV blocks of "
                               f"{config.block_size} tokens, the pool holds {num_blocks}: lower max_model_len or "
                               f"give the KV cache more memory")
-    return min(limit, room)
+    return room

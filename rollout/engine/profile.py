@@ -1,5 +1,5 @@
 """The largest steps a configuration admits, run at startup on dummy sequences through the engine's
-own step path (drafter, forward, logits, the Contract-1 policy, verification, mask capture) before
+own step path (drafter, forward, logits, the policy, verification, mask capture) before
 the KV pool exists, to measure their memory on CUDA (rollout/engine/memory.py sizes the pool from
 it), the way vLLM and SGLang profile a dummy forward.
 
@@ -29,6 +29,7 @@ import torch
 from rollout.engine.batch import build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.graphs import bucket
+from rollout.engine.intake import new_sequence
 from rollout.engine.kv import allocate_kv
 from rollout.engine.memory import DeviceMemory
 from rollout.engine.params import SamplingParams
@@ -166,7 +167,7 @@ def run_step(engine, shapes: list[Shape], context: int, kinds: list[str]) -> Non
         hidden = engine._forward_step(step, drafts)
         for name in kinds:
             cycle = every[name]
-            for e, seq in enumerate(step.entries):
+            for e, seq in enumerate(step.rows.entries):
                 seq.params, seq.mask, grammar = cycle[e % len(cycle)]
                 seq.grammar = AllowAll() if grammar else None
                 seq.mask_bound = seq.params.support_bound if seq.mask else 0
@@ -179,8 +180,8 @@ def _item(engine, i: int, tokens: int, drafts: int, context: int) -> ScheduledSe
     decode = drafts > 0 or tokens == 1
     prompt = [1] * (context - tokens + 1 if decode else context)
     params, mask, _ = row_kinds(engine.vocab_size, engine.config.max_mask_tokens)["mixed"][0]
-    seq = engine.intake.new_sequence(request_id="profile", prompt_index=0, sample_index=i, prompt_token_ids=prompt,
-                                     params=params, seed=i, mask=mask, grammar=None)
+    seq = new_sequence(i + 1, engine.eos_token_ids, request_id="profile", prompt_index=0, sample_index=i,
+                       prompt_token_ids=prompt, params=params, seed=i, mask=mask, grammar=None)
     seq.num_computed_tokens = context - tokens
     bs = engine.config.block_size
     seq.block_table = [b % PROFILE_BLOCKS for b in range(-(-context // bs))]

@@ -92,6 +92,36 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def advance(self, items: list[ScheduledSeq], num_accepted: list[int]) -> list[tuple[int, int]]:
+        """After a step's host copy, before its tokens are appended: each item's computed count
+        grows by the tokens it fed plus the drafts it accepted (`num_accepted[i]`), prompt blocks
+        that became full are registered for prefix reuse, and the samples of a prompt whose last
+        token was computed are forked (before any sample may finish). Returns the (src, dst) block
+        copies those forks need, for the engine to make before the next forward reads the blocks."""
+        sampled = [item.samples for item in items]  # before the counts move
+        for item, accepted in zip(items, num_accepted):
+            seq, old = item.seq, item.seq.num_computed_tokens
+            seq.num_computed_tokens = old + item.num_new_tokens + accepted
+            self.bm.register_computed(seq, old)
+        copies = []
+        for item, samples in zip(items, sampled):
+            if not samples:  # a prompt still mid-prefill keeps its samples to fork
+                continue
+            parent = item.seq
+            for child in parent.children if parent.num_output_tokens == 0 else []:
+                copy = self.fork(parent, child)
+                if copy is not None:
+                    copies.append(copy)
+            parent.children = []
+        return copies
+
+    def truncate_drafts(self, items: list[ScheduledSeq]) -> None:
+        """After the step's tokens are appended: free the blocks reserved for drafts that were not
+        accepted (only they can lie past a running sequence's tokens; KV rollback)."""
+        for item in items:
+            if item.num_draft and not item.seq.is_finished:
+                self.bm.truncate(item.seq, item.seq.num_tokens)
+
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Start a sample forked from its prompt's first sample once the prompt is computed:
         it shares the prompt's blocks and runs. Returns the (src, dst) partial-block copy the
@@ -127,7 +157,7 @@ class Scheduler:
             return False
         if seq.children and item.samples:
             # hold one block per forked sample (for its partial-block copy) as far as they go;
-            # a sample left without one waits and recomputes its prompt (Committer._fork)
+            # a sample left without one waits and recomputes its prompt (`fork`)
             self._fork_blocks += min(len(seq.children), self.bm.num_free_blocks - self._fork_blocks)
             self._forking = True
         return True

@@ -12,7 +12,7 @@ that sees no key (position < 0) gets 0, as the torch path's SDPA gives.
 Triton compiles a variant per constexpr combination and per integer argument that equals 1 or
 is divisible by 16. The token count and the block table's width change with every batch, so
 those two are not specialised. Otherwise a serving engine kept meeting new variants, each
-compiled inside a step (~0.5 s on the H200; see BENCHMARKS.md, issue 5).
+compiled inside a step, which stalls it (BENCHMARKS.md, issue 5).
 
 Decode and verify steps have few query rows per sequence, so at small batch a (sequence, head)
 grid leaves most of the GPU idle; the key range is then split over several programs whose

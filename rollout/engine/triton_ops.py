@@ -1,9 +1,10 @@
 """Fused elementwise kernels of a decoder layer, in Triton, each replacing several torch kernels.
 
-At batch 1 an 8B-shaped step reads its 16 GB of weights in ~3.9 ms, but the torch layer adds
-~28 small kernels per layer (norms, RoPE's roll/mul/addcmul, cache writes, SiLU and product,
-residual adds) that cost ~2.5 ms more even inside a CUDA graph. These kernels do the same
-arithmetic in three launches per layer pair:
+At small batches a step is bound by reading the weights, and the torch layer adds dozens of
+small kernels per layer (norms, RoPE's roll/mul/addcmul, cache writes, SiLU and product,
+residual adds) whose launches cost a large share of that again, even inside a CUDA graph
+(BENCHMARKS.md, "Figures once quoted in code comments"). These kernels do the same arithmetic
+in three launches per layer pair:
 
 * `qk_norm_rope_store`: from the packed qkv projection, per token: q/k RMSNorm (Qwen3), RoPE
   from the engine's cos / signed-sin table, q out, k and v written into the paged cache;

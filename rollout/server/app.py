@@ -207,7 +207,7 @@ BACKGROUND = ServeConfig(port=0, engine_process=False, stats_interval=0)  # Back
 class BackgroundServer:
     """A server on a private event loop in a daemon thread; a context manager.
 
-    with BackgroundServer(lambda: LLMEngine(EngineConfig())) as server:
+    with BackgroundServer(lambda: rollout.build_engine(EngineConfig())) as server:
         client = RolloutClient(server.address)
     """
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rollout.engine.outputs import SampleOutput
+from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
+from rollout.outputs import SampleOutput
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.schema import to_record_batch
-from rollout.spec.grammar import GrammarSpec
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "temperature",

@@ -43,6 +43,7 @@ from rollout.server.convert import GenerateCall
 from rollout.server.engine_child import READY, child_main
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, Sink, discard
+from rollout.server.outbox import Outbox
 from rollout.server.pipe import recv_message
 
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
@@ -61,7 +62,8 @@ class EngineProcess:
         self._admitted: dict[int, tuple[str, Sink]] = {}  # admission key -> (request id, sink)
         self._keys: dict[Sink, int] = {}  # sink -> admission key
         self._send_lock = threading.Lock()
-        self._batch: list[tuple] = []  # commands of this event-loop iteration, sent together
+        # commands of one event-loop iteration, sent together (`_send` is looked up at each send)
+        self._outbox: Outbox[tuple] = Outbox(lambda batch: self._send(batch), loop, on_error=self._unsent)
         self._dead: BaseException | None = None
         self._stopping = False
         self._conn = None
@@ -164,21 +166,13 @@ class EngineProcess:
             task = self._loop.create_task(asyncio.to_thread(self._send, [message]))
             task.add_done_callback(lambda t: self._settle(cmd_id, None, _send_error(t)) if _send_error(t) else None)
         else:  # one pickle and one write per event-loop iteration (a burst of Generate calls)
-            if not self._batch:
-                self._loop.call_soon(self._flush)
-            self._batch.append(message)
+            self._outbox.post(message)
         return fut
 
-    def _flush(self) -> None:
-        batch, self._batch = self._batch, []
-        try:
-            self._send(batch)
-        except Exception:  # a command that does not pickle (nothing was written), or the pipe is gone
-            for message in batch:
-                try:
-                    self._send([message])
-                except Exception as exc:
-                    self._settle(message[1], None, self._died() if isinstance(exc, OSError) else exc)
+    def _unsent(self, message: tuple, exc: Exception) -> None:
+        """A command that does not pickle (nothing was written) fails; so does one the pipe refuses
+        (the child is gone)."""
+        self._settle(message[1], None, self._died() if isinstance(exc, OSError) else exc)
 
     def _send(self, batch: list[tuple]) -> None:
         with self._send_lock:

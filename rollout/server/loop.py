@@ -7,10 +7,11 @@ results back as asyncio futures. Finished samples are routed to the request's si
 invoked on the event loop, once per request per step, so the event loop never blocks on the
 engine and the engine never waits for a client.
 
-What the engine thread hands back (command results, deliveries) collects in an outbox that
-goes to the event loop in one `loop.call_soon_threadsafe` per batch of commands and per step:
-each wake-up of the loop is a socket write that lets go of the GIL, and getting it back while
-the event loop runs costs the engine thread up to the interpreter's switch interval (5 ms).
+What the engine thread hands back (command results, deliveries) collects in an outbox
+(rollout.server.outbox) that goes to the event loop in one `loop.call_soon_threadsafe` per batch
+of commands and per step: each wake-up of the loop is a socket write that lets go of the GIL,
+and getting it back while the event loop runs costs the engine thread up to the interpreter's
+switch interval.
 
 Weight updates follow the engine's drain policy: `update_weights` validates synchronously,
 then the engine applies it at a step boundary once running samples have finished; the caller's
@@ -30,11 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engine.outputs import SampleOutput
 from rollout.errors import FailedPrecondition, Unavailable
+from rollout.outputs import SampleOutput
 from rollout.server.convert import GenerateCall
 from rollout.server.engine_stats import EngineStats, StatsSnapshot
 from rollout.server.logs import elapsed_ms, log_event
+from rollout.server.outbox import Outbox
 
 
 @dataclass
@@ -69,7 +71,8 @@ class EngineLoop:
         self._progress = progress if progress is not None else ctypes.c_int64(0)
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: list[Callable[[], None]] = []  # run on the event loop, in order
+        # what the engine thread hands back, run on the event loop in order
+        self._outbox: Outbox[Callable[[], None]] = Outbox(lambda calls: loop.call_soon_threadsafe(_run_all, calls))
         self._routes: dict[str, _Route] = {}
         self._weight_waiters: list[asyncio.Future] = []
         self._stopping = False
@@ -215,12 +218,10 @@ class EngineLoop:
             else:
                 fut.set_result(result)
 
-        self._outbox.append(settle)
+        self._outbox.post(settle)
 
     def _send_outbox(self) -> None:
-        if self._outbox:
-            calls, self._outbox = self._outbox, []
-            self._loop.call_soon_threadsafe(_run_all, calls)
+        self._outbox.flush()
 
     def _ship_stats(self) -> None:
         """Hands a snapshot of the counters to `on_stats` with the next outbox (if anyone listens)."""
@@ -233,7 +234,7 @@ class EngineLoop:
             log_event("engine_stats_failed", logging.ERROR, exc_info=True)
             self.on_stats = None
             return
-        self._outbox.append(lambda: on_stats(snapshot))
+        self._outbox.post(lambda: on_stats(snapshot))
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -272,7 +273,7 @@ class EngineLoop:
             self._post(route.sink, Delivery(samples, done=done))
 
     def _post(self, sink: Sink, delivery: Delivery) -> None:
-        self._outbox.append(lambda: sink(delivery))
+        self._outbox.post(lambda: sink(delivery))
 
     def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
         # the engine refuses an id it still runs (Aborted), so a route is never replaced; an id whose

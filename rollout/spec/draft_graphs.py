@@ -1,5 +1,5 @@
 """CUDA graphs of a block drafter's forward: context gather, block layers and head, replayed for a
-(batch bucket, context bucket) instead of launching ~80 small kernels per step.
+(batch bucket, context bucket) instead of launching its many small kernels one by one every step.
 
 The block forward of S sequences is a function of three small inputs: each block's anchor token,
 the anchor's position (= the sequence's context length) and the block table. They are copied into

@@ -1,10 +1,5 @@
-"""Drafters on the engine side: the extension point, and the DFlash / DSpark block drafter.
-
-A `Drafter` proposes, in one batched call, a draft block for every sample in a decode step
-(anchor = its last committed token, context = what the target already processed) together
-with the distributions `q` the drafts were drawn from (None = deterministic, one-hot q), and
-keeps its own context state up to date from the target's hidden states after each step.
-New drafter kinds subclass `Drafter`.
+"""The DFlash / DSpark block drafter behind the engine's `Drafter` interface
+(rollout.engine.drafter), and `build_drafter`, the factory `rollout.build_engine` hands the engine.
 
 `BlockDrafter` runs a `DraftModel` (DFlash, or DSpark with its Markov and confidence heads).
 Its per-layer context K/V live in a paged cache indexed by the target's own block tables
@@ -16,71 +11,43 @@ block's context stops before its anchor) and are overwritten when that position 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
-from rollout.engine.kv import copy_blocks
+from rollout.engine.config import EngineConfig
+from rollout.engine.drafter import Drafter, Drafts
+from rollout.engine.kv import bytes_per_block, copy_blocks
+from rollout.engine.loader import LoadedModel, LoadProgress
 from rollout.engine.sampler import PURPOSE_DRAFT, draw_index, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
 from rollout.engine.truncation import chunk_rows, logsumexp_rows
+from rollout.engine.verify import Proposal
 from rollout.spec.draft_graphs import DraftGraphs
+from rollout.spec.draft_loader import load_drafter
 from rollout.spec.draft_model import DraftModel
-from rollout.spec.verify import Proposal
 
 GATHER_BYTES = 1 << 30  # the most context K (or V) one draft layer gathers at once
 
 
-@dataclass
-class Drafts:
-    tokens: torch.Tensor  # [D] int64 drafts of all decode items, flattened in item order
-    num_per_item: list[int]  # drafts carried by each scheduled item (0 for prefill chunks)
-    q: Proposal | None = None  # [D] proposal distributions, None = all one-hot
-
-
-class Drafter(ABC):
-    """The drafter extension point (see module docstring)."""
-
-    num_spec: int  # the most drafts per block
-    target_layer_ids: tuple[int, ...]
-
-    @abstractmethod
-    def bytes_per_block(self, block_size: int) -> int: ...
-
-    def max_model_len(self) -> int | None:
-        """The longest sequence this drafter can draft for (None = no limit of its own)."""
-        return None
-
-    @abstractmethod
-    def allocate(self, num_blocks: int, block_size: int) -> None: ...
-
-    @abstractmethod
-    def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
-        """Drafts for the items with num_draft > 0; block_table: [len(items), W] host array of
-        their padded block tables (batch.padded_block_table)."""
-
-    @abstractmethod
-    def update_context(self, target_aux: torch.Tensor, meta: AttentionMetadata) -> None: ...
-
-    @abstractmethod
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
-
-    def use_graphs(self, max_batch: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
-                   capture: bool) -> None:
-        """Replay the drafter's forward as CUDA graphs (`capture=False`: the same static-buffer
-        path eagerly, for tests). Optional: a drafter may ignore it."""
-        return None
+def build_drafter(config: EngineConfig, target: LoadedModel, progress: LoadProgress | None = None) -> BlockDrafter:
+    """The drafter `config.spec` names, loaded from `config.draft_path` for `target` (the engine's
+    drafter factory: see rollout.build_engine); `progress` shows its checkpoint reads."""
+    path = config.draft_path
+    weight = target.model.embed_tokens.weight
+    model = load_drafter(path, target, kind=config.spec, block_size=config.spec_block_size,
+                         device=weight.device, dtype=weight.dtype, progress=progress)
+    return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold, name=path.name)
 
 
 class BlockDrafter(Drafter):
     """DFlash / DSpark: one non-causal forward drafts a whole block."""
 
-    def __init__(self, model: DraftModel, block_size: int | None = None, confidence_threshold: float = 0.0):
+    def __init__(self, model: DraftModel, block_size: int | None = None, confidence_threshold: float = 0.0,
+                 name: str = ""):
         self.model = model
+        self.name = name
         self.block = block_size or model.config.block_size
         self.num_spec = self.block - 1
         self.target_layer_ids = tuple(model.config.target_layer_ids)
@@ -99,9 +66,7 @@ class BlockDrafter(Drafter):
         return self.model.rotary.max_positions - self.block + 2
 
     def bytes_per_block(self, block_size: int) -> int:
-        bb = self.model.config.backbone
-        elem = self.model.fc.weight.element_size()
-        return 2 * bb.num_hidden_layers * block_size * bb.num_key_value_heads * bb.head_dim * elem
+        return bytes_per_block(self.model.config.backbone, block_size, self.model.fc.weight.element_size())
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         bb = self.model.config.backbone
