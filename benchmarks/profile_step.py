@@ -150,10 +150,11 @@ def main() -> None:
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         per_seq = -(-(args.prompt_len + args.steps + 8) // 16) + 1
+        blocks = max(args.batches) * per_seq * 2 + 8 if args.device == "cpu" else None  # CUDA: the memory plan's
         config = EngineConfig(model=str(write_config_dir(shape, Path(tmp))), load_format="random",
-                              device=args.device, num_kv_blocks=max(args.batches) * per_seq * 2 + 8,
-                              max_num_seqs=max(args.batches), enable_prefix_caching=False,
-                              max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len))
+                              device=args.device, num_kv_blocks=blocks, max_num_seqs=max(args.batches),
+                              enable_prefix_caching=False,
+                              max_num_batched_tokens=max(2048, max(args.batches) // args.n * args.prompt_len))
         engine = build_engine(config)
     result = dict(args=vars(args), env=environment(args.device), rows=[], kernels=[])
     for backend in args.backends:
