@@ -1,11 +1,13 @@
-"""Shared-prefix attention (prefix_plan.py, prefix_attention.py, triton_prefix_attention.py)
-against plain paged attention (attention.paged_attention): the torch reference of the two passes
-on many block layouts, the Triton kernel through Triton's interpreter on CPU on a few small
-ones (a group of 8 with different suffix lengths beside sequences alone, nesting under a system
-prompt, verify rows beside a prefill chunk, a shared range ending mid-block, a chunked prefix,
-GQA groups of 1, 3 and 4, a CUDA graph's padded rows), then the engine: greedy tokens equal to
-the torch backend's (which never shares), eagerly and with a drafter through the static-buffer
-graph path, and the flag that turns it off.
+"""Shared-prefix attention (prefix_plan.py, prefix_items.py, prefix_attention.py,
+triton_prefix_attention.py) against plain paged attention (attention.paged_attention): the torch
+reference of the two passes and the Triton kernel (through Triton's interpreter on CPU) on small
+block layouts (a group of 8 with different suffix lengths beside sequences alone, nesting under
+a system prompt, verify rows beside a prefill chunk, a shared range ending mid-block, a chunked
+prefix, GQA groups of 1, 3 and 4, a CUDA graph's padded rows), each cut three ways (suffixes
+fused into their group's items, suffixes alone, and tiles small enough that chunk and tile
+boundaries fall inside tokens and segments); then the engine: greedy tokens equal to the torch
+backend's (which never shares), eagerly and with a drafter through the static-buffer graph path,
+and the flag that turns it off.
 """
 
 from __future__ import annotations
@@ -22,10 +24,19 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device, shared_prefix_attention_reference
+from rollout.engine.prefix_items import ITEM_FIELDS
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.triton_attention import supported
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F = {name: i for i, name in enumerate(ITEM_FIELDS)}
+TINY_TILES = LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=4096)
+LAUNCHES = {
+    "fused": DEFAULT_LAUNCH,
+    "suffixes alone": LaunchConfigs(*(LaunchConfig(fuse_suffix=False),) * 2),
+    "tiny tiles": LaunchConfigs(TINY_TILES, TINY_TILES),
+}
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 
 
@@ -81,13 +92,13 @@ def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=
     return q, k, v, caches[0], caches[1], meta
 
 
-def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None):
+def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None, launch=DEFAULT_LAUNCH):
     """Plain paged attention's output, the caches with this step's keys written, and the plan."""
     q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, heads, kv_heads, block_size=block_size)
     want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     starts = [c - n for c, n in zip(ctx, q_lens, strict=True)]
-    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads)
+    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads, launch)
     host = planner.plan(meta.block_tables.numpy(), starts, q_lens, prompt_lens or starts)
     assert host is not None, "the case must share something"
     to = lambda x: x.to(DEVICE)  # noqa: E731
@@ -115,42 +126,59 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("launch", list(LAUNCHES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_reference_equals_plain_attention(name):
+def test_reference_equals_plain_attention(name, launch):
     make, heads, kv_heads, block_size = CASES[name]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size,
+                                                                 launch=LAUNCHES[launch])
     got = shared_prefix_attention_reference(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
                                             meta.positions.to(DEVICE), plan, 0.25)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 @needs_triton
-@pytest.mark.parametrize("name", list(CASES))
-def test_kernel_equals_plain_attention(name):
+@pytest.mark.parametrize("name, launch", [(n, c) for n in CASES for c in LAUNCHES
+                                          if (n, c) != ("chunked prefix", "tiny tiles")])  # 640 keys in 16s: slow
+def test_kernel_equals_plain_attention(name, launch):
     make, heads, kv_heads, block_size = CASES[name]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size,
+                                                                 launch=LAUNCHES[launch])
+    out = torch.full_like(q, float("nan"))  # every row must be written
     got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
-                                             meta.positions.to(DEVICE), plan, 0.25)
+                                             meta.positions.to(DEVICE), plan, 0.25, out=out)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
+def _plans(launch):
+    return {name: expected_and_plan(*make(), heads, kv_heads, block_size, launch=LAUNCHES[launch])[-1]
+            for name, (make, heads, kv_heads, block_size) in CASES.items()}
+
+
 def test_the_cases_reach_what_they_are_named_for():
-    """Guards the case table: nesting gives 3 partial rows a token, the duplicates a range ending
-    mid-block, the long prefix several chunks and more items than programs, GQA 3 a straddled
-    token; the sequences alone are written directly."""
-    plans = {}
-    for name, (make, heads, kv_heads, block_size) in CASES.items():
-        *_, plan, host = expected_and_plan(*make(), heads, kv_heads, block_size)
-        plans[name] = (plan, host)
-    assert 1 in plans["group of 8 beside sequences alone"][1].part_count.tolist()
-    assert set(plans["nested: system prompt, then prompts"][1].part_count.tolist()) == {3}
-    mid = plans["shared range ending mid-block"][1].items
-    assert (mid[mid[:, 7] == 1][:, 5] % 4 != 0).any()  # a shared unit's key_hi inside a block
-    assert plans["chunked prefix"][1].part_count.max() >= 3
-    gqa = plans["GQA 3: a tile boundary inside a token"][1].items
-    assert (gqa[gqa[:, 7] == 1][:, 2] % 3 != 0).any()  # a tile starting mid-token
-    verify = plans["verify rows beside a prefill chunk"][1]
-    assert verify.part_count.tolist() == [2] * 20 + [1] * 70  # the prefill chunk attends alone
+    """Guards the case table. Suffixes alone: nesting gives 3 partial rows a token, the
+    duplicates a range ending mid-block, the long prefix several chunks, GQA 3 a straddled token,
+    the sequences alone are written directly. Fused: a single-level group's members are written
+    directly, nested ones merge 2 partial rows. Tiny tiles: chunk boundaries inside the fused
+    segments and a segment in two row tiles."""
+    alone, fused, tiny = _plans("suffixes alone"), _plans("fused"), _plans("tiny tiles")
+    assert 1 in alone["group of 8 beside sequences alone"].part_count.tolist()
+    assert set(alone["nested: system prompt, then prompts"].part_count.tolist()) == {3}
+    mid = alone["shared range ending mid-block"].items
+    shared = mid[mid[:, F["indirect"]] == 1]
+    assert ((shared[:, F["key_lo"]] + shared[:, F["range_len"]]) % 4 != 0).any()  # a shared range ends mid-block
+    assert alone["chunked prefix"].part_count.max() >= 3
+    gqa = alone["GQA 3: a tile boundary inside a token"].items
+    assert (gqa[gqa[:, F["indirect"]] == 1][:, F["row0"]] % 3 != 0).any()  # a tile starting mid-token
+    assert alone["verify rows beside a prefill chunk"].part_count.tolist() == [2] * 20 + [1] * 70
+    assert set(fused["group of 8 beside sequences alone"].part_count.tolist()) == {1}
+    assert set(fused["nested: system prompt, then prompts"].part_count.tolist()) == {2}
+    assert fused["group of 8 beside sequences alone"].segments.shape[0] == 8
+    items = np.concatenate([p.items for p in tiny.values()])
+    inside = (items[:, F["seg_count"]] > 0) & (items[:, F["v_lo"]] > items[:, F["range_len"]])
+    assert inside.any()  # a chunk starting among the segments
+    segs = tiny["GQA 3: a tile boundary inside a token"].segments
+    assert len(np.unique(segs[:, 1])) < len(segs)  # a sequence's segment in two row tiles
 
 
 def test_a_wrong_shared_key_breaks_the_comparison():
