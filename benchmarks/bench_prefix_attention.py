@@ -60,9 +60,9 @@ VARIANTS = {
     "n32s4": LaunchConfig(block_n=32, num_stages=4),
     "n128s2": LaunchConfig(block_n=128, num_stages=2),
     "s2": LaunchConfig(num_stages=2),
-    "s4": LaunchConfig(num_stages=4),
     "w8": LaunchConfig(num_warps=8),
     "m32": LaunchConfig(block_m=32),
+    "m32t128": LaunchConfig(block_m=32, target_programs=128),
     "m128w8": LaunchConfig(block_m=128, num_warps=8),
 }
 

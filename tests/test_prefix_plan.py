@@ -219,6 +219,16 @@ def test_launch_parameters_can_route_a_kind_of_step_to_the_plain_kernel():
     assert plan(table, ctx, [9] * 8, launch=DEFAULT_LAUNCH) is not None
 
 
+def test_suffixes_are_read_alone_where_a_tile_could_hold_too_many_sequences():
+    """One query head per KV head: a 64-row tile could hold 64 sequences, past the kernel's
+    segment registers; 4 heads: 16, fused."""
+    assert SharedPrefixPlanner(BS, 1, 2).config(1).fuse_suffix is False
+    assert SharedPrefixPlanner(BS, 4, 2).config(1).fuse_suffix is True
+    table, ctx = grpo_tables(prompts=1, samples=4, prompt_blocks=5, gen_lens=[3])
+    p = plan(table, ctx, [1] * 4, groups=1, launch=DEFAULT_LAUNCH)
+    assert p.config.fuse_suffix is False and p.part_count.tolist() == [2] * 4
+
+
 @pytest.mark.parametrize("field, value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("min_chunk", 16)])
 def test_launch_parameters_are_checked(field, value):
     with pytest.raises(ValueError, match=field):

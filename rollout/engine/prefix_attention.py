@@ -97,7 +97,7 @@ class StaticSharedPrefix:
             item_counts=self.item_counts, items=self.items, segments=self.segments, unit_tokens=self.unit_tokens,
             part_start=self.part_start[:padded_tokens], part_count=self.part_count[:padded_tokens],
             num_partial_rows=planner.partial_rows_cap(padded_tokens), max_items=planner.items_cap(padded_tokens),
-            suffix_block_m=planner.suffix_block_m(query_len), config=planner.launch.pick(query_len))
+            suffix_block_m=planner.suffix_block_m(query_len), config=planner.config(query_len))
 
 
 def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

@@ -61,6 +61,9 @@ DEFAULT_LAUNCH = LaunchConfigs(
 )
 
 
+MAX_FUSED_SEGMENTS = 32  # past this many segments a row tile's lookup spills registers: suffixes read alone
+
+
 def max_segments(block_m: int, groups: int) -> int:
     """Most sequences one row tile of `block_m` rows (token x query head, `groups` heads a
     token) holds, as a power of two: the kernel's bound on a tile's fused suffix segments."""

@@ -36,7 +36,7 @@ padded token count holds any plan of a smaller step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,7 +51,7 @@ from rollout.engine.prefix_items import (
     partial_slots,
     work_items,
 )
-from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, MAX_FUSED_SEGMENTS, LaunchConfig, LaunchConfigs, max_segments
 
 MIN_BLOCK_M = 16  # the smallest row tile tl.dot takes
 MAX_SHARED_QUERY_LEN = 64  # decode and verify rows share; longer prefill chunks attend alone
@@ -111,10 +111,18 @@ class SharedPrefixPlanner:
     def _tiles_per_token(self) -> int:
         return -(-self.groups // MIN_BLOCK_M) + 1
 
+    def config(self, max_query_len: int) -> LaunchConfig:
+        """A step's launch parameters: the table's, with fusion off where a row tile could hold
+        more sequences than MAX_FUSED_SEGMENTS (e.g. one query head per KV head)."""
+        config = self.launch.pick(max_query_len)
+        if config.fuse_suffix and max_segments(config.block_m, self.groups) > MAX_FUSED_SEGMENTS:
+            return replace(config, fuse_suffix=False)
+        return config
+
     def suffix_block_m(self, max_query_len: int) -> int:
         """Rows of a lone unit's tile: a sequence's query rows, as a power of two in [16, block_m]."""
         rows = max_query_len * self.groups
-        return min(self.launch.pick(max_query_len).block_m, max(MIN_BLOCK_M, 1 << (rows - 1).bit_length()))
+        return min(self.config(max_query_len).block_m, max(MIN_BLOCK_M, 1 << (rows - 1).bit_length()))
 
     def plan(self, table: np.ndarray, starts, q_lens, prompt_lens) -> HostPlan | None:
         """table: [S, W] the step's padded block tables; starts[s]: computed tokens before this
@@ -124,7 +132,7 @@ class SharedPrefixPlanner:
         plain kernel runs)."""
         starts = np.asarray(starts, dtype=np.int64)  # [S]
         q = np.asarray(q_lens, dtype=np.int64)  # [S]
-        if not self.launch.pick(int(q.max())).enabled:
+        if not self.config(int(q.max())).enabled:
             return None
         shareable = np.minimum(starts, np.asarray(prompt_lens, dtype=np.int64))  # [S] keys before the queries
         units = _shared_units(table, shareable, q, self.block_size, self.groups)
@@ -133,7 +141,7 @@ class SharedPrefixPlanner:
         return self._work(units, starts, q)
 
     def _work(self, units: _Units, starts: np.ndarray, q: np.ndarray) -> HostPlan:
-        config = self.launch.pick(int(q.max()))
+        config = self.config(int(q.max()))
         num_tokens, num_shared = int(q.sum()), len(units.lo)
         arrays, segs, lone = self._unit_arrays(units, starts, q, config)
         tile_total = np.concatenate([segs.tile_total, np.repeat(arrays.range_len[num_shared:],
