@@ -226,13 +226,23 @@ def measure(step: Step, name: str, launch: LaunchConfigs | None, args, device: s
     return row
 
 
+def guarded(step: Step, name: str, launch: LaunchConfigs, args, device: str) -> dict:
+    """measure(), a variant that fails to compile or run recorded as such (one GPU call times all)."""
+    try:
+        return measure(step, name, launch, args, device)
+    except Exception as error:  # noqa: BLE001 - the sweep goes on; the row says what broke
+        prompts, samples, prompt_len = step.workload
+        return dict(prompts=prompts, n=samples, prompt=prompt_len, q_len=step.q_len, variant=name, ms=float("nan"),
+                    note=f"ERROR {type(error).__name__}: {str(error)[:120]}")
+
+
 def run_workloads(workloads, chosen: dict, args, device: str, dtype, result: dict) -> None:
     shape = SHAPES["tiny" if args.quick else "qwen3-8b"]
     for workload in workloads:
         for q_len in args.queries:
             step = Step(workload, q_len, shape, args, device, dtype)
             plain = measure(step, "plain", None, args, device)
-            rows = [plain] + [measure(step, name, launch, args, device) for name, launch in chosen.items()]
+            rows = [plain] + [guarded(step, name, launch, args, device) for name, launch in chosen.items()]
             for row in rows:
                 row["ratio"] = row["ms"] / plain["ms"]
             print(f"{workload} q={q_len}: plain {plain['ms']:.4f} ms, "
@@ -255,12 +265,19 @@ def compile_all(chosen: dict, args, device: str, dtype) -> None:
     begin = time.perf_counter()
     with mp.get_context("spawn").Pool(min(args.jobs, len(tasks))) as pool:
         for name, q, seconds in pool.imap_unordered(_compile_one, tasks):
-            print(f"compiled {name} q={q} in {seconds:.1f} s", flush=True)
+            print(f"compiled {name} q={q}: " + (f"{seconds:.1f} s" if isinstance(seconds, float) else seconds),
+                  flush=True)
     print(f"compiled {len(tasks)} variants in {time.perf_counter() - begin:.1f} s")
 
 
 def _compile_one(task):
-    name, q_len, max_gen, shape, device, dtype = task
+    try:
+        return _compile(*task)
+    except Exception as error:  # noqa: BLE001 - reported; the timed run records the variant's error
+        return task[0], task[1], f"failed: {type(error).__name__}: {str(error)[:200]}"
+
+
+def _compile(name, q_len, max_gen, shape, device, dtype):
     begin = time.perf_counter()
     launch = {"default": DEFAULT_LAUNCH, **{k: LaunchConfigs(v, v) for k, v in VARIANTS.items()}}[name]
     args = argparse.Namespace(max_gen=max_gen)
@@ -282,7 +299,7 @@ def summary(rows: list[dict]) -> list[dict]:
         plain = next(r for r in group if r["variant"] == "plain")
         default = next(r for r in group if r["variant"] == "default")
         default_ms = plain["ms"] if default["ms"] != default["ms"] else default["ms"]  # routed to plain: NaN
-        ok = [r for r in group if r["variant"] != "plain" and not r["note"]]
+        ok = [r for r in group if r["variant"] != "plain" and not r["note"] and r["ms"] == r["ms"]]
         top = min(ok, key=lambda r: r["ms"]) if ok else default
         best.append(dict(prompts=key[0], n=key[1], prompt=key[2], q_len=key[3], plain_ms=plain["ms"],
                          default_ms=default_ms, default_ratio=default_ms / plain["ms"], best=top["variant"],

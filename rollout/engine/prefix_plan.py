@@ -142,25 +142,16 @@ class SharedPrefixPlanner:
 
     def _work(self, units: _Units, starts: np.ndarray, q: np.ndarray) -> HostPlan:
         config = self.config(int(q.max()))
-        num_tokens, num_shared = int(q.sum()), len(units.lo)
+        num_shared = len(units.lo)
         arrays, segs, lone = self._unit_arrays(units, starts, q, config)
-        tile_total = np.concatenate([segs.tile_total, np.repeat(arrays.range_len[num_shared:],
-                                                                arrays.tiles[num_shared:])])  # [tiles]
-        tile_base = np.cumsum(arrays.tiles) - arrays.tiles
-        lens = np.maximum.reduceat(tile_total, tile_base)  # [U + L] longest virtual range of a unit's tiles
-        chunk = chunk_size(int((arrays.tiles * lens).sum()), self.num_kv_heads, config)
-        while True:
-            chunks = np.where(arrays.splittable, np.maximum(1, (lens + chunk // 2) // chunk), 1)  # [U + L] rounded
-            slots = partial_slots(units.top, units.bottom, lone, chunks, num_shared, q)
-            num_items = int((arrays.tiles * chunks).sum())
-            if slots.num_partial_rows <= self.partial_rows_cap(num_tokens) and num_items <= self.items_cap(num_tokens):
-                break
-            chunk *= 2  # fewer chunks until the plan fits its capacities (no chunks always fits)
+        lone_tiles = arrays.tiles[num_shared:]
+        tile_total = np.concatenate([segs.tile_total, np.repeat(arrays.range_len[num_shared:], lone_tiles)])  # [tiles]
+        lens = np.maximum.reduceat(tile_total, np.cumsum(arrays.tiles) - arrays.tiles)  # [U + L] longest tile's keys
+        chunks, slots = self._chunks(arrays, lens, units, lone, q, config)
         per_chunk = -(-lens // chunks)  # [U + L] even chunks, aligned to the kernel's key tile
         span = -(-per_chunk // config.block_n) * config.block_n
-        lone_tiles = int(arrays.tiles[num_shared:].sum())
-        tile_segs = np.concatenate([np.stack([segs.tile_start, segs.tile_count]), np.zeros((2, lone_tiles), np.int64)],
-                                   axis=1)
+        tile_segs = np.concatenate([np.stack([segs.tile_start, segs.tile_count]),
+                                    np.zeros((2, int(lone_tiles.sum())), np.int64)], axis=1)  # [2, tiles]
         items = work_items(arrays, chunks, span, tile_total, tile_segs, slots.first_slot, self.groups)
         segments = segs.fields if len(segs.fields) else np.zeros((1, len(SEG_FIELDS)), np.int64)
         return HostPlan(items=items, num_shared_items=int((arrays.tiles * chunks)[:num_shared].sum()), config=config,
@@ -168,6 +159,19 @@ class SharedPrefixPlanner:
                         unit_tokens=units.tokens, part_start=slots.part_start, part_count=slots.part_count,
                         num_partial_rows=slots.num_partial_rows, shared_keys=int((units.hi - units.lo).sum()),
                         plain_keys=int(((units.hi - units.lo) * units.num_members).sum()))
+
+    def _chunks(self, arrays: UnitArrays, lens, units: _Units, lone, q, config: LaunchConfig):
+        """(chunks [U + L], partial slots): about config.target_programs (item, KV head) pairs,
+        fewer chunks until the plan fits its capacities (no chunks always fits)."""
+        num_tokens = int(q.sum())
+        chunk = chunk_size(int((arrays.tiles * lens).sum()), self.num_kv_heads, config)
+        while True:
+            chunks = np.where(arrays.splittable, np.maximum(1, (lens + chunk // 2) // chunk), 1)  # [U + L] rounded
+            slots = partial_slots(units.top, units.bottom, lone, chunks, len(units.lo), q)
+            num_items = int((arrays.tiles * chunks).sum())
+            if slots.num_partial_rows <= self.partial_rows_cap(num_tokens) and num_items <= self.items_cap(num_tokens):
+                return chunks, slots
+            chunk *= 2
 
     def _unit_arrays(self, units: _Units, starts, q, config: LaunchConfig) -> tuple[UnitArrays, Segments, np.ndarray]:
         """The shared units, then a lone unit for each sequence whose own keys are not fused into

@@ -111,27 +111,49 @@ if triton is not None:
             m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
                                       stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
         if FUSED:  # loop 2: the row tile's fused suffix segments (none: an empty range)
-            sidx = tl.arange(0, MAX_SEGS)
-            seg_ptr = segs_ptr + (tl.load(item_ptr + 9) + sidx) * 5  # prefix_items.SEG_FIELDS
-            s_ok = sidx < tl.load(item_ptr + 10)
-            s_start = tl.load(seg_ptr, mask=s_ok, other=2**30).to(tl.int32)  # [S]
-            s_row = tl.load(seg_ptr + 1, mask=s_ok, other=0)
-            s_off = tl.load(seg_ptr + 2, mask=s_ok, other=0).to(tl.int32)
-            mine = (token[:, None] >= tl.load(seg_ptr + 3, mask=s_ok, other=0)[None, :]) & (
-                token[:, None] < tl.load(seg_ptr + 4, mask=s_ok, other=0)[None, :])  # [M, S]
-            row_seg = tl.max(tl.where(mine, sidx[None, :], -1), 1)  # [M] the row's segment, -1: none
-            for v0 in range(tl.maximum(v_lo, range_len), v_hi, BLOCK_N):
-                vk = v0 + tl.arange(0, BLOCK_N)
-                key_ok = vk < v_hi
-                seg = tl.sum((s_start[None, :] <= vk[:, None]).to(tl.int32), 1) - 1  # [N]
-                hit = seg[:, None] == sidx[None, :]  # [N, S]
-                pos = vk + tl.sum(tl.where(hit, s_off[None, :], 0), 1)
-                row = tl.sum(tl.where(hit, s_row[None, :], 0), 1)  # [N] int64
-                block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=key_ok, other=0)
-                seen = key_ok[None, :] & (seg[None, :] == row_seg[:, None]) & (pos[None, :] <= q_pos[:, None])
-                m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
-                                          stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
-                                          DOT_PRECISION)
+            m_i, l_i, acc = _segment_keys(
+                item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, tl.maximum(v_lo, range_len), v_hi,
+                k_base, v_base, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION)
+        _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
+                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
+
+    @triton.jit
+    def _segment_keys(item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, lo, hi, k_base, v_base, m_i, l_i, acc,
+                      qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      MAX_SEGS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Virtual keys lo .. hi of the item's fused segments: each key's segment (the last whose
+        v_start it reaches), block-table row and position come from the tile's segments held in
+        registers [S]; a key is seen by the rows of its segment's tokens, up to their positions."""
+        sidx = tl.arange(0, MAX_SEGS)
+        seg_ptr = segs_ptr + (tl.load(item_ptr + 9) + sidx) * 5  # prefix_items.SEG_FIELDS
+        s_ok = sidx < tl.load(item_ptr + 10)
+        s_start = tl.load(seg_ptr, mask=s_ok, other=2**30).to(tl.int32)  # [S]
+        s_row = tl.load(seg_ptr + 1, mask=s_ok, other=0)
+        s_off = tl.load(seg_ptr + 2, mask=s_ok, other=0).to(tl.int32)
+        mine = (token[:, None] >= tl.load(seg_ptr + 3, mask=s_ok, other=0)[None, :]) & (
+            token[:, None] < tl.load(seg_ptr + 4, mask=s_ok, other=0)[None, :])  # [M, S]
+        row_seg = tl.max(tl.where(mine, sidx[None, :], -1), 1)  # [M] the row's segment, -1: none
+        for v0 in range(lo, hi, BLOCK_N):
+            vk = v0 + tl.arange(0, BLOCK_N)
+            key_ok = vk < hi
+            seg = tl.sum((s_start[None, :] <= vk[:, None]).to(tl.int32), 1) - 1  # [N]
+            hit = seg[:, None] == sidx[None, :]  # [N, S]
+            pos = vk + tl.sum(tl.where(hit, s_off[None, :], 0), 1)
+            row = tl.sum(tl.where(hit, s_row[None, :], 0), 1)  # [N] int64
+            block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=key_ok, other=0)
+            seen = key_ok[None, :] & (seg[None, :] == row_seg[:, None]) & (pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
+                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """The normalised rows to the output where their token has one partial result, else with
+        their log-sum-exp (natural log) to the token's partial row of the item's slot."""
+        dims = tl.arange(0, HEAD_DIM)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
         count = tl.load(part_count_ptr + token, mask=row_ok, other=0)
@@ -142,7 +164,7 @@ if triton is not None:
         base = (tl.load(part_start_ptr + token, mask=row_ok, other=0) + tl.load(item_ptr + 11)) * NUM_HEADS + head
         tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
                  mask=part[:, None])
-        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # natural log
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(part_lse_ptr + base, lse, mask=part)
 
     @triton.jit(do_not_specialize=["stride_bt"],
