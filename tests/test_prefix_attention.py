@@ -12,6 +12,8 @@ and the flag that turns it off.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -25,18 +27,19 @@ from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device, shared_prefix_attention_reference
 from rollout.engine.prefix_items import ITEM_FIELDS
-from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, SHARE_RULE, LaunchConfig, LaunchConfigs, ShareRule
 from rollout.engine.prefix_plan import SharedPrefixPlanner
-from rollout.engine.triton_attention import supported
+from rollout.engine.triton_attention import paged_attention_triton, supported
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F = {name: i for i, name in enumerate(ITEM_FIELDS)}
 TINY_TILES = LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=4096)
 LAUNCHES = {
-    "fused": DEFAULT_LAUNCH,
-    "suffixes alone": LaunchConfigs(*(LaunchConfig(fuse_suffix=False),) * 2),
+    "fused": LaunchConfigs(LaunchConfig(), LaunchConfig()),
+    "suffixes alone": DEFAULT_LAUNCH,  # the sweep's winner (prefix_launch.DEFAULT_LAUNCH)
     "tiny tiles": LaunchConfigs(TINY_TILES, TINY_TILES),
 }
+ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 
 
@@ -98,7 +101,7 @@ def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt
     want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     starts = [c - n for c, n in zip(ctx, q_lens, strict=True)]
-    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads, launch)
+    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads, launch, ANY)  # cases below SHARE_RULE
     host = planner.plan(meta.block_tables.numpy(), starts, q_lens, prompt_lens or starts)
     assert host is not None, "the case must share something"
     to = lambda x: x.to(DEVICE)  # noqa: E731
@@ -207,6 +210,29 @@ def test_padded_graph_rows_get_zero_and_real_rows_their_attention():
     assert not got[3].any()
 
 
+@needs_triton
+@pytest.mark.parametrize("samples", [SHARE_RULE.decode.min_members - 1, SHARE_RULE.decode.min_members])
+def test_the_output_does_not_depend_on_the_path_the_rule_takes(samples):
+    """A decode group holding SHARE_RULE's least shared keys: one member short of the rule, the
+    engine's planner sends the step to the plain kernel (no plan); at it, to the shared-prefix
+    kernel. Both kernels give the same rows either way."""
+    rule = SHARE_RULE.decode
+    tables, ctx, q_lens = layout(1, samples, rule.min_keys // 4, [0, 5, 2, 9])
+    q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, 4, 2)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    starts = [c - 1 for c in ctx]
+    args = (meta.block_tables.numpy(), starts, q_lens, starts)
+    assert (SharedPrefixPlanner(4, 2, 2).plan(*args) is not None) == (samples >= rule.min_members)
+    to = lambda x: x.to(DEVICE)  # noqa: E731
+    tables_dev = to(meta.block_tables)
+    plain = paged_attention_triton(to(q), to(k_cache), to(v_cache), tables_dev, to(meta.context_lens),
+                                   to(meta.cu_seqlens_q), 1, meta.max_context_len, 0.25)
+    shared_plan = plan_to_device(SharedPrefixPlanner(4, 2, 2, rule=ANY).plan(*args), DEVICE)
+    shared = tpa.shared_prefix_attention_triton(to(q), to(k_cache), to(v_cache), tables_dev, to(meta.positions),
+                                                shared_plan, 0.25)
+    torch.testing.assert_close(shared, plain, atol=2e-5, rtol=1e-5)
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(40, 62))  # 22 tokens: 5 full blocks of 4 shared by the samples
 
@@ -234,14 +260,20 @@ def torch_greedy(tiny_random_qwen3, random_drafters):
 
 @needs_triton
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="float32 CPU engine through the interpreter")
-@pytest.mark.parametrize("spec, graphs", [("none", False), ("dflash", True)])
+@pytest.mark.parametrize("spec, graphs, rule", [("none", False, ANY), ("dflash", True, ANY),
+                                                ("none", False, SHARE_RULE)])
 def test_engine_greedy_outputs_do_not_depend_on_shared_prefix_attention(tiny_random_qwen3, random_drafters,
-                                                                        torch_greedy, monkeypatch, spec, graphs):
-    """Samples of one prompt share its 5 blocks in every decode / verify step: eagerly (n=8), and
-    through the static-buffer replay of CUDA graphs (eager on CPU; n=6, padded to the bucket 8)."""
+                                                                        torch_greedy, monkeypatch, spec, graphs,
+                                                                        rule):
+    """Samples of one prompt share its 5 blocks in every decode / verify step (the tiny prompt is
+    far below SHARE_RULE: the planner takes ANY): eagerly (n=8), and through the static-buffer
+    replay of CUDA graphs (eager on CPU; n=6, padded to the bucket 8). With the engine's own rule
+    every step runs the plain kernel, with the same outputs."""
     calls = _count_shared_calls(monkeypatch)
     _, eng = _generate(tiny_random_qwen3, [[1]], SamplingParams(max_tokens=1), spec=spec,
                        draft=random_drafters.get(spec), block=4 if spec != "none" else None, kernel_backend="triton")
+    assert eng.prefix_planner.rule == SHARE_RULE
+    eng.prefix_planner = replace(eng.prefix_planner, rule=rule)
     if graphs:
         eng.graphs = eng.make_step_graphs(capture=False)
     n = 6 if graphs else 8
@@ -250,7 +282,7 @@ def test_engine_greedy_outputs_do_not_depend_on_shared_prefix_attention(tiny_ran
     while eng.has_unfinished():
         got += eng.step()
     got.sort(key=lambda o: o.sample_index)
-    assert calls[0] >= 2 * 3  # 2 layers x the steps after the prompt's
+    assert calls[0] >= 2 * 3 if rule == ANY else calls[0] == 0  # 2 layers x the steps after the prompt's
     if graphs:
         assert any(key[3] for key in eng.graphs.graphs)
     assert [o.token_ids for o in got] == [o.token_ids for o in torch_greedy[spec][:n]]

@@ -15,13 +15,22 @@ import numpy as np
 import pytest
 
 from rollout.engine.prefix_items import ITEM_FIELDS, SEG_FIELDS
-from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs, max_segments
+from rollout.engine.prefix_launch import (
+    DEFAULT_LAUNCH,
+    SHARE_RULE,
+    LaunchConfig,
+    LaunchConfigs,
+    ShareRule,
+    max_segments,
+)
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 
 BS = 4
 F = {name: i for i, name in enumerate(ITEM_FIELDS)}
 SF = {name: i for i, name in enumerate(SEG_FIELDS)}
 ALONE = LaunchConfigs(*(LaunchConfig(fuse_suffix=False),) * 2)
+FUSED = LaunchConfigs(LaunchConfig(), LaunchConfig())
+ANY = ShareRule()  # every group shares: the structure tests' steps are far below SHARE_RULE
 TINY = LaunchConfigs(*(LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=4096),) * 2)
 
 
@@ -31,7 +40,7 @@ def grpo_tables(prompts: int, samples: int, prompt_blocks: int, gen_lens, system
     tables, ctx, next_id = [], [], 1000
     system = list(range(system_blocks))
     for p in range(prompts):
-        prompt = [100 + p * 50 + i for i in range(prompt_blocks)]
+        prompt = [10**6 + p * 10**5 + i for i in range(prompt_blocks)]
         for s in range(samples):
             gen = gen_lens[(p * samples + s) % len(gen_lens)]
             own = list(range(next_id, next_id + -(-gen // BS)))
@@ -42,11 +51,11 @@ def grpo_tables(prompts: int, samples: int, prompt_blocks: int, gen_lens, system
     return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64), ctx
 
 
-def plan(table, ctx, q_lens, groups=2, kv_heads=2, prompt_lens=None, launch=ALONE):
+def plan(table, ctx, q_lens, groups=2, kv_heads=2, prompt_lens=None, launch=ALONE, rule=ANY):
     """The plan of sequences with contexts `ctx` computing their last q_lens[s] tokens (by default
     their prompt is all but their queries)."""
     starts = [c - q for c, q in zip(ctx, q_lens, strict=True)]
-    return SharedPrefixPlanner(BS, groups, kv_heads, launch).plan(table, starts, q_lens, prompt_lens or starts)
+    return SharedPrefixPlanner(BS, groups, kv_heads, launch, rule).plan(table, starts, q_lens, prompt_lens or starts)
 
 
 def shared_units(p):
@@ -157,8 +166,8 @@ def test_few_sequences_with_long_prefixes_are_chunked_within_capacity():
     """Two samples of a 1200-token prompt are too few programs: the prompt is cut into chunks of
     min_chunk keys; fused, the last chunk also holds the samples' own keys."""
     table, ctx = grpo_tables(prompts=1, samples=2, prompt_blocks=300, gen_lens=[5, 9])
-    for launch, own_keys in ((ALONE, 0), (DEFAULT_LAUNCH, 5 + 9)):
-        p = SharedPrefixPlanner(BS, 4, 8, launch).plan(table, [c - 1 for c in ctx], [1, 1], [1200, 1200])
+    for launch, own_keys in ((ALONE, 0), (FUSED, 5 + 9)):
+        p = SharedPrefixPlanner(BS, 4, 8, launch, ANY).plan(table, [c - 1 for c in ctx], [1, 1], [1200, 1200])
         shared = p.items[p.items[:, F["indirect"]] == 1]
         assert len(shared) == -(-(1200 + own_keys) // launch.decode.min_chunk)
         assert shared[:, F["slot"]].tolist() == list(range(len(shared)))
@@ -172,7 +181,7 @@ def test_the_issue_shape_cuts_each_prompt_into_even_chunks():
     so every prompt is read in the same number of even chunks, about target_programs (item, KV
     head) pairs in all (suffixes alone: the prompt's keys; fused: with its samples' own keys)."""
     table, ctx = grpo_tables(prompts=16, samples=16, prompt_blocks=1024, gen_lens=list(range(1, 150, 7)))
-    for launch, lone in ((ALONE, 1), (DEFAULT_LAUNCH, 0)):
+    for launch, lone in ((ALONE, 1), (FUSED, 0)):
         p = plan(table, ctx, [1] * 256, groups=4, kv_heads=8, launch=launch)
         shared = p.items[p.items[:, F["indirect"]] == 1]
         chunks = len(shared) // 16
@@ -189,7 +198,7 @@ def test_fused_suffixes_ride_in_their_groups_items():
     seen by the member's tokens only): no item of their own, and one partial result each, so
     every token is written directly."""
     table, ctx = grpo_tables(prompts=2, samples=4, prompt_blocks=5, gen_lens=[1, 3, 6, 9])
-    p = plan(table, ctx, [1] * 8, launch=DEFAULT_LAUNCH)
+    p = plan(table, ctx, [1] * 8, launch=FUSED)
     assert (p.items[:, F["indirect"]] == 1).all() and len(p.items) == 2
     assert p.part_count.tolist() == [1] * 8
     segs = p.segments
@@ -204,7 +213,7 @@ def test_fused_suffixes_ride_in_their_groups_items():
 
 def test_nested_members_fuse_into_their_bottom_group():
     table, ctx = grpo_tables(prompts=2, samples=3, prompt_blocks=4, gen_lens=[2, 5], system_blocks=1)
-    p = plan(table, ctx, [1] * 6, launch=DEFAULT_LAUNCH)
+    p = plan(table, ctx, [1] * 6, launch=FUSED)
     top = p.items[p.items[:, F["tok_count"]] == 6]
     assert len(top) == 1 and top[0, F["seg_count"]] == 0  # the system prompt's unit: no one's own keys
     assert p.segments[:, SF["table_row"]].tolist() == list(range(6))
@@ -216,16 +225,16 @@ def test_launch_parameters_can_route_a_kind_of_step_to_the_plain_kernel():
     verify_off = LaunchConfigs(LaunchConfig(), LaunchConfig(enabled=False))
     assert plan(table, ctx, [1] * 8, launch=verify_off) is not None
     assert plan(table, ctx, [9] * 8, launch=verify_off) is None
-    assert plan(table, ctx, [9] * 8, launch=DEFAULT_LAUNCH) is not None
+    assert plan(table, ctx, [9] * 8, launch=FUSED) is not None
 
 
 def test_suffixes_are_read_alone_where_a_tile_could_hold_too_many_sequences():
     """One query head per KV head: a 64-row tile could hold 64 sequences, past the kernel's
     segment registers; 4 heads: 16, fused."""
-    assert SharedPrefixPlanner(BS, 1, 2).config(1).fuse_suffix is False
-    assert SharedPrefixPlanner(BS, 4, 2).config(1).fuse_suffix is True
+    assert SharedPrefixPlanner(BS, 1, 2, FUSED).config(1).fuse_suffix is False
+    assert SharedPrefixPlanner(BS, 4, 2, FUSED).config(1).fuse_suffix is True
     table, ctx = grpo_tables(prompts=1, samples=4, prompt_blocks=5, gen_lens=[3])
-    p = plan(table, ctx, [1] * 4, groups=1, launch=DEFAULT_LAUNCH)
+    p = plan(table, ctx, [1] * 4, groups=1, launch=FUSED)
     assert p.config.fuse_suffix is False and p.part_count.tolist() == [2] * 4
 
 
@@ -242,7 +251,7 @@ def test_the_segment_bound_covers_every_token_a_tile_can_hold(block_m, groups, b
     assert most <= bound
 
 
-@pytest.mark.parametrize("launch", [ALONE, DEFAULT_LAUNCH, TINY])
+@pytest.mark.parametrize("launch", [ALONE, FUSED, TINY])
 @pytest.mark.parametrize("seed", range(6))
 def test_plans_fit_the_capacities_of_their_token_count(seed, launch):
     rng = np.random.default_rng(seed)
@@ -252,7 +261,7 @@ def test_plans_fit_the_capacities_of_their_token_count(seed, launch):
     q = rng.choice([1, 5, 9], size=len(ctx)).tolist()
     ctx = [c + k for c, k in zip(ctx, q)]
     table = np.concatenate([table, np.zeros((len(ctx), 3), np.int64)], 1)  # room for the verify keys
-    planner = SharedPrefixPlanner(BS, 4, 8, launch)
+    planner = SharedPrefixPlanner(BS, 4, 8, launch, ANY)
     p = planner.plan(table, [c - k for c, k in zip(ctx, q)], q, [c - k for c, k in zip(ctx, q)])
     if p is None:
         return
@@ -264,3 +273,44 @@ def test_plans_fit_the_capacities_of_their_token_count(seed, launch):
     direct = p.part_count == 1
     assert (p.part_start[~direct] + p.part_count[~direct]).max(initial=0) <= p.num_partial_rows
     assert p.items[:, F["seg_count"]].max() <= max_segments(p.config.block_m, 4)
+
+
+D, V = SHARE_RULE.decode, SHARE_RULE.verify
+MAX_Q = SHARE_RULE.max_verify_query_len
+
+
+@pytest.mark.parametrize("samples, keys, q_len, shared", [
+    (D.min_members, D.min_keys, 1, True), (D.min_members - 1, D.min_keys, 1, False),
+    (D.min_members, D.min_keys - BS, 1, False),
+    (V.min_members, V.min_keys, MAX_Q, True), (V.min_members, V.min_keys, 2, True),
+    (V.min_members - 1, V.min_keys, MAX_Q, False), (V.min_members, V.min_keys - BS, MAX_Q, False),
+    (V.min_members, V.min_keys, MAX_Q + 1, False), (D.min_members, D.min_keys, 2, False),  # decode-sized, verifying
+])
+def test_the_measured_rule_decides_which_groups_share(samples, keys, q_len, shared):
+    """The engine's planner at the edges of SHARE_RULE (one group of `samples` holding `keys`
+    prompt tokens, each verifying `q_len`): outside it the step runs the plain kernel (None),
+    though every group is worth sharing by its key reads alone (ANY shares each of them)."""
+    assert keys % BS == 0
+    table, ctx = grpo_tables(prompts=1, samples=samples, prompt_blocks=keys // BS, gen_lens=[q_len + 2, q_len + 7])
+    starts = [c - q_len for c in ctx]
+    args = (table, starts, [q_len] * samples, starts)
+    assert (SharedPrefixPlanner(BS, 4, 8).plan(*args) is not None) == shared
+    assert SharedPrefixPlanner(BS, 4, 8, rule=ANY).plan(*args) is not None
+
+
+def test_a_group_below_the_rule_reads_alone_beside_one_above_it():
+    """Two prompts' samples decoding, one sample of the second finished: the first group shares,
+    the second (one member short) is not shared, its members read their whole context alone."""
+    table, ctx = grpo_tables(prompts=2, samples=D.min_members, prompt_blocks=D.min_keys // BS, gen_lens=[3, 6])
+    keep = list(range(2 * D.min_members - 1))
+    ctx = [ctx[i] for i in keep]
+    starts = [c - 1 for c in ctx]
+    p = SharedPrefixPlanner(BS, 4, 8).plan(table[keep], starts, [1] * len(keep), starts)
+    assert shared_units(p) == [(0, D.min_keys, tuple(range(D.min_members)))]
+    assert suffix_ranges(p) == [(D.min_keys, c) for c in ctx[:D.min_members]] + [(0, c) for c in ctx[D.min_members:]]
+
+
+def test_the_default_launch_reads_suffixes_alone():
+    """The sweep's winner in all four measured steps (prefix_launch.DEFAULT_LAUNCH)."""
+    assert DEFAULT_LAUNCH.decode.fuse_suffix is False and DEFAULT_LAUNCH.verify.fuse_suffix is False
+    assert SharedPrefixPlanner(BS, 4, 8).launch == DEFAULT_LAUNCH

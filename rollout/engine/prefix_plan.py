@@ -23,10 +23,12 @@ sharing. Every range end is clamped to the first query position of every member,
 precede every query of the group (they were written in earlier steps, and need no causal mask);
 that clamp is also what lets a range end mid-block, should sequences ever share a block that is
 not full (today's block manager shares only full, computed blocks). A group is kept only where
-the key reads it saves outweigh the partial results it may add: `(members - 1) * keys > members
-* q_max * groups` (writing and merging a query's partial results moves about as many bytes as
-`groups` keys; see `_worth`). A whole step runs the plain kernel where its launch parameters say
-so (`LaunchConfig.enabled`, per decode / verify step) or nothing is worth sharing.
+the H200 measured sharing to win (`SHARE_RULE` in prefix_launch.py: enough members, enough shared
+keys, a short enough query; its members otherwise read their whole context alone) and the key
+reads it saves outweigh the partial results it may add: `(members - 1) * keys > members * q_max
+* groups` (writing and merging a query's partial results moves about as many bytes as `groups`
+keys; see `_worth`). A whole step runs the plain kernel where its launch parameters say so
+(`LaunchConfig.enabled`, per decode / verify step) or no group is kept.
 
 Only decode and verify rows share (at most MAX_SHARED_QUERY_LEN queries); a prefill chunk reads
 its whole context alone, in causal row tiles. Capacities (`partial_rows_cap`, `items_cap`,
@@ -51,7 +53,15 @@ from rollout.engine.prefix_items import (
     partial_slots,
     work_items,
 )
-from rollout.engine.prefix_launch import DEFAULT_LAUNCH, MAX_FUSED_SEGMENTS, LaunchConfig, LaunchConfigs, max_segments
+from rollout.engine.prefix_launch import (
+    DEFAULT_LAUNCH,
+    MAX_FUSED_SEGMENTS,
+    SHARE_RULE,
+    LaunchConfig,
+    LaunchConfigs,
+    ShareRule,
+    max_segments,
+)
 
 MIN_BLOCK_M = 16  # the smallest row tile tl.dot takes
 MAX_SHARED_QUERY_LEN = 64  # decode and verify rows share; longer prefill chunks attend alone
@@ -94,6 +104,7 @@ class SharedPrefixPlanner:
     groups: int  # query heads per KV head
     num_kv_heads: int
     launch: LaunchConfigs = DEFAULT_LAUNCH
+    rule: ShareRule = SHARE_RULE  # which groups share (measured: prefix_launch.SHARE_RULE)
 
     def partial_rows_cap(self, num_tokens: int) -> int:
         """Most partial rows a plan of `num_tokens` query tokens uses (buffers of a CUDA graph)."""
@@ -135,7 +146,7 @@ class SharedPrefixPlanner:
         if not self.config(int(q.max())).enabled:
             return None
         shareable = np.minimum(starts, np.asarray(prompt_lens, dtype=np.int64))  # [S] keys before the queries
-        units = _shared_units(table, shareable, q, self.block_size, self.groups)
+        units = _shared_units(table, shareable, q, self.block_size, self.groups, self.rule)
         if units is None:
             return None
         return self._work(units, starts, q)
@@ -218,9 +229,10 @@ class _Units:
 
 
 def _shared_units(table: np.ndarray, shareable: np.ndarray, q: np.ndarray, block_size: int,
-                  groups: int) -> _Units | None:
+                  groups: int, rule: ShareRule) -> _Units | None:
     """Top and bottom groups from the blocks holding the eligible sequences' first `shareable`
-    keys (see the module docstring), with the groups not worth their partial results dropped."""
+    keys (see the module docstring), with the groups not worth their partial results or that
+    `rule` does not admit dropped."""
     num_seqs = len(q)
     cols = np.where(q <= MAX_SHARED_QUERY_LEN, -(-shareable // block_size), 0)  # [S]
     width = int(cols.max(initial=0))
@@ -239,11 +251,11 @@ def _shared_units(table: np.ndarray, shareable: np.ndarray, q: np.ndarray, block
     top_end = _group_end(top, sub, valid, shareable, block_size)
     bottom_end = _group_end(bottom, sub, valid, shareable, block_size)
     top_size, bottom_size = _group_sizes(top), _group_sizes(bottom)
-    keep_top = _worth(top, top_end, top_size, q, groups)  # [num top groups]
+    keep_top = _worth(top, top_end, top_size, q, groups, rule)  # [num top groups]
     top_of_bottom = _first_value(bottom, top)  # [num bottom groups]
     bottom_lo = np.where(keep_top[top_of_bottom], top_end[top_of_bottom], 0)
     fewer = bottom_size < top_size[top_of_bottom]  # else the same sequences: the top group covers it
-    keep_bottom = fewer & _worth(bottom, bottom_end - bottom_lo, bottom_size, q, groups)
+    keep_bottom = fewer & _worth(bottom, bottom_end - bottom_lo, bottom_size, q, groups, rule)
     if not keep_top.any() and not keep_bottom.any():
         return None
     return _kept_units(top, bottom, keep_top, keep_bottom, top_end, bottom_lo, bottom_end, q)
@@ -274,13 +286,18 @@ def _kept_units(top, bottom, keep_top, keep_bottom, top_end, bottom_lo, bottom_e
                   pair_offset=np.cumsum(q[seq_of]) - q[seq_of] - token_start[unit_of])
 
 
-def _worth(gid: np.ndarray, keys: np.ndarray, size: np.ndarray, q: np.ndarray, groups: int) -> np.ndarray:
-    """[num groups] whether sharing a group's `keys` saves more key reads ((members - 1) * keys)
-    than its members' partial results cost (a partial result per query row of each of the
-    `groups` query heads: writing and reading it moves about as many bytes as `groups` keys)."""
+def _worth(gid: np.ndarray, keys: np.ndarray, size: np.ndarray, q: np.ndarray, groups: int,
+           rule: ShareRule) -> np.ndarray:
+    """[num groups] whether `rule` admits a group (its members, its `keys`, its longest query)
+    and sharing its keys saves more key reads ((members - 1) * keys) than its members' partial
+    results cost (a partial result per query row of each of the `groups` query heads: writing
+    and reading it moves about as many bytes as `groups` keys)."""
     q_max = np.zeros(len(size), np.int64)
     np.maximum.at(q_max, gid[gid >= 0], q[gid >= 0])
-    return (size - 1) * keys > size * q_max * groups
+    decode = (q_max <= 1) & (size >= rule.decode.min_members) & (keys >= rule.decode.min_keys)
+    verify = ((q_max > 1) & (q_max <= rule.max_verify_query_len) & (size >= rule.verify.min_members)
+              & (keys >= rule.verify.min_keys))
+    return (decode | verify) & ((size - 1) * keys > size * q_max * groups)
 
 
 def _leading_run(mask: np.ndarray) -> np.ndarray:
