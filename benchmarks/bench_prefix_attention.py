@@ -9,14 +9,20 @@ call (CUDA graphs of 20 calls, median of 5 replays, and their spread), the ratio
 kernel, the effective bandwidth over the unique KV bytes (each distinct key and value read once:
 the floor a kernel that reads shared blocks once can reach), the plan's items and partial rows,
 the host time of planning the step, and the largest difference from a float32 torch reference
-(the output poisoned with NaN first: an unwritten element fails). `--crossover` adds smaller
-groups and a shorter prompt, plain vs default, for the planner's routing rule (`enabled`).
-Prints a table, writes JSON.
+(the output poisoned with NaN first: an unwritten element fails). Every variant is timed with
+every group shared (ShareRule()); `route` is the path the engine's planner takes for the step
+(prefix_launch.SHARE_RULE: `shared`, or `plain` when it admits no group), and the summary's
+`route_ok` says whether that path was the faster one (LOSS: it shares where plain was faster).
+`--crossover` adds steps near the rule's edges, plain vs default: smaller groups, shorter
+prompts, and groups beside sequences alone (a workload's 4th field: sequences with a prompt of
+their own). Prints a table, writes JSON.
 
     # the GPU sweep, compiled in parallel first (Triton's disk cache), then timed one at a time:
     python benchmarks/bench_prefix_attention.py --sweep --crossover --compile-only --jobs 12
     python benchmarks/bench_prefix_attention.py --sweep --crossover --out $OUT/bench_prefix_attention_sweep.json
-    python benchmarks/bench_prefix_attention.py --quick --sweep --out /tmp/b.json   # CPU check (interpreter)
+    # the default and the rule, main steps and crossover (no sweep):
+    python benchmarks/bench_prefix_attention.py --crossover --out $OUT/bench_prefix_attention_rule.json
+    python benchmarks/bench_prefix_attention.py --quick --sweep --crossover --out /tmp/b.json   # CPU check
 
 The issue's goal: shared_ms / plain_ms <= 0.35 at 32 x 8 x 1024, q = 1, and no slower than the
 plain kernel at q = 9.
@@ -39,16 +45,21 @@ from common import environment, print_table, write_json  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
 from rollout.engine.prefix_attention import plan_to_device  # noqa: E402
-from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs  # noqa: E402
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs, ShareRule  # noqa: E402
 from rollout.engine.prefix_plan import SharedPrefixPlanner  # noqa: E402
 from rollout.engine.triton_attention import paged_attention_triton  # noqa: E402
 from rollout.engine.triton_prefix_attention import shared_prefix_attention_triton  # noqa: E402
 
 SHAPES = {"qwen3-8b": (32, 8, 128), "tiny": (4, 2, 32)}  # query heads, KV heads, head_dim
 BLOCK = 16
-WORKLOADS = [(32, 8, 1024), (16, 16, 4096)]  # (prompts, samples, prompt tokens): the issue's two GRPO shapes
-CROSSOVER = [(128, 2, 1024), (64, 4, 1024), (32, 8, 256)]  # smaller groups, a shorter prompt
-QUICK = [(2, 4, 64), (1, 3, 128)]
+# (prompts, samples, prompt tokens, sequences alone): the issue's two GRPO shapes
+WORKLOADS = [(32, 8, 1024, 0), (16, 16, 4096, 0)]
+# near SHARE_RULE's edges: smaller groups, shorter prompts, groups of 8 beside sequences alone
+CROSSOVER = [(128, 2, 1024, 0), (64, 4, 1024, 0), (32, 8, 512, 0), (32, 8, 256, 0), (16, 8, 1024, 128)]
+QUICK = [(2, 4, 64, 0), (1, 3, 128, 0)]
+QUICK_CROSSOVER = [(1, 4, 64, 3)]
+FORCED = ShareRule()  # every group shared: what the kernel variants are timed with
+KEY = ("prompts", "n", "prompt", "alone", "q_len")  # a step's fields in every row
 MAX_ERROR = 2e-2  # bf16 operands against float32: ~1e-3 expected; more is a wrong result
 # The sweep: one LaunchConfig for both kinds of step (predictions: prefix_attention_notes.md).
 VARIANTS = {
@@ -90,10 +101,14 @@ def launches(args) -> dict[str, LaunchConfigs]:
     return chosen
 
 
-def grpo_step(prompts: int, samples: int, prompt_len: int, q_len: int, max_gen: int, seed: int = 0):
-    """Block tables, contexts and prompt lengths of one decode / verify step (blocks scrambled)."""
+def grpo_step(workload, q_len: int, max_gen: int, seed: int = 0):
+    """Block tables, contexts and prompt lengths of one decode / verify step (blocks scrambled):
+    `prompts` x `samples` forked samples, then `alone` sequences with a prompt of their own."""
+    prompts, samples, prompt_len, alone = workload
+    prompt_of = np.concatenate([np.repeat(np.arange(prompts), samples), prompts + np.arange(alone)])  # [S]
+    prompts += alone
     rng = np.random.default_rng(seed)
-    gen = rng.integers(1, max_gen + 1, size=prompts * samples) + q_len  # [S] tokens after the prompt
+    gen = rng.integers(1, max_gen + 1, size=len(prompt_of)) + q_len  # [S] tokens after the prompt
     ctx = prompt_len + gen
     prompt_blocks = prompt_len // BLOCK
     own = -(-(ctx - prompt_blocks * BLOCK) // BLOCK)  # [S] blocks past the shared full ones
@@ -102,8 +117,7 @@ def grpo_step(prompts: int, samples: int, prompt_len: int, q_len: int, max_gen: 
     width = prompt_blocks + int(own.max())
     table = np.zeros((len(ctx), width), np.int64)
     used = prompts * prompt_blocks
-    for s in range(len(ctx)):
-        p = s // samples
+    for s, p in enumerate(prompt_of):
         table[s, :prompt_blocks] = ids[p * prompt_blocks:(p + 1) * prompt_blocks]
         table[s, prompt_blocks:prompt_blocks + own[s]] = ids[used:used + own[s]]
         used += own[s]
@@ -152,10 +166,9 @@ class Step:
 
     def __init__(self, workload, q_len: int, shape, args, device: str, dtype):
         self.workload, self.q_len, self.shape = workload, q_len, shape
-        prompts, samples, self.prompt_len = workload
+        self.prompt_len = workload[2]
         heads, kv_heads, head_dim = shape
-        self.table, self.ctx, num_blocks, unique_keys = grpo_step(prompts, samples, self.prompt_len, q_len,
-                                                                  args.max_gen)
+        self.table, self.ctx, num_blocks, unique_keys = grpo_step(workload, q_len, args.max_gen)
         self.meta = metadata(self.table, self.ctx, q_len, device)
         gen = torch.Generator(device=device).manual_seed(0)
         cache_shape = (num_blocks, BLOCK, kv_heads, head_dim)
@@ -180,11 +193,21 @@ class Step:
         return paged_attention_triton(self.q, self.k_cache, self.v_cache, m.block_tables, m.context_lens,
                                       m.cu_seqlens_q, m.max_query_len, m.max_context_len, self.scale)
 
-    def planned(self, launch: LaunchConfigs, repeats: int):
-        heads, kv_heads, _ = self.shape
-        planner = SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads, launch)
+    def plan_args(self):
         starts = (self.ctx - self.q_len).tolist()
-        plan_args = (self.table, starts, [self.q_len] * len(self.ctx), [self.prompt_len] * len(self.ctx))
+        return self.table, starts, [self.q_len] * len(self.ctx), [self.prompt_len] * len(self.ctx)
+
+    def route(self) -> str:
+        """The path the engine's planner (default launch and SHARE_RULE) takes for this step."""
+        heads, kv_heads, _ = self.shape
+        return "plain" if SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads).plan(*self.plan_args()) is None \
+            else "shared"
+
+    def planned(self, launch: LaunchConfigs, repeats: int):
+        """(host plan with every group shared, host ms per plan)."""
+        heads, kv_heads, _ = self.shape
+        planner = SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads, launch, FORCED)
+        plan_args = self.plan_args()
         host = planner.plan(*plan_args)
         begin = time.perf_counter()
         for _ in range(repeats):
@@ -205,10 +228,13 @@ class Step:
         return float("inf") if diff.isnan().any() else diff.max().item()
 
 
+def key_fields(step: Step) -> dict:
+    return dict(zip(KEY, (*step.workload, step.q_len), strict=True))
+
+
 def measure(step: Step, name: str, launch: LaunchConfigs | None, args, device: str) -> dict:
     """One row: the plain kernel (launch None) or a shared-prefix variant."""
-    prompts, samples, prompt_len = step.workload
-    row = dict(prompts=prompts, n=samples, prompt=prompt_len, q_len=step.q_len, variant=name)
+    row = dict(key_fields(step), variant=name)
     calls = 1 if args.quick else 20
     if launch is None:
         fn = step.plain
@@ -216,7 +242,7 @@ def measure(step: Step, name: str, launch: LaunchConfigs | None, args, device: s
     else:
         host, host_ms = step.planned(launch, repeats=1 if args.quick else 20)
         if host is None:
-            return dict(row, ms=float("nan"), note="planner routes to the plain kernel")
+            return dict(row, ms=float("nan"), note="nothing to share")
         fn = step.shared_fn(plan_to_device(host, torch.device(device)))
         row.update(items=len(host.items), partial_rows=host.num_partial_rows, plan_host_ms=host_ms)
     row["ms"], row["spread_ms"] = call_ms(fn, device, calls, args.repeats)
@@ -231,8 +257,7 @@ def guarded(step: Step, name: str, launch: LaunchConfigs, args, device: str) -> 
     try:
         return measure(step, name, launch, args, device)
     except Exception as error:  # noqa: BLE001 - the sweep goes on; the row says what broke
-        prompts, samples, prompt_len = step.workload
-        return dict(prompts=prompts, n=samples, prompt=prompt_len, q_len=step.q_len, variant=name, ms=float("nan"),
+        return dict(key_fields(step), variant=name, ms=float("nan"),
                     note=f"ERROR {type(error).__name__}: {str(error)[:120]}")
 
 
@@ -243,10 +268,11 @@ def run_workloads(workloads, chosen: dict, args, device: str, dtype, result: dic
             step = Step(workload, q_len, shape, args, device, dtype)
             plain = measure(step, "plain", None, args, device)
             rows = [plain] + [guarded(step, name, launch, args, device) for name, launch in chosen.items()]
+            route = step.route()
             for row in rows:
-                row["ratio"] = row["ms"] / plain["ms"]
+                row.update(ratio=row["ms"] / plain["ms"], route=route)
             print(f"{workload} q={q_len}: plain {plain['ms']:.4f} ms, "
-                  + ", ".join(f"{r['variant']} {r['ratio']:.3f}" for r in rows[1:]), flush=True)
+                  + ", ".join(f"{r['variant']} {r['ratio']:.3f}" for r in rows[1:]) + f"; route {route}", flush=True)
             result["rows"] += rows
             write_json(args.out, result)
             del step
@@ -281,7 +307,7 @@ def _compile(name, q_len, max_gen, shape, device, dtype):
     begin = time.perf_counter()
     launch = {"default": DEFAULT_LAUNCH, **{k: LaunchConfigs(v, v) for k, v in VARIANTS.items()}}[name]
     args = argparse.Namespace(max_gen=max_gen)
-    step = Step((32, 8, 64), q_len, shape, args, device, dtype)  # 256 sequences, as the timed steps
+    step = Step((32, 8, 64, 0), q_len, shape, args, device, dtype)  # 256 sequences, as the timed steps
     step.plain()
     host, _ = step.planned(launch, repeats=0)
     step.shared_fn(plan_to_device(host, torch.device(device)))()
@@ -291,19 +317,23 @@ def _compile(name, q_len, max_gen, shape, device, dtype):
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """The fastest correct variant of each (shape, q), beside the plain kernel and the default."""
+    """Per step: the plain kernel, the default, the fastest correct variant, the engine's route
+    and whether it took the faster of plain and default (`route_ok`: yes, LOSS where it shares
+    and the plain kernel was faster, `missed win` where it does not and sharing was faster)."""
     best = []
-    keys = sorted({(r["prompts"], r["n"], r["prompt"], r["q_len"]) for r in rows}, key=lambda k: (k[2], k[1], k[3]))
+    keys = sorted({tuple(r[k] for k in KEY) for r in rows}, key=lambda k: (k[2], k[1], k[3], k[4]))
     for key in keys:
-        group = [r for r in rows if (r["prompts"], r["n"], r["prompt"], r["q_len"]) == key]
+        group = [r for r in rows if tuple(r[k] for k in KEY) == key]
         plain = next(r for r in group if r["variant"] == "plain")
         default = next(r for r in group if r["variant"] == "default")
-        default_ms = plain["ms"] if default["ms"] != default["ms"] else default["ms"]  # routed to plain: NaN
         ok = [r for r in group if r["variant"] != "plain" and not r["note"] and r["ms"] == r["ms"]]
         top = min(ok, key=lambda r: r["ms"]) if ok else default
-        best.append(dict(prompts=key[0], n=key[1], prompt=key[2], q_len=key[3], plain_ms=plain["ms"],
-                         default_ms=default_ms, default_ratio=default_ms / plain["ms"], best=top["variant"],
-                         best_ms=top["ms"], best_ratio=top["ratio"],
+        faster = "shared" if default["ms"] < plain["ms"] else "plain"  # NaN (nothing shared): plain
+        verdict = "yes" if plain["route"] == faster else "LOSS" if plain["route"] == "shared" else "missed win"
+        best.append(dict(zip(KEY, key, strict=True), plain_ms=plain["ms"], default_ms=default["ms"],
+                         default_ratio=default["ratio"], best=top["variant"], best_ms=top["ms"],
+                         best_ratio=top["ratio"], route=plain["route"],
+                         route_ok=verdict,
                          worst_err=max((r.get("max_err", 0.0) for r in group), default=0.0)))
     return best
 
@@ -322,17 +352,17 @@ def main() -> None:
                   launch={name: repr(launch) for name, launch in chosen.items()}, rows=[])
     run_workloads(QUICK if args.quick else WORKLOADS, chosen, args, device, dtype, result)
     if args.crossover:
-        run_workloads(QUICK[:1] if args.quick else CROSSOVER, {"default": DEFAULT_LAUNCH}, args, device, dtype,
-                      result)
+        run_workloads(QUICK_CROSSOVER if args.quick else CROSSOVER, {"default": DEFAULT_LAUNCH}, args, device,
+                      dtype, result)
     for row in result["rows"]:
         row["err"] = f"{row.get('max_err', float('nan')):.1e}"
     print_table("attention per layer call, every variant (ms; ratio to plain; GB/s of unique KV)", result["rows"],
-                ["prompts", "n", "prompt", "q_len", "variant", "ms", "spread_ms", "ratio", "GBps_unique", "items",
-                 "partial_rows", "err", "note"])
+                [*KEY, "variant", "ms", "spread_ms", "ratio", "GBps_unique", "items", "partial_rows", "err", "route",
+                 "note"])
     result["summary"] = summary(result["rows"])
-    print_table("fastest correct variant per step (ms)", result["summary"],
-                ["prompts", "n", "prompt", "q_len", "plain_ms", "default_ms", "default_ratio", "best", "best_ms",
-                 "best_ratio", "worst_err"])
+    print_table("fastest correct variant per step (ms); the engine's route", result["summary"],
+                [*KEY, "plain_ms", "default_ms", "default_ratio", "best", "best_ms", "best_ratio", "route", "route_ok",
+                 "worst_err"])
     write_json(args.out, result)
 
 

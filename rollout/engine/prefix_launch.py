@@ -89,8 +89,8 @@ class ShareRule:
 # layer call, P prompts x n samples x prompt tokens, samples' own tokens uniform in [1, 150]:
 # - decode: wins at n=8 / 1024 (0.536), n=16 / 4096 (0.217), n=4 / 1024 (fused 0.831); loses at
 #   n=2 / 1024 (fused 1.285) and at a 256-token prompt (n=8, fused 1.344). 512 tokens is between
-#   the two prompt lengths measured (fused alone interpolates to ~1.0 there, separate, 25-30%
-#   faster than fused wherever both ran, to ~0.7): the crossover run times it.
+#   the two prompt lengths measured (linear in prompt length: fused ~0.99 there; separate, 25-30%
+#   faster than fused in both decode steps timed with both, ~0.73): the crossover run times it.
 # - verify (q=9): wins only with separate at n=8 / 1024 (0.806) and n=16 / 4096 (0.588); loses at
 #   n=4 / 1024 (fused 1.053), n=2 (1.293), a 256-token prompt (1.543); nothing measured past q=9.
 SHARE_RULE = ShareRule(decode=GroupRule(min_members=4, min_keys=512),
