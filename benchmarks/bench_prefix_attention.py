@@ -3,22 +3,36 @@ steps: P prompts x n samples forked from each, every sample holding its prompt's
 own generated tokens (uniform in [1, --max-gen]), decode rows (q = 1) and verify rows (q = 9).
 Qwen3-8B attention (32 query heads, 8 KV heads, head_dim 128), bf16, block size 16.
 
-For each shape: milliseconds per call of either kernel (CUDA graphs of 20 calls), the ratio,
-the effective bandwidth over the unique KV bytes (each distinct key and value read once: the
-floor a kernel that reads shared blocks once can reach), the host time of planning the step
-(prefix_plan, numpy), and the largest difference of each output from a float32 torch reference.
-Prints a table, writes JSON.
+For each shape and launch-parameter variant (rollout/engine/prefix_launch.py; `default` is the
+engine's table, the others one LaunchConfig for both decode and verify steps): milliseconds per
+call (CUDA graphs of 20 calls, median of 5 replays, and their spread), the ratio to the plain
+kernel, the effective bandwidth over the unique KV bytes (each distinct key and value read once:
+the floor a kernel that reads shared blocks once can reach), the plan's items and partial rows,
+the host time of planning the step, and the largest difference from a float32 torch reference
+(the output poisoned with NaN first: an unwritten element fails). Every variant is timed with
+every group shared (ShareRule()); `route` is the path the engine's planner takes for the step
+(prefix_launch.SHARE_RULE: `shared`, or `plain` when it admits no group), and the summary's
+`route_ok` says whether that path was the faster one (LOSS: it shares where plain was faster).
+`--crossover` adds steps near the rule's edges, plain vs default: smaller groups, shorter
+prompts, and groups beside sequences alone (a workload's 4th field: sequences with a prompt of
+their own). Prints a table, writes JSON.
 
-    python benchmarks/bench_prefix_attention.py --out benchmarks/results/bench_prefix_attention_h200.json
-    python benchmarks/bench_prefix_attention.py --quick --out /tmp/b.json   # CPU check (interpreter)
+    # the GPU sweep, compiled in parallel first (Triton's disk cache), then timed one at a time:
+    python benchmarks/bench_prefix_attention.py --sweep --crossover --compile-only --jobs 12
+    python benchmarks/bench_prefix_attention.py --sweep --crossover --out $OUT/bench_prefix_attention_sweep.json
+    # the default and the rule, main steps and crossover (no sweep):
+    python benchmarks/bench_prefix_attention.py --crossover --out $OUT/bench_prefix_attention_rule.json
+    python benchmarks/bench_prefix_attention.py --quick --sweep --crossover --out /tmp/b.json   # CPU check
 
-The issue's goal: shared_ms / plain_ms <= 0.35 at 32 x 8 x 1024, q = 1.
+The issue's goal: shared_ms / plain_ms <= 0.35 at 32 x 8 x 1024, q = 1, and no slower than the
+plain kernel at q = 9.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -31,29 +45,70 @@ from common import environment, print_table, write_json  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
 from rollout.engine.prefix_attention import plan_to_device  # noqa: E402
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs, ShareRule  # noqa: E402
 from rollout.engine.prefix_plan import SharedPrefixPlanner  # noqa: E402
 from rollout.engine.triton_attention import paged_attention_triton  # noqa: E402
 from rollout.engine.triton_prefix_attention import shared_prefix_attention_triton  # noqa: E402
 
 SHAPES = {"qwen3-8b": (32, 8, 128), "tiny": (4, 2, 32)}  # query heads, KV heads, head_dim
 BLOCK = 16
-# (prompts, samples, prompt tokens): the issue's two GRPO shapes
-WORKLOADS = [(32, 8, 1024), (16, 16, 4096)]
+# (prompts, samples, prompt tokens, sequences alone): the issue's two GRPO shapes
+WORKLOADS = [(32, 8, 1024, 0), (16, 16, 4096, 0)]
+# near SHARE_RULE's edges: smaller groups, shorter prompts, groups of 8 beside sequences alone
+CROSSOVER = [(128, 2, 1024, 0), (64, 4, 1024, 0), (32, 8, 512, 0), (32, 8, 256, 0), (16, 8, 1024, 128)]
+QUICK = [(2, 4, 64, 0), (1, 3, 128, 0)]
+QUICK_CROSSOVER = [(1, 4, 64, 3)]
+FORCED = ShareRule()  # every group shared: what the kernel variants are timed with
+KEY = ("prompts", "n", "prompt", "alone", "q_len")  # a step's fields in every row
+MAX_ERROR = 2e-2  # bf16 operands against float32: ~1e-3 expected; more is a wrong result
+# The sweep: one LaunchConfig for both kinds of step (predictions: prefix_attention_notes.md).
+VARIANTS = {
+    "separate": LaunchConfig(fuse_suffix=False),  # suffixes in items of their own (the first kernel's cut)
+    "fused": LaunchConfig(),
+    "t128": LaunchConfig(target_programs=128),  # (almost) no key chunks: tokens written directly
+    "t256": LaunchConfig(target_programs=256),
+    "t1024": LaunchConfig(target_programs=1024),
+    "n32s4": LaunchConfig(block_n=32, num_stages=4),
+    "n128s2": LaunchConfig(block_n=128, num_stages=2),
+    "s2": LaunchConfig(num_stages=2),
+    "w8": LaunchConfig(num_warps=8),
+    "m32": LaunchConfig(block_m=32),
+    "m32t128": LaunchConfig(block_m=32, target_programs=128),
+    "m128w8": LaunchConfig(block_m=128, num_warps=8),
+}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", nargs="+", type=int, default=[1, 9])
     p.add_argument("--max-gen", type=int, default=150, help="generated tokens per sample, uniform in [1, N]")
+    p.add_argument("--sweep", action="store_true", help="every variant of VARIANTS besides the default")
+    p.add_argument("--variants", nargs="+", help="only these variants of VARIANTS (with --sweep)")
+    p.add_argument("--crossover", action="store_true", help="also smaller groups and a shorter prompt (default only)")
+    p.add_argument("--compile-only", action="store_true", help="compile every kernel variant on tiny steps, then exit")
+    p.add_argument("--jobs", type=int, default=8, help="processes compiling in parallel (--compile-only)")
+    p.add_argument("--repeats", type=int, default=5, help="timed graph replays (the median is reported)")
     p.add_argument("--quick", action="store_true", help="tiny shapes through Triton's interpreter (CPU check)")
     p.add_argument("--out", default="benchmarks/results/bench_prefix_attention.json")
     return p.parse_args()
 
 
-def grpo_step(prompts: int, samples: int, prompt_len: int, q_len: int, max_gen: int, seed: int = 0):
-    """Block tables, contexts and prompt lengths of one decode / verify step (blocks scrambled)."""
+def launches(args) -> dict[str, LaunchConfigs]:
+    chosen = {"default": DEFAULT_LAUNCH}
+    if args.sweep:
+        names = args.variants or list(VARIANTS)
+        chosen.update({name: LaunchConfigs(VARIANTS[name], VARIANTS[name]) for name in names})
+    return chosen
+
+
+def grpo_step(workload, q_len: int, max_gen: int, seed: int = 0):
+    """Block tables, contexts and prompt lengths of one decode / verify step (blocks scrambled):
+    `prompts` x `samples` forked samples, then `alone` sequences with a prompt of their own."""
+    prompts, samples, prompt_len, alone = workload
+    prompt_of = np.concatenate([np.repeat(np.arange(prompts), samples), prompts + np.arange(alone)])  # [S]
+    prompts += alone
     rng = np.random.default_rng(seed)
-    gen = rng.integers(1, max_gen + 1, size=prompts * samples) + q_len  # [S] tokens after the prompt
+    gen = rng.integers(1, max_gen + 1, size=len(prompt_of)) + q_len  # [S] tokens after the prompt
     ctx = prompt_len + gen
     prompt_blocks = prompt_len // BLOCK
     own = -(-(ctx - prompt_blocks * BLOCK) // BLOCK)  # [S] blocks past the shared full ones
@@ -62,8 +117,7 @@ def grpo_step(prompts: int, samples: int, prompt_len: int, q_len: int, max_gen: 
     width = prompt_blocks + int(own.max())
     table = np.zeros((len(ctx), width), np.int64)
     used = prompts * prompt_blocks
-    for s in range(len(ctx)):
-        p = s // samples
+    for s, p in enumerate(prompt_of):
         table[s, :prompt_blocks] = ids[p * prompt_blocks:(p + 1) * prompt_blocks]
         table[s, prompt_blocks:prompt_blocks + own[s]] = ids[used:used + own[s]]
         used += own[s]
@@ -82,103 +136,233 @@ def metadata(table, ctx, q_len: int, device: str) -> AttentionMetadata:
                              block_size=BLOCK)
 
 
-def call_ms(fn, device: str, calls: int) -> float:
-    """Milliseconds per call: a CUDA graph of `calls` calls replayed (wall time off CUDA)."""
+def call_ms(fn, device: str, calls: int, repeats: int) -> tuple[float, float]:
+    """(median, max - min) milliseconds per call over `repeats` replays of a CUDA graph of
+    `calls` calls (one wall-clock call off CUDA)."""
     fn()
     if device != "cuda":
         start = time.perf_counter()
         fn()
-        return (time.perf_counter() - start) * 1e3
+        return (time.perf_counter() - start) * 1e3, 0.0
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def plan_ms(planner, table, ctx, q_len, prompt_len, repeats: int):
-    starts = (ctx - q_len).tolist()
-    args = (table, starts, [q_len] * len(ctx), [prompt_len] * len(ctx))
-    host = planner.plan(*args)
-    begin = time.perf_counter()
+    times = []
     for _ in range(repeats):
-        planner.plan(*args)
-    return host, (time.perf_counter() - begin) / repeats * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times), max(times) - min(times)
 
 
-def measure(workload, q_len: int, shape, args, device: str, dtype) -> dict:
-    prompts, samples, prompt_len = workload
-    heads, kv_heads, head_dim = shape
-    table, ctx, num_blocks, unique_keys = grpo_step(prompts, samples, prompt_len, q_len, args.max_gen)
-    meta = metadata(table, ctx, q_len, device)
-    planner = SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads)
-    host, host_ms = plan_ms(planner, table, ctx, q_len, prompt_len, repeats=3 if args.quick else 50)
-    plan = plan_to_device(host, torch.device(device))
-    gen = torch.Generator(device=device).manual_seed(0)
-    cache_shape = (num_blocks, BLOCK, kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(cache_shape, generator=gen, device=device, dtype=dtype) for _ in range(2))
-    q = torch.randn(len(meta.positions), heads, head_dim, generator=gen, device=device, dtype=dtype)
-    scale = head_dim**-0.5
+class Step:
+    """One workload's step on the device: caches, queries, metadata, the float32 reference."""
 
-    def plain():
-        return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                                      meta.max_query_len, meta.max_context_len, scale)
+    def __init__(self, workload, q_len: int, shape, args, device: str, dtype):
+        self.workload, self.q_len, self.shape = workload, q_len, shape
+        self.prompt_len = workload[2]
+        heads, kv_heads, head_dim = shape
+        self.table, self.ctx, num_blocks, unique_keys = grpo_step(workload, q_len, args.max_gen)
+        self.meta = metadata(self.table, self.ctx, q_len, device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        cache_shape = (num_blocks, BLOCK, kv_heads, head_dim)
+        self.k_cache, self.v_cache = (torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+                                      for _ in range(2))
+        self.q = torch.randn(len(self.meta.positions), heads, head_dim, generator=gen, device=device, dtype=dtype)
+        self.scale = head_dim**-0.5
+        self.unique_bytes = 2 * unique_keys * kv_heads * head_dim * self.k_cache.element_size()
+        self.ref = None
 
-    def shared():
-        return shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.positions, plan, scale)
+    def reference(self) -> torch.Tensor:
+        """Float32 torch attention (this step's keys are in the cache already: it rewrites them
+        from the cache itself)."""
+        if self.ref is None:
+            flat = [c.view(-1, *c.shape[2:])[self.meta.slot_mapping].float() for c in (self.k_cache, self.v_cache)]
+            self.ref = paged_attention(self.q.float(), *flat, self.k_cache.float(), self.v_cache.float(), self.meta,
+                                       self.scale)
+        return self.ref
 
+    def plain(self, out=None):
+        m = self.meta
+        return paged_attention_triton(self.q, self.k_cache, self.v_cache, m.block_tables, m.context_lens,
+                                      m.cu_seqlens_q, m.max_query_len, m.max_context_len, self.scale)
+
+    def plan_args(self):
+        starts = (self.ctx - self.q_len).tolist()
+        return self.table, starts, [self.q_len] * len(self.ctx), [self.prompt_len] * len(self.ctx)
+
+    def route(self) -> str:
+        """The path the engine's planner (default launch and SHARE_RULE) takes for this step."""
+        heads, kv_heads, _ = self.shape
+        return "plain" if SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads).plan(*self.plan_args()) is None \
+            else "shared"
+
+    def planned(self, launch: LaunchConfigs, repeats: int):
+        """(host plan with every group shared, host ms per plan)."""
+        heads, kv_heads, _ = self.shape
+        planner = SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads, launch, FORCED)
+        plan_args = self.plan_args()
+        host = planner.plan(*plan_args)
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            planner.plan(*plan_args)
+        return host, (time.perf_counter() - begin) / max(repeats, 1) * 1e3
+
+    def shared_fn(self, plan):
+        def run(out=None):
+            return shared_prefix_attention_triton(self.q, self.k_cache, self.v_cache, self.meta.block_tables,
+                                                  self.meta.positions, plan, self.scale, out=out)
+        return run
+
+    def error(self, fn) -> float:
+        """Largest absolute difference from the reference, the output poisoned with NaN first
+        (inf when an element was not written or is NaN)."""
+        out = fn(torch.full_like(self.q, float("nan")))
+        diff = (out.float() - self.reference()).abs()
+        return float("inf") if diff.isnan().any() else diff.max().item()
+
+
+def key_fields(step: Step) -> dict:
+    return dict(zip(KEY, (*step.workload, step.q_len), strict=True))
+
+
+def measure(step: Step, name: str, launch: LaunchConfigs | None, args, device: str) -> dict:
+    """One row: the plain kernel (launch None) or a shared-prefix variant."""
+    row = dict(key_fields(step), variant=name)
     calls = 1 if args.quick else 20
-    row = dict(prompts=prompts, n=samples, prompt=prompt_len, q_len=q_len, seqs=len(ctx), mean_ctx=float(ctx.mean()),
-               plain_ms=call_ms(plain, device, calls), shared_ms=call_ms(shared, device, calls), plan_host_ms=host_ms,
-               items=len(host.items), partial_rows=host.num_partial_rows)
-    row["ratio"] = row["shared_ms"] / row["plain_ms"]
-    unique_bytes = 2 * unique_keys * kv_heads * head_dim * k_cache.element_size()
-    row["plain_GBps_unique"] = unique_bytes / row["plain_ms"] / 1e6
-    row["shared_GBps_unique"] = unique_bytes / row["shared_ms"] / 1e6
-    row["unique_MB"] = unique_bytes / 1e6
-    row.update(_errors(q, k_cache, v_cache, meta, scale, plain(), shared()))
+    if launch is None:
+        fn = step.plain
+        row.update(items=0, partial_rows=0, plan_host_ms=0.0)
+    else:
+        host, host_ms = step.planned(launch, repeats=1 if args.quick else 20)
+        if host is None:
+            return dict(row, ms=float("nan"), note="nothing to share")
+        fn = step.shared_fn(plan_to_device(host, torch.device(device)))
+        row.update(items=len(host.items), partial_rows=host.num_partial_rows, plan_host_ms=host_ms)
+    row["ms"], row["spread_ms"] = call_ms(fn, device, calls, args.repeats)
+    row["GBps_unique"] = step.unique_bytes / row["ms"] / 1e6
+    row["max_err"] = step.error(fn) if launch is not None else step.error(lambda out: step.plain())
+    row["note"] = "WRONG" if not row["max_err"] <= MAX_ERROR else ""
     return row
 
 
-def _errors(q, k_cache, v_cache, meta, scale, plain_out, shared_out) -> dict:
-    """Largest absolute differences from a float32 torch reference (this step's keys are in the
-    cache already: the reference rewrites them from the cache itself)."""
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mapping]
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping]
-    ref = paged_attention(q.float(), flat_k.float(), flat_v.float(), k_cache.float(), v_cache.float(), meta, scale)
-    return dict(max_diff_plain_fp32=(plain_out.float() - ref).abs().max().item(),
-                max_diff_shared_fp32=(shared_out.float() - ref).abs().max().item())
+def guarded(step: Step, name: str, launch: LaunchConfigs, args, device: str) -> dict:
+    """measure(), a variant that fails to compile or run recorded as such (one GPU call times all)."""
+    try:
+        return measure(step, name, launch, args, device)
+    except Exception as error:  # noqa: BLE001 - the sweep goes on; the row says what broke
+        return dict(key_fields(step), variant=name, ms=float("nan"),
+                    note=f"ERROR {type(error).__name__}: {str(error)[:120]}")
+
+
+def run_workloads(workloads, chosen: dict, args, device: str, dtype, result: dict) -> None:
+    shape = SHAPES["tiny" if args.quick else "qwen3-8b"]
+    for workload in workloads:
+        for q_len in args.queries:
+            step = Step(workload, q_len, shape, args, device, dtype)
+            plain = measure(step, "plain", None, args, device)
+            rows = [plain] + [guarded(step, name, launch, args, device) for name, launch in chosen.items()]
+            route = step.route()
+            for row in rows:
+                row.update(ratio=row["ms"] / plain["ms"], route=route)
+            print(f"{workload} q={q_len}: plain {plain['ms']:.4f} ms, "
+                  + ", ".join(f"{r['variant']} {r['ratio']:.3f}" for r in rows[1:]) + f"; route {route}", flush=True)
+            result["rows"] += rows
+            write_json(args.out, result)
+            del step
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def compile_all(chosen: dict, args, device: str, dtype) -> None:
+    """Compile every variant's kernels on small steps of the same head shape, dtype and number of
+    sequences (the same specialisations), in `args.jobs` processes: Triton's disk cache then
+    serves the timed run."""
+    import multiprocessing as mp
+
+    shape = SHAPES["tiny" if args.quick else "qwen3-8b"]
+    tasks = [(name, q, args.max_gen, shape, device, dtype) for name in chosen for q in args.queries]
+    begin = time.perf_counter()
+    with mp.get_context("spawn").Pool(min(args.jobs, len(tasks))) as pool:
+        for name, q, seconds in pool.imap_unordered(_compile_one, tasks):
+            print(f"compiled {name} q={q}: " + (f"{seconds:.1f} s" if isinstance(seconds, float) else seconds),
+                  flush=True)
+    print(f"compiled {len(tasks)} variants in {time.perf_counter() - begin:.1f} s")
+
+
+def _compile_one(task):
+    try:
+        return _compile(*task)
+    except Exception as error:  # noqa: BLE001 - reported; the timed run records the variant's error
+        return task[0], task[1], f"failed: {type(error).__name__}: {str(error)[:200]}"
+
+
+def _compile(name, q_len, max_gen, shape, device, dtype):
+    begin = time.perf_counter()
+    launch = {"default": DEFAULT_LAUNCH, **{k: LaunchConfigs(v, v) for k, v in VARIANTS.items()}}[name]
+    args = argparse.Namespace(max_gen=max_gen)
+    step = Step((32, 8, 64, 0), q_len, shape, args, device, dtype)  # 256 sequences, as the timed steps
+    step.plain()
+    host, _ = step.planned(launch, repeats=0)
+    step.shared_fn(plan_to_device(host, torch.device(device)))()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return name, q_len, time.perf_counter() - begin
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per step: the plain kernel, the default, the fastest correct variant, the engine's route
+    and whether it took the faster of plain and default (`route_ok`: yes, LOSS where it shares
+    and the plain kernel was faster, `missed win` where it does not and sharing was faster)."""
+    best = []
+    keys = sorted({tuple(r[k] for k in KEY) for r in rows}, key=lambda k: (k[2], k[1], k[3], k[4]))
+    for key in keys:
+        group = [r for r in rows if tuple(r[k] for k in KEY) == key]
+        plain = next(r for r in group if r["variant"] == "plain")
+        default = next(r for r in group if r["variant"] == "default")
+        ok = [r for r in group if r["variant"] != "plain" and not r["note"] and r["ms"] == r["ms"]]
+        top = min(ok, key=lambda r: r["ms"]) if ok else default
+        faster = "shared" if default["ms"] < plain["ms"] else "plain"  # NaN (nothing shared): plain
+        verdict = "yes" if plain["route"] == faster else "LOSS" if plain["route"] == "shared" else "missed win"
+        best.append(dict(zip(KEY, key, strict=True), plain_ms=plain["ms"], default_ms=default["ms"],
+                         default_ratio=default["ratio"], best=top["variant"], best_ms=top["ms"],
+                         best_ratio=top["ratio"], route=plain["route"],
+                         route_ok=verdict,
+                         worst_err=max((r.get("max_err", 0.0) for r in group), default=0.0)))
+    return best
 
 
 def main() -> None:
     args = parse_args()
     device = "cpu" if args.quick else "cuda"
     dtype = torch.float32 if args.quick else torch.bfloat16
-    shape = SHAPES["tiny" if args.quick else "qwen3-8b"]
-    workloads = [(2, 4, 64), (1, 3, 128)] if args.quick else WORKLOADS
+    chosen = launches(args)
     if args.quick:
         args.max_gen = 20
-    result = dict(args=vars(args), env=environment(device), shape=shape, rows=[])
-    for workload in workloads:
-        for q_len in args.queries:
-            row = measure(workload, q_len, shape, args, device, dtype)
-            result["rows"].append(row)
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-            write_json(args.out, result)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    print_table("attention per layer call: plain paged kernel vs shared-prefix kernel (ms; GB/s of unique KV)",
-                result["rows"], ["prompts", "n", "prompt", "q_len", "mean_ctx", "plain_ms", "shared_ms", "ratio",
-                                 "plain_GBps_unique", "shared_GBps_unique", "plan_host_ms", "items",
-                                 "max_diff_plain_fp32", "max_diff_shared_fp32"])
+    if args.compile_only:
+        compile_all(chosen, args, device, dtype)
+        return
+    result = dict(args=vars(args), env=environment(device), shape=SHAPES["tiny" if args.quick else "qwen3-8b"],
+                  launch={name: repr(launch) for name, launch in chosen.items()}, rows=[])
+    run_workloads(QUICK if args.quick else WORKLOADS, chosen, args, device, dtype, result)
+    if args.crossover:
+        run_workloads(QUICK_CROSSOVER if args.quick else CROSSOVER, {"default": DEFAULT_LAUNCH}, args, device,
+                      dtype, result)
+    for row in result["rows"]:
+        row["err"] = f"{row.get('max_err', float('nan')):.1e}"
+    print_table("attention per layer call, every variant (ms; ratio to plain; GB/s of unique KV)", result["rows"],
+                [*KEY, "variant", "ms", "spread_ms", "ratio", "GBps_unique", "items", "partial_rows", "err", "route",
+                 "note"])
+    result["summary"] = summary(result["rows"])
+    print_table("fastest correct variant per step (ms); the engine's route", result["summary"],
+                [*KEY, "plain_ms", "default_ms", "default_ratio", "best", "best_ms", "best_ratio", "route", "route_ok",
+                 "worst_err"])
     write_json(args.out, result)
 
 

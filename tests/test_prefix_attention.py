@@ -1,14 +1,18 @@
-"""Shared-prefix attention (prefix_plan.py, prefix_attention.py, triton_prefix_attention.py)
-against plain paged attention (attention.paged_attention): the torch reference of the two passes
-on many block layouts, the Triton kernel through Triton's interpreter on CPU on a few small
-ones (a group of 8 with different suffix lengths beside sequences alone, nesting under a system
-prompt, verify rows beside a prefill chunk, a shared range ending mid-block, a chunked prefix,
-GQA groups of 1, 3 and 4, a CUDA graph's padded rows), then the engine: greedy tokens equal to
-the torch backend's (which never shares), eagerly and with a drafter through the static-buffer
-graph path, and the flag that turns it off.
+"""Shared-prefix attention (prefix_plan.py, prefix_items.py, prefix_attention.py,
+triton_prefix_attention.py) against plain paged attention (attention.paged_attention): the torch
+reference of the two passes and the Triton kernel (through Triton's interpreter on CPU) on small
+block layouts (a group of 8 with different suffix lengths beside sequences alone, nesting under
+a system prompt, verify rows beside a prefill chunk, a shared range ending mid-block, a chunked
+prefix, GQA groups of 1, 3 and 4, a CUDA graph's padded rows), each cut three ways (suffixes
+fused into their group's items, suffixes alone, and tiles small enough that chunk and tile
+boundaries fall inside tokens and segments); then the engine: greedy tokens equal to the torch
+backend's (which never shares), eagerly and with a drafter through the static-buffer graph path,
+and the flag that turns it off.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,10 +26,20 @@ from rollout.engine.attention import AttentionMetadata, paged_attention, write_k
 from rollout.engine.config import EngineConfig
 from rollout.engine.params import SamplingParams
 from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device, shared_prefix_attention_reference
+from rollout.engine.prefix_items import ITEM_FIELDS
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, SHARE_RULE, LaunchConfig, LaunchConfigs, ShareRule
 from rollout.engine.prefix_plan import SharedPrefixPlanner
-from rollout.engine.triton_attention import supported
+from rollout.engine.triton_attention import paged_attention_triton, supported
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F = {name: i for i, name in enumerate(ITEM_FIELDS)}
+TINY_TILES = LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=4096)
+LAUNCHES = {
+    "fused": LaunchConfigs(LaunchConfig(), LaunchConfig()),
+    "suffixes alone": DEFAULT_LAUNCH,  # the sweep's winner (prefix_launch.DEFAULT_LAUNCH)
+    "tiny tiles": LaunchConfigs(TINY_TILES, TINY_TILES),
+}
+ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 
 
@@ -81,13 +95,13 @@ def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=
     return q, k, v, caches[0], caches[1], meta
 
 
-def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None):
+def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None, launch=DEFAULT_LAUNCH):
     """Plain paged attention's output, the caches with this step's keys written, and the plan."""
     q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, heads, kv_heads, block_size=block_size)
     want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     starts = [c - n for c, n in zip(ctx, q_lens, strict=True)]
-    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads)
+    planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads, launch, ANY)  # cases below SHARE_RULE
     host = planner.plan(meta.block_tables.numpy(), starts, q_lens, prompt_lens or starts)
     assert host is not None, "the case must share something"
     to = lambda x: x.to(DEVICE)  # noqa: E731
@@ -115,42 +129,59 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("launch", list(LAUNCHES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_reference_equals_plain_attention(name):
+def test_reference_equals_plain_attention(name, launch):
     make, heads, kv_heads, block_size = CASES[name]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size,
+                                                                 launch=LAUNCHES[launch])
     got = shared_prefix_attention_reference(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
                                             meta.positions.to(DEVICE), plan, 0.25)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 @needs_triton
-@pytest.mark.parametrize("name", list(CASES))
-def test_kernel_equals_plain_attention(name):
+@pytest.mark.parametrize("name, launch", [(n, c) for n in CASES for c in LAUNCHES
+                                          if (n, c) != ("chunked prefix", "tiny tiles")])  # 640 keys in 16s: slow
+def test_kernel_equals_plain_attention(name, launch):
     make, heads, kv_heads, block_size = CASES[name]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size)
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size,
+                                                                 launch=LAUNCHES[launch])
+    out = torch.full_like(q, float("nan"))  # every row must be written
     got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
-                                             meta.positions.to(DEVICE), plan, 0.25)
+                                             meta.positions.to(DEVICE), plan, 0.25, out=out)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
+def _plans(launch):
+    return {name: expected_and_plan(*make(), heads, kv_heads, block_size, launch=LAUNCHES[launch])[-1]
+            for name, (make, heads, kv_heads, block_size) in CASES.items()}
+
+
 def test_the_cases_reach_what_they_are_named_for():
-    """Guards the case table: nesting gives 3 partial rows a token, the duplicates a range ending
-    mid-block, the long prefix several chunks and more items than programs, GQA 3 a straddled
-    token; the sequences alone are written directly."""
-    plans = {}
-    for name, (make, heads, kv_heads, block_size) in CASES.items():
-        *_, plan, host = expected_and_plan(*make(), heads, kv_heads, block_size)
-        plans[name] = (plan, host)
-    assert 1 in plans["group of 8 beside sequences alone"][1].part_count.tolist()
-    assert set(plans["nested: system prompt, then prompts"][1].part_count.tolist()) == {3}
-    mid = plans["shared range ending mid-block"][1].items
-    assert (mid[mid[:, 7] == 1][:, 5] % 4 != 0).any()  # a shared unit's key_hi inside a block
-    assert plans["chunked prefix"][1].part_count.max() >= 3
-    gqa = plans["GQA 3: a tile boundary inside a token"][1].items
-    assert (gqa[gqa[:, 7] == 1][:, 2] % 3 != 0).any()  # a tile starting mid-token
-    verify = plans["verify rows beside a prefill chunk"][1]
-    assert verify.part_count.tolist() == [2] * 20 + [1] * 70  # the prefill chunk attends alone
+    """Guards the case table. Suffixes alone: nesting gives 3 partial rows a token, the
+    duplicates a range ending mid-block, the long prefix several chunks, GQA 3 a straddled token,
+    the sequences alone are written directly. Fused: a single-level group's members are written
+    directly, nested ones merge 2 partial rows. Tiny tiles: chunk boundaries inside the fused
+    segments and a segment in two row tiles."""
+    alone, fused, tiny = _plans("suffixes alone"), _plans("fused"), _plans("tiny tiles")
+    assert 1 in alone["group of 8 beside sequences alone"].part_count.tolist()
+    assert set(alone["nested: system prompt, then prompts"].part_count.tolist()) == {3}
+    mid = alone["shared range ending mid-block"].items
+    shared = mid[mid[:, F["indirect"]] == 1]
+    assert ((shared[:, F["key_lo"]] + shared[:, F["range_len"]]) % 4 != 0).any()  # a shared range ends mid-block
+    assert alone["chunked prefix"].part_count.max() >= 3
+    gqa = alone["GQA 3: a tile boundary inside a token"].items
+    assert (gqa[gqa[:, F["indirect"]] == 1][:, F["row0"]] % 3 != 0).any()  # a tile starting mid-token
+    assert alone["verify rows beside a prefill chunk"].part_count.tolist() == [2] * 20 + [1] * 70
+    assert set(fused["group of 8 beside sequences alone"].part_count.tolist()) == {1}
+    assert set(fused["nested: system prompt, then prompts"].part_count.tolist()) == {2}
+    assert fused["group of 8 beside sequences alone"].segments.shape[0] == 8
+    items = np.concatenate([p.items for p in tiny.values()])
+    inside = (items[:, F["seg_count"]] > 0) & (items[:, F["v_lo"]] > items[:, F["range_len"]])
+    assert inside.any()  # a chunk starting among the segments
+    segs = tiny["GQA 3: a tile boundary inside a token"].segments
+    assert len(np.unique(segs[:, 1])) < len(segs)  # a sequence's segment in two row tiles
 
 
 def test_a_wrong_shared_key_breaks_the_comparison():
@@ -177,6 +208,29 @@ def test_padded_graph_rows_get_zero_and_real_rows_their_attention():
                                              static.plan(4, 1), 0.25)
     torch.testing.assert_close(got[:3], want, atol=2e-5, rtol=1e-5)
     assert not got[3].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("samples", [SHARE_RULE.decode.min_members - 1, SHARE_RULE.decode.min_members])
+def test_the_output_does_not_depend_on_the_path_the_rule_takes(samples):
+    """A decode group holding SHARE_RULE's least shared keys: one member short of the rule, the
+    engine's planner sends the step to the plain kernel (no plan); at it, to the shared-prefix
+    kernel. Both kernels give the same rows either way."""
+    rule = SHARE_RULE.decode
+    tables, ctx, q_lens = layout(1, samples, rule.min_keys // 4, [0, 5, 2, 9])
+    q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, 4, 2)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    starts = [c - 1 for c in ctx]
+    args = (meta.block_tables.numpy(), starts, q_lens, starts)
+    assert (SharedPrefixPlanner(4, 2, 2).plan(*args) is not None) == (samples >= rule.min_members)
+    to = lambda x: x.to(DEVICE)  # noqa: E731
+    tables_dev = to(meta.block_tables)
+    plain = paged_attention_triton(to(q), to(k_cache), to(v_cache), tables_dev, to(meta.context_lens),
+                                   to(meta.cu_seqlens_q), 1, meta.max_context_len, 0.25)
+    shared_plan = plan_to_device(SharedPrefixPlanner(4, 2, 2, rule=ANY).plan(*args), DEVICE)
+    shared = tpa.shared_prefix_attention_triton(to(q), to(k_cache), to(v_cache), tables_dev, to(meta.positions),
+                                                shared_plan, 0.25)
+    torch.testing.assert_close(shared, plain, atol=2e-5, rtol=1e-5)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -206,14 +260,20 @@ def torch_greedy(tiny_random_qwen3, random_drafters):
 
 @needs_triton
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="float32 CPU engine through the interpreter")
-@pytest.mark.parametrize("spec, graphs", [("none", False), ("dflash", True)])
+@pytest.mark.parametrize("spec, graphs, rule", [("none", False, ANY), ("dflash", True, ANY),
+                                                ("none", False, SHARE_RULE)])
 def test_engine_greedy_outputs_do_not_depend_on_shared_prefix_attention(tiny_random_qwen3, random_drafters,
-                                                                        torch_greedy, monkeypatch, spec, graphs):
-    """Samples of one prompt share its 5 blocks in every decode / verify step: eagerly (n=8), and
-    through the static-buffer replay of CUDA graphs (eager on CPU; n=6, padded to the bucket 8)."""
+                                                                        torch_greedy, monkeypatch, spec, graphs,
+                                                                        rule):
+    """Samples of one prompt share its 5 blocks in every decode / verify step (the tiny prompt is
+    far below SHARE_RULE: the planner takes ANY): eagerly (n=8), and through the static-buffer
+    replay of CUDA graphs (eager on CPU; n=6, padded to the bucket 8). With the engine's own rule
+    every step runs the plain kernel, with the same outputs."""
     calls = _count_shared_calls(monkeypatch)
     _, eng = _generate(tiny_random_qwen3, [[1]], SamplingParams(max_tokens=1), spec=spec,
                        draft=random_drafters.get(spec), block=4 if spec != "none" else None, kernel_backend="triton")
+    assert eng.prefix_planner.rule == SHARE_RULE
+    eng.prefix_planner = replace(eng.prefix_planner, rule=rule)
     if graphs:
         eng.graphs = eng.make_step_graphs(capture=False)
     n = 6 if graphs else 8
@@ -222,7 +282,7 @@ def test_engine_greedy_outputs_do_not_depend_on_shared_prefix_attention(tiny_ran
     while eng.has_unfinished():
         got += eng.step()
     got.sort(key=lambda o: o.sample_index)
-    assert calls[0] >= 2 * 3  # 2 layers x the steps after the prompt's
+    assert calls[0] >= 2 * 3 if rule == ANY else calls[0] == 0  # 2 layers x the steps after the prompt's
     if graphs:
         assert any(key[3] for key in eng.graphs.graphs)
     assert [o.token_ids for o in got] == [o.token_ids for o in torch_greedy[spec][:n]]

@@ -1,21 +1,37 @@
-"""The shared-prefix planner (rollout/engine/prefix_plan.py), host arrays only: which sequences of
-a step are grouped, over which key ranges, and how the work items and partial rows are laid out.
-The attention these plans drive is checked against plain paged attention in
-test_prefix_attention.py; here, the structure: GRPO forks, nesting under a system prompt, groups
-that end as samples finish, prefill chunks left alone, ranges clamped before the queries (ending
-mid-block), a prefix-cache layout whose shared blocks are not prefix-closed, groups not worth
-their partial results, chunking at small batch, and the capacities a CUDA graph sizes its
-buffers by."""
+"""The shared-prefix planner (rollout/engine/prefix_plan.py, prefix_items.py, prefix_launch.py),
+host arrays only: which sequences of a step are grouped, over which key ranges, and how the work
+items, fused suffix segments and partial rows are laid out. The attention these plans drive is
+checked against plain paged attention in test_prefix_attention.py; here, the structure: GRPO
+forks, nesting under a system prompt, groups that end as samples finish, prefill chunks left
+alone, ranges clamped before the queries (ending mid-block), a prefix-cache layout whose shared
+blocks are not prefix-closed, groups not worth their partial results, chunking at small batch,
+suffixes fused into their group's items, steps routed to the plain kernel by their launch
+parameters, and the capacities a CUDA graph sizes its buffers by. Grouping is checked with
+suffixes read alone (`ALONE`), where each sequence's own range is an item of its own."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rollout.engine.prefix_plan import ITEM_FIELDS, MIN_CHUNK, SHARED_BLOCK_M, SharedPrefixPlanner
+from rollout.engine.prefix_items import ITEM_FIELDS, SEG_FIELDS
+from rollout.engine.prefix_launch import (
+    DEFAULT_LAUNCH,
+    SHARE_RULE,
+    LaunchConfig,
+    LaunchConfigs,
+    ShareRule,
+    max_segments,
+)
+from rollout.engine.prefix_plan import SharedPrefixPlanner
 
 BS = 4
 F = {name: i for i, name in enumerate(ITEM_FIELDS)}
+SF = {name: i for i, name in enumerate(SEG_FIELDS)}
+ALONE = LaunchConfigs(*(LaunchConfig(fuse_suffix=False),) * 2)
+FUSED = LaunchConfigs(LaunchConfig(), LaunchConfig())
+ANY = ShareRule()  # every group shares: the structure tests' steps are far below SHARE_RULE
+TINY = LaunchConfigs(*(LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=4096),) * 2)
 
 
 def grpo_tables(prompts: int, samples: int, prompt_blocks: int, gen_lens, system_blocks: int = 0):
@@ -24,7 +40,7 @@ def grpo_tables(prompts: int, samples: int, prompt_blocks: int, gen_lens, system
     tables, ctx, next_id = [], [], 1000
     system = list(range(system_blocks))
     for p in range(prompts):
-        prompt = [100 + p * 50 + i for i in range(prompt_blocks)]
+        prompt = [10**6 + p * 10**5 + i for i in range(prompt_blocks)]
         for s in range(samples):
             gen = gen_lens[(p * samples + s) % len(gen_lens)]
             own = list(range(next_id, next_id + -(-gen // BS)))
@@ -35,28 +51,27 @@ def grpo_tables(prompts: int, samples: int, prompt_blocks: int, gen_lens, system
     return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64), ctx
 
 
-def plan(table, ctx, q_lens, groups=2, kv_heads=2, prompt_lens=None):
+def plan(table, ctx, q_lens, groups=2, kv_heads=2, prompt_lens=None, launch=ALONE, rule=ANY):
     """The plan of sequences with contexts `ctx` computing their last q_lens[s] tokens (by default
     their prompt is all but their queries)."""
     starts = [c - q for c, q in zip(ctx, q_lens, strict=True)]
-    return SharedPrefixPlanner(BS, groups, kv_heads).plan(table, starts, q_lens, prompt_lens or starts)
+    return SharedPrefixPlanner(BS, groups, kv_heads, launch, rule).plan(table, starts, q_lens, prompt_lens or starts)
 
 
 def shared_units(p):
-    """Sorted (key_lo, key_hi, tokens) of each shared unit (its items merged over chunks and tiles)."""
-    units = {}
-    for it in p.items[p.items[:, F["indirect"]] == 1]:
-        start = int(it[F["tok_start"]])
-        lo, hi, toks = units.get(start, (it[F["key_lo"]], it[F["key_hi"]], ()))
-        units[start] = (min(lo, it[F["key_lo"]]), max(hi, it[F["key_hi"]]),
-                        tuple(p.unit_tokens[start: start + it[F["tok_count"]]].tolist()))
-    return sorted((int(lo), int(hi), toks) for lo, hi, toks in units.values())
+    """Sorted (key_lo, key_hi, tokens) of each shared unit's own keys."""
+    items = p.items[p.items[:, F["indirect"]] == 1]
+    return sorted({(int(it[F["key_lo"]]), int(it[F["key_lo"]] + it[F["range_len"]]),
+                    tuple(p.unit_tokens[it[F["tok_start"]]: it[F["tok_start"]] + it[F["tok_count"]]].tolist()))
+                   for it in items})
 
 
 def suffix_ranges(p):
-    """(key_lo, key_hi) each sequence reads alone, in sequence order (single-chunk suffixes)."""
+    """(key_lo, key_hi) each sequence reads alone, in sequence order."""
     items = p.items[p.items[:, F["indirect"]] == 0]
-    return [(int(it[F["key_lo"]]), int(it[F["key_hi"]])) for it in items[np.argsort(items[:, F["table_row"]])]]
+    ranges = {(int(it[F["table_row"]]), int(it[F["key_lo"]]), int(it[F["key_lo"]] + it[F["range_len"]]))
+              for it in items}
+    return [r[1:] for r in sorted(ranges)]
 
 
 def test_forked_samples_share_their_prompt_blocks_and_read_the_rest_alone():
@@ -94,7 +109,6 @@ def test_groups_end_as_samples_finish_and_nothing_shared_plans_nothing():
     p = plan(table[left], [ctx[i] for i in left], [1] * 3)
     assert shared_units(p) == [(0, 20, (1, 2))]
     assert p.part_count.tolist() == [1, 2, 2]  # the lone sample is written directly
-    assert p.items[p.items[:, F["table_row"]] == 0][0, F["slot"]] == -1
     assert plan(table[[0, 2]], [ctx[0], ctx[2]], [1, 1]) is None
     assert plan(table[:1], ctx[:1], [1]) is None
 
@@ -108,11 +122,11 @@ def test_prefill_chunks_attend_alone_in_causal_tiles():
     p = plan(table, ctx, q_lens, groups=2)
     assert shared_units(p) == [(0, 20, (0, 1))]
     prefill = p.items[p.items[:, F["table_row"]] == 2]
-    rows = 70 * 2
-    assert len(prefill) == -(-rows // SHARED_BLOCK_M) and set(prefill[:, F["slot"]].tolist()) == {-1}
-    last_token = (np.minimum(prefill[:, F["row0"]] + SHARED_BLOCK_M, rows) - 1) // 2
+    rows, block_m = 70 * 2, ALONE.verify.block_m
+    assert len(prefill) == -(-rows // block_m) and p.part_count[2:].tolist() == [1] * 70  # written directly
+    last_token = (np.minimum(prefill[:, F["row0"]] + block_m, rows) - 1) // 2
     assert prefill[:, F["key_lo"]].tolist() == [0] * len(prefill)
-    assert prefill[:, F["key_hi"]].tolist() == (20 + last_token + 1).tolist()
+    assert prefill[:, F["v_hi"]].tolist() == (20 + last_token + 1).tolist()
 
 
 def test_shared_ranges_end_before_every_query_even_mid_block():
@@ -149,30 +163,97 @@ def test_a_group_is_kept_only_where_it_saves_more_than_its_partial_results_cost(
 
 
 def test_few_sequences_with_long_prefixes_are_chunked_within_capacity():
+    """Two samples of a 1200-token prompt are too few programs: the prompt is cut into chunks of
+    min_chunk keys; fused, the last chunk also holds the samples' own keys."""
     table, ctx = grpo_tables(prompts=1, samples=2, prompt_blocks=300, gen_lens=[5, 9])
-    planner = SharedPrefixPlanner(BS, 4, 8)
-    p = planner.plan(table, [c - 1 for c in ctx], [1, 1], [1200, 1200])
-    shared = p.items[p.items[:, F["indirect"]] == 1]
-    assert len(shared) == -(-1200 // MIN_CHUNK)  # 1200 shared keys over too few programs
-    assert shared[:, F["slot"]].tolist() == list(range(len(shared)))
-    assert shared[:, F["key_lo"]].min() == 0 and shared[:, F["key_hi"]].max() == 1200
-    assert np.all(shared[1:, F["key_lo"]] == shared[:-1, F["key_hi"]])
-    assert p.part_count.tolist() == [len(shared) + 1] * 2
+    for launch, own_keys in ((ALONE, 0), (FUSED, 5 + 9)):
+        p = SharedPrefixPlanner(BS, 4, 8, launch, ANY).plan(table, [c - 1 for c in ctx], [1, 1], [1200, 1200])
+        shared = p.items[p.items[:, F["indirect"]] == 1]
+        assert len(shared) == -(-(1200 + own_keys) // launch.decode.min_chunk)
+        assert shared[:, F["slot"]].tolist() == list(range(len(shared)))
+        assert shared[:, F["v_lo"]].min() == 0 and shared[:, F["v_hi"]].max() == 1200 + own_keys
+        assert np.all(shared[1:, F["v_lo"]] == shared[:-1, F["v_hi"]])
+        assert p.part_count.tolist() == [len(shared) + (own_keys == 0)] * 2
 
 
 def test_the_issue_shape_cuts_each_prompt_into_even_chunks():
     """16 prompts x 16 samples of 4096 tokens, decoding: 16 x 8 KV heads are too few programs,
-    so each prompt is read in 4 chunks of 1024 keys (no short remainder chunk)."""
+    so every prompt is read in the same number of even chunks, about target_programs (item, KV
+    head) pairs in all (suffixes alone: the prompt's keys; fused: with its samples' own keys)."""
     table, ctx = grpo_tables(prompts=16, samples=16, prompt_blocks=1024, gen_lens=list(range(1, 150, 7)))
-    p = plan(table, ctx, [1] * 256, groups=4, kv_heads=8)
-    shared = p.items[p.items[:, F["indirect"]] == 1]
-    assert len(shared) == 16 * 4
-    assert set((shared[:, F["key_hi"]] - shared[:, F["key_lo"]]).tolist()) == {1024}
-    assert p.part_count.tolist() == [5] * 256
+    for launch, lone in ((ALONE, 1), (FUSED, 0)):
+        p = plan(table, ctx, [1] * 256, groups=4, kv_heads=8, launch=launch)
+        shared = p.items[p.items[:, F["indirect"]] == 1]
+        chunks = len(shared) // 16
+        assert len(shared) == 16 * chunks and np.bincount(shared[:, F["tok_start"]] // 16).tolist() == [chunks] * 16
+        target = launch.decode.target_programs
+        assert target / 1.5 <= len(shared) * 8 <= target * 1.5
+        spans = (shared[:, F["v_hi"]] - shared[:, F["v_lo"]]).reshape(16, chunks)  # [prompt, chunk]
+        assert (spans[:, :-1] == spans[:, :1]).all() and (spans[:, :1] - spans[:, -1:] < chunks * 64).all()
+        assert p.part_count.tolist() == [chunks + lone] * 256
 
 
+def test_fused_suffixes_ride_in_their_groups_items():
+    """Fused, a group's items read its members' own keys after the shared ones (one segment each,
+    seen by the member's tokens only): no item of their own, and one partial result each, so
+    every token is written directly."""
+    table, ctx = grpo_tables(prompts=2, samples=4, prompt_blocks=5, gen_lens=[1, 3, 6, 9])
+    p = plan(table, ctx, [1] * 8, launch=FUSED)
+    assert (p.items[:, F["indirect"]] == 1).all() and len(p.items) == 2
+    assert p.part_count.tolist() == [1] * 8
+    segs = p.segments
+    assert segs[:, SF["table_row"]].tolist() == list(range(8))
+    assert segs[:, SF["tok_lo"]].tolist() == list(range(8)) and segs[:, SF["tok_hi"]].tolist() == list(range(1, 9))
+    own = [c - 20 for c in ctx]  # keys 20 .. ctx of each sample
+    starts = segs[:, SF["v_start"]]
+    assert starts.tolist() == [20, 20 + own[0], 20 + sum(own[:2]), 20 + sum(own[:3])] * 2
+    assert (starts + segs[:, SF["pos_offset"]]).tolist() == [20] * 8  # the first own key is position 20
+    assert p.items[:, F["v_hi"]].tolist() == [20 + sum(own[:4]), 20 + sum(own[4:])]
+
+
+def test_nested_members_fuse_into_their_bottom_group():
+    table, ctx = grpo_tables(prompts=2, samples=3, prompt_blocks=4, gen_lens=[2, 5], system_blocks=1)
+    p = plan(table, ctx, [1] * 6, launch=FUSED)
+    top = p.items[p.items[:, F["tok_count"]] == 6]
+    assert len(top) == 1 and top[0, F["seg_count"]] == 0  # the system prompt's unit: no one's own keys
+    assert p.segments[:, SF["table_row"]].tolist() == list(range(6))
+    assert p.part_count.tolist() == [2] * 6  # the system prompt's result and the bottom group's
+
+
+def test_launch_parameters_can_route_a_kind_of_step_to_the_plain_kernel():
+    table, ctx = grpo_tables(prompts=2, samples=4, prompt_blocks=12, gen_lens=[11])
+    verify_off = LaunchConfigs(LaunchConfig(), LaunchConfig(enabled=False))
+    assert plan(table, ctx, [1] * 8, launch=verify_off) is not None
+    assert plan(table, ctx, [9] * 8, launch=verify_off) is None
+    assert plan(table, ctx, [9] * 8, launch=FUSED) is not None
+
+
+def test_suffixes_are_read_alone_where_a_tile_could_hold_too_many_sequences():
+    """One query head per KV head: a 64-row tile could hold 64 sequences, past the kernel's
+    segment registers; 4 heads: 16, fused."""
+    assert SharedPrefixPlanner(BS, 1, 2, FUSED).config(1).fuse_suffix is False
+    assert SharedPrefixPlanner(BS, 4, 2, FUSED).config(1).fuse_suffix is True
+    table, ctx = grpo_tables(prompts=1, samples=4, prompt_blocks=5, gen_lens=[3])
+    p = plan(table, ctx, [1] * 4, groups=1, launch=FUSED)
+    assert p.config.fuse_suffix is False and p.part_count.tolist() == [2] * 4
+
+
+@pytest.mark.parametrize("field, value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("min_chunk", 16)])
+def test_launch_parameters_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        LaunchConfig(**{field: value})
+
+
+@pytest.mark.parametrize("block_m, groups, bound", [(64, 4, 16), (16, 3, 8), (64, 1, 64), (16, 32, 2)])
+def test_the_segment_bound_covers_every_token_a_tile_can_hold(block_m, groups, bound):
+    assert max_segments(block_m, groups) == bound
+    most = max(len({r // groups for r in range(t * block_m, (t + 1) * block_m)}) for t in range(groups))
+    assert most <= bound
+
+
+@pytest.mark.parametrize("launch", [ALONE, FUSED, TINY])
 @pytest.mark.parametrize("seed", range(6))
-def test_plans_fit_the_capacities_of_their_token_count(seed):
+def test_plans_fit_the_capacities_of_their_token_count(seed, launch):
     rng = np.random.default_rng(seed)
     prompts, samples = int(rng.integers(1, 12)), int(rng.integers(1, 17))
     gen = rng.integers(1, 200, size=prompts * samples).tolist()
@@ -180,13 +261,56 @@ def test_plans_fit_the_capacities_of_their_token_count(seed):
     q = rng.choice([1, 5, 9], size=len(ctx)).tolist()
     ctx = [c + k for c, k in zip(ctx, q)]
     table = np.concatenate([table, np.zeros((len(ctx), 3), np.int64)], 1)  # room for the verify keys
-    planner = SharedPrefixPlanner(BS, 4, 8)
+    planner = SharedPrefixPlanner(BS, 4, 8, launch, ANY)
     p = planner.plan(table, [c - k for c, k in zip(ctx, q)], q, [c - k for c, k in zip(ctx, q)])
     if p is None:
         return
     num_tokens = sum(q)
     assert len(p.items) <= planner.items_cap(num_tokens)
+    assert len(p.segments) <= planner.segments_cap(num_tokens)
     assert p.num_partial_rows <= planner.partial_rows_cap(num_tokens)
     assert len(p.unit_tokens) <= 2 * num_tokens
     direct = p.part_count == 1
     assert (p.part_start[~direct] + p.part_count[~direct]).max(initial=0) <= p.num_partial_rows
+    assert p.items[:, F["seg_count"]].max() <= max_segments(p.config.block_m, 4)
+
+
+D, V = SHARE_RULE.decode, SHARE_RULE.verify
+MAX_Q = SHARE_RULE.max_verify_query_len
+
+
+@pytest.mark.parametrize("samples, keys, q_len, shared", [
+    (D.min_members, D.min_keys, 1, True), (D.min_members - 1, D.min_keys, 1, False),
+    (D.min_members, D.min_keys - BS, 1, False),
+    (V.min_members, V.min_keys, MAX_Q, True), (V.min_members, V.min_keys, 2, True),
+    (V.min_members - 1, V.min_keys, MAX_Q, False), (V.min_members, V.min_keys - BS, MAX_Q, False),
+    (V.min_members, V.min_keys, MAX_Q + 1, False), (D.min_members, D.min_keys, 2, False),  # decode-sized, verifying
+])
+def test_the_measured_rule_decides_which_groups_share(samples, keys, q_len, shared):
+    """The engine's planner at the edges of SHARE_RULE (one group of `samples` holding `keys`
+    prompt tokens, each verifying `q_len`): outside it the step runs the plain kernel (None),
+    though every group is worth sharing by its key reads alone (ANY shares each of them)."""
+    assert keys % BS == 0
+    table, ctx = grpo_tables(prompts=1, samples=samples, prompt_blocks=keys // BS, gen_lens=[q_len + 2, q_len + 7])
+    starts = [c - q_len for c in ctx]
+    args = (table, starts, [q_len] * samples, starts)
+    assert (SharedPrefixPlanner(BS, 4, 8).plan(*args) is not None) == shared
+    assert SharedPrefixPlanner(BS, 4, 8, rule=ANY).plan(*args) is not None
+
+
+def test_a_group_below_the_rule_reads_alone_beside_one_above_it():
+    """Two prompts' samples decoding, one sample of the second finished: the first group shares,
+    the second (one member short) is not shared, its members read their whole context alone."""
+    table, ctx = grpo_tables(prompts=2, samples=D.min_members, prompt_blocks=D.min_keys // BS, gen_lens=[3, 6])
+    keep = list(range(2 * D.min_members - 1))
+    ctx = [ctx[i] for i in keep]
+    starts = [c - 1 for c in ctx]
+    p = SharedPrefixPlanner(BS, 4, 8).plan(table[keep], starts, [1] * len(keep), starts)
+    assert shared_units(p) == [(0, D.min_keys, tuple(range(D.min_members)))]
+    assert suffix_ranges(p) == [(D.min_keys, c) for c in ctx[:D.min_members]] + [(0, c) for c in ctx[D.min_members:]]
+
+
+def test_the_default_launch_reads_suffixes_alone():
+    """The sweep's winner in all four measured steps (prefix_launch.DEFAULT_LAUNCH)."""
+    assert DEFAULT_LAUNCH.decode.fuse_suffix is False and DEFAULT_LAUNCH.verify.fuse_suffix is False
+    assert SharedPrefixPlanner(BS, 4, 8).launch == DEFAULT_LAUNCH

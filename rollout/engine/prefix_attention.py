@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollout.engine.prefix_plan import ITEM_FIELDS, SHARED_BLOCK_M, HostPlan, PlanArrays, SharedPrefixPlanner
+from rollout.engine.prefix_items import ITEM_FIELDS, SEG_FIELDS
+from rollout.engine.prefix_launch import LaunchConfig
+from rollout.engine.prefix_plan import HostPlan, PlanArrays, SharedPrefixPlanner
 
 
 @dataclass
@@ -31,22 +33,25 @@ class SharedPrefixPlan:
     query tokens have part_count 0."""
 
     item_counts: Tensor  # [2] int64: shared units' items, all items
-    items: Tensor  # [>= item_counts[1], 8] int64, fields prefix_plan.ITEM_FIELDS
+    items: Tensor  # [>= item_counts[1], 12] int64, fields prefix_items.ITEM_FIELDS
+    segments: Tensor  # [NS, 5] int64 fused suffix segments, fields prefix_items.SEG_FIELDS
     unit_tokens: Tensor  # [U] int64 query tokens of the shared units
     part_start: Tensor  # [T] int64 first partial row of each query token
     part_count: Tensor  # [T] int64 its partial rows (1: written directly, 0: padding, gets 0)
-    num_partial_rows: int  # host ints: rows of the partial-result buffers,
+    num_partial_rows: int  # host values: rows of the partial-result buffers,
     max_items: int  # at least item_counts[1] (sizes the launch),
-    suffix_block_m: int  # and the row tile of suffix items (prefix_plan.suffix_block_m)
+    suffix_block_m: int  # the row tile of lone units' items (SharedPrefixPlanner.suffix_block_m),
+    config: LaunchConfig  # and the launch parameters the plan was cut for
     _buffers: tuple[Tensor, Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_host(cls, host: HostPlan, tensors: PlanArrays) -> SharedPrefixPlan:
         """`tensors`: host.arrays() on the device."""
         return cls(item_counts=tensors.item_counts, items=tensors.items.view(-1, len(ITEM_FIELDS)),
-                   unit_tokens=tensors.unit_tokens, part_start=tensors.part_start, part_count=tensors.part_count,
+                   segments=tensors.segments.view(-1, len(SEG_FIELDS)), unit_tokens=tensors.unit_tokens,
+                   part_start=tensors.part_start, part_count=tensors.part_count,
                    num_partial_rows=host.num_partial_rows, max_items=len(host.items),
-                   suffix_block_m=host.suffix_block_m)
+                   suffix_block_m=host.suffix_block_m, config=host.config)
 
     def buffers(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Allocated once per step and reused by every layer: the partial results o [P, Hq, D] in
@@ -71,6 +76,7 @@ class StaticSharedPrefix:
         kw = dict(dtype=torch.int64, device=device)
         self.item_counts = torch.zeros(2, **kw)
         self.items = torch.zeros(planner.items_cap(max_tokens), len(ITEM_FIELDS), **kw)
+        self.segments = torch.zeros(planner.segments_cap(max_tokens), len(SEG_FIELDS), **kw)
         self.unit_tokens = torch.zeros(2 * max_tokens, **kw)
         self.part_start = torch.zeros(max_tokens, **kw)
         self.part_count = torch.zeros(max_tokens, **kw)
@@ -79,6 +85,7 @@ class StaticSharedPrefix:
         num_tokens = plan.part_count.shape[0]
         self.item_counts.copy_(plan.item_counts)
         self.items[: plan.items.shape[0]].copy_(plan.items)
+        self.segments[: plan.segments.shape[0]].copy_(plan.segments)
         self.unit_tokens[: plan.unit_tokens.shape[0]].copy_(plan.unit_tokens)
         self.part_start[:num_tokens].copy_(plan.part_start)
         self.part_count[:num_tokens].copy_(plan.part_count)
@@ -87,10 +94,10 @@ class StaticSharedPrefix:
     def plan(self, padded_tokens: int, query_len: int) -> SharedPrefixPlan:
         planner = self.planner
         return SharedPrefixPlan(
-            item_counts=self.item_counts, items=self.items, unit_tokens=self.unit_tokens,
+            item_counts=self.item_counts, items=self.items, segments=self.segments, unit_tokens=self.unit_tokens,
             part_start=self.part_start[:padded_tokens], part_count=self.part_count[:padded_tokens],
             num_partial_rows=planner.partial_rows_cap(padded_tokens), max_items=planner.items_cap(padded_tokens),
-            suffix_block_m=planner.suffix_block_m(query_len))
+            suffix_block_m=planner.suffix_block_m(query_len), config=planner.config(query_len))
 
 
 def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -101,15 +108,14 @@ def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
     out = torch.zeros_like(q)
     part_o = q.new_zeros(max(plan.num_partial_rows, 1), num_heads, head_dim, dtype=torch.float32)
     part_lse = torch.full(part_o.shape[:2], float("-inf"), device=q.device)
+    count = plan.part_count  # [T]
     for item in plan.items[: int(plan.item_counts[1])].tolist():
         tokens, heads, o, lse = _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale)
-        if item[ITEM_FIELDS.index("slot")] < 0:
-            out[tokens[:, None], heads] = o.to(q.dtype)
-        else:
-            rows = plan.part_start[tokens] + item[ITEM_FIELDS.index("slot")]
-            part_o[rows[:, None], heads] = o
-            part_lse[rows[:, None], heads] = lse
-    count = plan.part_count  # [T]
+        direct = count[tokens] == 1  # [R]
+        out[tokens[direct, None], heads[direct]] = o[direct].to(q.dtype)
+        rows = plan.part_start[tokens[~direct]] + item[ITEM_FIELDS.index("slot")]
+        part_o[rows[:, None], heads[~direct]] = o[~direct]
+        part_lse[rows[:, None], heads[~direct]] = lse[~direct]
     merged = count != 1
     rows = plan.part_start[:, None] + torch.arange(int(count.max()), device=q.device)[None, :]  # [T, P]
     seen = rows < (plan.part_start + count)[:, None]
@@ -122,24 +128,38 @@ def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
 
 def _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale):
     """One work item for every KV head: (tokens [R], heads [R, Hkv], o [R, Hkv, D], lse [R, Hkv])."""
-    tok_start, tok_count, row0, table_row, key_lo, key_hi, _, indirect = item
+    fields = dict(zip(ITEM_FIELDS, item, strict=True))
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     groups = q.shape[1] // num_kv_heads
-    block_m = SHARED_BLOCK_M if indirect else plan.suffix_block_m
-    rows = torch.arange(row0, min(row0 + block_m, tok_count * groups), device=q.device)  # [R]
-    local = tok_start + rows // groups
-    tokens = plan.unit_tokens[local] if indirect else local
+    block_m = plan.config.block_m if fields["indirect"] else plan.suffix_block_m
+    rows = torch.arange(fields["row0"], min(fields["row0"] + block_m, fields["tok_count"] * groups),
+                        device=q.device)  # [R]
+    local = fields["tok_start"] + rows // groups
+    tokens = plan.unit_tokens[local] if fields["indirect"] else local
     heads = torch.arange(num_kv_heads, device=q.device)[None, :] * groups + (rows % groups)[:, None]  # [R, Hkv]
-    keys = torch.arange(key_lo, max(key_lo, key_hi), device=q.device)  # [N]
-    slots = block_tables[table_row, keys // block_size] * block_size + keys % block_size
+    table_row, pos, owner = _item_keys(fields, plan.segments, q.device)  # [N] each
+    slots = block_tables[table_row, pos // block_size] * block_size + pos % block_size
     k = k_cache.view(-1, num_kv_heads, head_dim)[slots].float()  # [N, Hkv, D]
     v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()
     scores = torch.einsum("rhd,nhd->rhn", q[tokens[:, None], heads].float(), k) * scale  # [R, Hkv, N]
-    seen = keys[None, :] <= positions[tokens][:, None]  # [R, N]
+    mine = (owner[None, :, 0] <= tokens[:, None]) & (tokens[:, None] < owner[None, :, 1])  # [R, N]
+    seen = mine & (pos[None, :] <= positions[tokens][:, None])
     scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [R, Hkv]; -inf where no key is seen
     p = torch.nan_to_num(torch.exp(scores - lse[..., None]))
     return tokens, heads, torch.einsum("rhn,nhd->rhd", p, v), lse
+
+
+def _item_keys(fields: dict, segments: Tensor, device) -> tuple[Tensor, Tensor, Tensor]:
+    """The item's virtual keys v_lo .. v_hi as (block-table row [N], position [N], tokens that
+    see the key [N, 2] as a range): the unit's own keys (every token), then fused segments."""
+    virtual = torch.arange(fields["v_lo"], max(fields["v_lo"], fields["v_hi"]), device=device)  # [N]
+    segs = segments[fields["seg_start"]: fields["seg_start"] + fields["seg_count"]]  # [G, 5]
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), segs[:, 0]])
+    which = torch.searchsorted(starts, virtual, right=True) - 1  # [N] 0: own keys, g + 1: segment g
+    own = torch.tensor([[fields["table_row"], fields["key_lo"], 0, 1 << 62]], device=device)
+    chosen = torch.cat([own, segs[:, 1:]])[which]  # [N, 4]: row, position offset, token range
+    return chosen[:, 0], virtual + chosen[:, 1], chosen[:, 2:]
 
 
 def plan_to_device(host: HostPlan, device: torch.device) -> SharedPrefixPlan:

@@ -1,24 +1,28 @@
-"""Shared-prefix attention as two Triton kernels (the plan: prefix_plan.py; the passes and their
-torch reference: prefix_attention.py).
+"""Shared-prefix attention as two Triton kernels (the plan: prefix_plan.py, prefix_items.py; the
+launch parameters: prefix_launch.py; the passes and their torch reference: prefix_attention.py).
 
 `_item_kernel` runs the plan's work items, each once per KV head: its query rows are (token,
 query head) pairs of that KV head for the tokens of one unit (for a shared unit, all the
 sequences of a group: a shared key tile is loaded once for all of them and used by one tl.dot of
-[64 rows, D] x [D, BLOCK_N]); it walks the key range [key_lo, key_hi) of one block-table row in
-tiles of BLOCK_N with an online softmax in float32, masking keys after each query's position
-(only suffix ranges reach a query's own position: shared ranges end before every query of their
-group). It writes the normalised output and the log-sum-exp to the token's partial row, or, when
-the item is the token's only one, the output itself. The programs (a fixed number per SM) take
-(item, KV head) pairs from a work queue, an atomic counter, heavy shared items first, until the
-queue is empty: the item count is read on the device, so a CUDA graph replays any plan that fits
-its buffers, and no program waits on a long item while others idle. `_merge_kernel` combines
-each token's partial rows (all its heads in one program) by their log-sum-exp, and resets the
-counter for the next layer.
+[block_m rows, D] x [D, block_n]). It walks the item's virtual keys in tiles of block_n with an
+online softmax in float32 (base 2, the scale folded into log2 e): first the unit's own range
+through one block-table row (loop 1, masking keys after each query's position; only lone units'
+ranges reach a query's own position), then the fused suffix segments of its row tile (loop 2:
+each key's segment, block-table row and position come from the tile's few segments held in
+registers, and a key is seen only by its own sequence's rows). A row whose token has one partial
+result (part_count 1) is written to the output, the others' normalised output and log-sum-exp to
+the token's partial row `slot`. The programs (a fixed number per SM) take (item, KV head) pairs
+from a work queue, an atomic counter, shared units' items first, until the queue is empty: the
+item count is read on the device, so a CUDA graph replays any plan that fits its buffers, and no
+program waits on a long item while others idle. `_merge_kernel` combines each token's partial
+rows (all its heads in one program) by their log-sum-exp, and resets the counter for the next
+layer.
 
-Index arithmetic is 64-bit: item fields, tokens and block ids are loaded from int64 tensors, so
-block id x block stride and token x row stride are int64 products. The index tensors are views
-into the step's packed upload, so their addresses are not specialised on alignment (that would
-compile a variant per offset parity), nor is the block table's width.
+Index arithmetic: virtual keys and positions are int32 (a 64-bit key index per element cost
+registers that spilled); block ids are loaded from int64 tables, so block id x block stride and
+token x row stride are int64 products. The index tensors are views into the step's packed upload,
+so their addresses are not specialised on alignment (that would compile a variant per offset
+parity), nor is the block table's width.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch
 from torch import Tensor
 
 from rollout.engine.prefix_attention import SharedPrefixPlan
-from rollout.engine.prefix_plan import ITEM_FIELDS, KEY_ALIGN, SHARED_BLOCK_M
+from rollout.engine.prefix_items import ITEM_FIELDS
+from rollout.engine.prefix_launch import max_segments
 
 try:
     import triton
@@ -37,79 +42,144 @@ try:
 except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependency
     triton = None
 
-BLOCK_N = KEY_ALIGN  # keys per inner iteration
 PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
+LOG2E = 1.4426950408889634
 
 if triton is not None:
 
     @triton.jit
+    def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
+                  stride_kb, stride_ks, stride_vb, stride_vs,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One tile of keys (block [N] int64 and pos [N] of each) into the online softmax of the
+        rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32."""
+        dims = tl.arange(0, HEAD_DIM)
+        k = tl.load(k_base + (block * stride_kb + (pos % BLOCK_SIZE) * stride_ks)[:, None] + dims[None, :],
+                    mask=key_ok[:, None], other=0.0)  # [N, D]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + (block * stride_vb + (pos % BLOCK_SIZE) * stride_vs)[:, None] + dims[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _attend_item(
-        item_ptr, kv_head, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+        item_ptr, kv_head, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
+        unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEGS: tl.constexpr, FUSED: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
-        tok_start = tl.load(item_ptr)  # the fields of prefix_plan.ITEM_FIELDS, int64
+        tok_start = tl.load(item_ptr)  # the fields of prefix_items.ITEM_FIELDS, int64
         tok_count = tl.load(item_ptr + 1)
         rows = tl.load(item_ptr + 2) + tl.arange(0, BLOCK_M)  # [M]: row = token * GROUPS + group head
-        key_lo = tl.load(item_ptr + 4)
-        key_hi = tl.load(item_ptr + 5)
-        slot = tl.load(item_ptr + 6)
-        indirect = (tl.load(item_ptr + 7) + tl.zeros([BLOCK_M], tl.int64)) != 0  # [M]: the interpreter masks by vectors
+        indirect = (tl.load(item_ptr + 3) + tl.zeros([BLOCK_M], tl.int64)) != 0  # [M]: the interpreter masks by vectors
+        key_lo = tl.load(item_ptr + 5).to(tl.int32)
+        range_len = tl.load(item_ptr + 6).to(tl.int32)
+        v_lo = tl.load(item_ptr + 7).to(tl.int32)
+        v_hi = tl.load(item_ptr + 8).to(tl.int32)
         local = rows // GROUPS
         row_ok = local < tok_count
         token = tl.load(unit_tokens_ptr + tok_start + local, mask=row_ok & indirect, other=0)
         token = tl.where(indirect, token, tok_start + local)  # [M] int64
         head = kv_head * GROUPS + rows % GROUPS
-        q_pos = tl.load(positions_ptr + token, mask=row_ok, other=0)
+        q_pos = tl.load(positions_ptr + token, mask=row_ok, other=0).to(tl.int32)
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
-        table = block_tables_ptr + tl.load(item_ptr + 3) * stride_bt
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for n0 in range(key_lo, key_hi, BLOCK_N):
-            keys = n0 + tl.arange(0, BLOCK_N)  # [N]
-            key_ok = keys < key_hi
-            block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
-            offset = block[:, None] * stride_kb + (keys % BLOCK_SIZE)[:, None] * stride_ks + dims[None, :]
-            k = tl.load(k_ptr + offset + kv_head * stride_kh, mask=key_ok[:, None], other=0.0)  # [N, D]
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [M, N]
-            scores = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-            alpha = tl.exp(m_i - m_ref)
-            p = tl.exp(scores - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_offset = block[:, None] * stride_vb + (keys % BLOCK_SIZE)[:, None] * stride_vs + dims[None, :]
-            v = tl.load(v_ptr + v_offset + kv_head * stride_vh, mask=key_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-            m_i = m_new
+        table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
+        own_hi = tl.minimum(v_hi, range_len)
+        for v0 in range(v_lo, own_hi, BLOCK_N):  # loop 1: the unit's own keys
+            vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
+            key_ok = vk < own_hi
+            pos = key_lo + vk
+            block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
+            seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
+        if FUSED:  # loop 2: the row tile's fused suffix segments (none: an empty range)
+            m_i, l_i, acc = _segment_keys(
+                item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, tl.maximum(v_lo, range_len), v_hi,
+                k_base, v_base, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION)
+        _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
+                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
+
+    @triton.jit
+    def _segment_keys(item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, lo, hi, k_base, v_base, m_i, l_i, acc,
+                      qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      MAX_SEGS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Virtual keys lo .. hi of the item's fused segments: each key's segment (the last whose
+        v_start it reaches), block-table row and position come from the tile's segments held in
+        registers [S]; a key is seen by the rows of its segment's tokens, up to their positions."""
+        sidx = tl.arange(0, MAX_SEGS)
+        seg_ptr = segs_ptr + (tl.load(item_ptr + 9) + sidx) * 5  # prefix_items.SEG_FIELDS
+        s_ok = sidx < tl.load(item_ptr + 10)
+        s_start = tl.load(seg_ptr, mask=s_ok, other=2**30).to(tl.int32)  # [S]
+        s_row = tl.load(seg_ptr + 1, mask=s_ok, other=0)
+        s_off = tl.load(seg_ptr + 2, mask=s_ok, other=0).to(tl.int32)
+        mine = (token[:, None] >= tl.load(seg_ptr + 3, mask=s_ok, other=0)[None, :]) & (
+            token[:, None] < tl.load(seg_ptr + 4, mask=s_ok, other=0)[None, :])  # [M, S]
+        row_seg = tl.max(tl.where(mine, sidx[None, :], -1), 1)  # [M] the row's segment, -1: none
+        for v0 in range(lo, hi, BLOCK_N):
+            vk = v0 + tl.arange(0, BLOCK_N)
+            key_ok = vk < hi
+            seg = tl.sum((s_start[None, :] <= vk[:, None]).to(tl.int32), 1) - 1  # [N]
+            hit = seg[:, None] == sidx[None, :]  # [N, S]
+            pos = vk + tl.sum(tl.where(hit, s_off[None, :], 0), 1)
+            row = tl.sum(tl.where(hit, s_row[None, :], 0), 1)  # [N] int64
+            block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=key_ok, other=0)
+            seen = key_ok[None, :] & (seg[None, :] == row_seg[:, None]) & (pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
+                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """The normalised rows to the output where their token has one partial result, else with
+        their log-sum-exp (natural log) to the token's partial row of the item's slot."""
+        dims = tl.arange(0, HEAD_DIM)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
-        if slot < 0:
-            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            base = (tl.load(part_start_ptr + token, mask=row_ok, other=0) + slot) * NUM_HEADS + head  # [M]
-            tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-            tl.store(part_lse_ptr + base, tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf")), mask=row_ok)
+        count = tl.load(part_count_ptr + token, mask=row_ok, other=0)
+        direct = row_ok & (count == 1)
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+        part = row_ok & (count != 1)
+        base = (tl.load(part_start_ptr + token, mask=row_ok, other=0) + tl.load(item_ptr + 11)) * NUM_HEADS + head
+        tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
+                 mask=part[:, None])
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(part_lse_ptr + base, lse, mask=part)
 
     @triton.jit(do_not_specialize=["stride_bt"],
-                do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "unit_tokens_ptr", "part_start_ptr",
-                                                "positions_ptr", "block_tables_ptr"])
+                do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "segs_ptr", "unit_tokens_ptr",
+                                                "part_start_ptr", "part_count_ptr", "positions_ptr",
+                                                "block_tables_ptr"])
     def _item_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-        items_ptr, item_counts_ptr, unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+        items_ptr, item_counts_ptr, segs_ptr, unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr,
+        block_tables_ptr, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
@@ -117,20 +187,27 @@ if triton is not None:
         while work < total:
             item = work // NUM_KV_HEADS
             item_ptr = items_ptr + item * NUM_FIELDS
-            if item < num_shared:
+            if SHARED_BLOCK_M == SUFFIX_BLOCK_M:  # one body (lone units have no segments)
                 _attend_item(
-                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                    unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
+                    unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, DOT_PRECISION)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION)
+            elif item < num_shared:
+                _attend_item(
+                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
+                    unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION)
             else:
                 _attend_item(
-                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                    unit_tokens_ptr, part_start_ptr, positions_ptr, block_tables_ptr, scale,
+                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
+                    unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, DOT_PRECISION)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION)
             work = tl.atomic_add(counter_ptr, 1)
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
@@ -167,25 +244,30 @@ if triton is not None:
 
 
 def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                                   positions: Tensor, plan: SharedPrefixPlan, scale: float) -> Tensor:
+                                   positions: Tensor, plan: SharedPrefixPlan, scale: float,
+                                   out: Tensor | None = None) -> Tensor:
     """q: [T, Hq, D]; caches: [NB, BS, Hkv, D] (this step's keys already written); block_tables:
-    [S, W]; positions: [T]. Returns [T, Hq, D] in q's dtype (prefix_attention's two passes)."""
+    [S, W]; positions: [T]; out: [T, Hq, D] like q, or None for a new one. Returns out
+    (prefix_attention's two passes), compiled with the plan's launch parameters."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("shared_prefix_attention_triton needs the head dimension contiguous")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     part_o, part_lse, counter = plan.buffers(q)
     programs = max(1, min(plan.max_items * num_kv_heads, _resident_programs(q.device)))
+    config, groups = plan.config, num_heads // num_kv_heads
     _item_kernel[(programs,)](
-        q, k_cache, v_cache, out, part_o, part_lse, counter,
-        plan.items, plan.item_counts, plan.unit_tokens, plan.part_start, positions, block_tables, scale,
+        q, k_cache, v_cache, out, part_o, part_lse, counter, plan.items, plan.item_counts, plan.segments,
+        plan.unit_tokens, plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, SHARED_BLOCK_M=SHARED_BLOCK_M, SUFFIX_BLOCK_M=plan.suffix_block_m, BLOCK_N=BLOCK_N,
+        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m, BLOCK_N=config.block_n,
+        MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](

@@ -1,0 +1,107 @@
+"""Launch parameters of shared-prefix attention: the one table to edit after a GPU sweep
+(benchmarks/bench_prefix_attention.py --sweep times variants of these fields on the issue's
+shapes and prints which is fastest).
+
+Host only (no torch, no triton): the planner (prefix_plan.py) cuts work items by `block_m`,
+`block_n`, `target_programs`, `min_chunk` and `fuse_suffix`, shares only the groups that
+`SHARE_RULE` (the measured crossover) admits, and drops whole steps where `enabled` is False or
+no group is left (the plain paged kernel runs them); the kernel (triton_prefix_attention.py)
+compiles with the same `block_m`, `block_n`, `num_warps` and `num_stages`, read from the plan,
+so the two always agree. A step's parameters depend on its longest query alone (`pick`): a CUDA
+graph captured for a query length replays with the same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one step's shared-prefix attention is cut and compiled."""
+
+    block_m: int = 64  # query rows (token x query head of one KV head) per shared unit's item
+    block_n: int = 64  # keys per inner iteration; key chunks are multiples of it
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelining depth of the key loads
+    target_programs: int = 512  # cut key ranges into chunks until about this many (item, KV head) pairs
+    min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
+    fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
+    enabled: bool = True  # False: steps of this kind run the plain paged kernel
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got "
+                             f"{self.num_warps}, {self.num_stages}")
+        if self.target_programs < 1 or self.min_chunk < self.block_n:
+            raise ValueError(f"need target_programs >= 1 and min_chunk >= block_n, got "
+                             f"{self.target_programs}, {self.min_chunk}")
+
+
+@dataclass(frozen=True)
+class LaunchConfigs:
+    """Decode steps (one query per sequence) and the rest (verify blocks, prefill chunks beside
+    them) differ: 4 query rows of a sequence per KV head against 36 at 9 verify tokens."""
+
+    decode: LaunchConfig
+    verify: LaunchConfig
+
+    def pick(self, max_query_len: int) -> LaunchConfig:
+        return self.decode if max_query_len <= 1 else self.verify
+
+
+# Measured on the H200 (benchmarks/results/prefix_attention_notes.md, "Results"; ms per layer
+# call, ratio to the plain kernel): suffixes read alone ("separate") beat the fused default in all
+# four steps (32x8x1024: q=1 0.536 vs 0.722, q=9 0.806 vs 0.952; 16x16x4096: q=1 0.217 vs 0.310,
+# q=9 0.588 vs 0.672) and every other variant but one tie (m32t128 0.538 at 32x8x1024 q=1).
+DEFAULT_LAUNCH = LaunchConfigs(
+    decode=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=512, fuse_suffix=False),
+    verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=512, fuse_suffix=False),
+)
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """The least a group needs to be read through the shared-prefix kernel: members (sequences
+    holding the same blocks) and its own shared keys (the unit's key range, tokens)."""
+
+    min_members: int = 2
+    min_keys: int = 1
+
+
+@dataclass(frozen=True)
+class ShareRule:
+    """Which groups the planner shares, by the kind of their rows: decode (every member's query is
+    one token) or verify (longer queries, at most `max_verify_query_len`). A group that fails it
+    is not shared: its members read their whole context alone, and a step with no group left runs
+    the plain paged kernel. The default-constructed rule shares every group (tests)."""
+
+    decode: GroupRule = GroupRule()
+    verify: GroupRule = GroupRule()
+    max_verify_query_len: int = 1 << 30
+
+
+# Measured on the H200 (notes: "Results"), ratio of the shared-prefix kernel to the plain one per
+# layer call, P prompts x n samples x prompt tokens, samples' own tokens uniform in [1, 150]:
+# - decode: wins at n=8 / 1024 (0.536), n=16 / 4096 (0.217), n=4 / 1024 (fused 0.831); loses at
+#   n=2 / 1024 (fused 1.285) and at a 256-token prompt (n=8, fused 1.344). 512 tokens is between
+#   the two prompt lengths measured (linear in prompt length: fused ~0.99 there; separate, 25-30%
+#   faster than fused in both decode steps timed with both, ~0.73): the crossover run times it.
+# - verify (q=9): wins only with separate at n=8 / 1024 (0.806) and n=16 / 4096 (0.588); loses at
+#   n=4 / 1024 (fused 1.053), n=2 (1.293), a 256-token prompt (1.543); nothing measured past q=9.
+SHARE_RULE = ShareRule(decode=GroupRule(min_members=4, min_keys=512),
+                       verify=GroupRule(min_members=8, min_keys=1024), max_verify_query_len=9)
+
+
+MAX_FUSED_SEGMENTS = 32  # past this many segments a row tile's lookup spills registers: suffixes read alone
+
+
+def max_segments(block_m: int, groups: int) -> int:
+    """Most sequences one row tile of `block_m` rows (token x query head, `groups` heads a
+    token) holds, as a power of two: the kernel's bound on a tile's fused suffix segments."""
+    tokens = block_m // groups if block_m % groups == 0 else block_m // groups + 2
+    return 1 << max(tokens - 1, 0).bit_length()
