@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -122,7 +123,7 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
         err = None if launch is None else rel_error(
             poisoned(lambda: triton_moe.fused_moe(x, logits, gate_up0, down0, layer.top_k, True, launch)), ref)
         row = dict(tokens=num_tokens, path=path, block_m=block_m, phase=phase, tiles=str(tiles or "-"), us=us,
-                   rel_err=err, experts_touched=ids.unique().numel())
+                   rel_err=err, launch=str(launch or "-"), experts_touched=ids.unique().numel())
         moved = sum(nbytes.values()) if phase == "layer" else nbytes.get(phase)
         if moved:
             row.update(gb_per_s=moved / us / 1e3, of_copy=moved / us / 1e3 / (bandwidth / 1e9))
@@ -141,12 +142,13 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
 def sweep_gemv(layer: Layer, x, logits, args, add) -> None:
     k, base = layer.top_k, moe_launch.launch_for(1, "gemv")
     hidden, weights, ids = triton_moe.gemv_gate_up(x, logits, layer.copies[0][0], k, True, base.gate_up)
-    for tiles in variants(GEMV_GATE_UP, args):
-        us = layer.time(args, lambda c, t=tiles: triton_moe.gemv_gate_up(x, logits, c[0], k, True, t))
-        add("gemv", "gate_up", tiles, us, MoeLaunch("gemv", tiles, base.down))
+    for tiles, inside in [(t, True) for t in variants(GEMV_GATE_UP, args)] + [(base.gate_up, False)]:
+        us = layer.time(args, lambda c, t=tiles, r=inside: triton_moe.gemv_gate_up(x, logits, c[0], k, True, t, r))
+        launch = replace(base, gate_up=tiles, route_inside=inside)
+        add("gemv", "gate_up", f"{tiles}{'' if inside else ' +route'}", us, launch)
     for tiles in variants(GEMV_DOWN, args):
         us = layer.time(args, lambda c, t=tiles: triton_moe.gemv_down(hidden, c[1], weights, ids, k, t))
-        add("gemv", "down", tiles, us, MoeLaunch("gemv", base.gate_up, tiles))
+        add("gemv", "down", tiles, us, replace(base, down=tiles))
 
 
 def sweep_sorted(layer: Layer, x, logits, block_m: int, args, add) -> None:
@@ -177,18 +179,18 @@ def variants(tiles: list[Tiles], args) -> list[Tiles]:
 
 def best_launch(rows: list[dict], num_tokens: int) -> MoeLaunch:
     """The fastest correct launch for `num_tokens` from the phase rows: per path and block size,
-    the sum of its phases' best times."""
-    mine = [r for r in rows if r["tokens"] == num_tokens and r["path"] in moe_launch.PATHS]
+    the best gate/up (with its routing choice) and down, plus routing and sum where separate."""
+    mine = [r for r in rows if r["tokens"] == num_tokens and r["path"] in moe_launch.PATHS
+            and (r["rel_err"] is None or r["rel_err"] < BAD_ERROR)]
     options = []
-    for path, block_m in sorted({(r["path"], r["block_m"]) for r in mine}):
+    for group in sorted({(r["path"], r["block_m"]) for r in mine}):
         phases = {}
-        for r in mine:
-            if (r["path"], r["block_m"]) == (path, block_m) and (r["rel_err"] is None or r["rel_err"] < BAD_ERROR):
-                if r["phase"] not in phases or r["us"] < phases[r["phase"]]["us"]:
-                    phases[r["phase"]] = r
+        for r in (r for r in mine if (r["path"], r["block_m"]) == group):
+            if r["phase"] not in phases or r["us"] < phases[r["phase"]]["us"]:
+                phases[r["phase"]] = r
         if "gate_up" in phases and "down" in phases:
-            tiles = [parse_tiles(phases[p]["tiles"]) for p in ("gate_up", "down")]
-            launch = MoeLaunch(path, *tiles, block_m=block_m or 16)
+            launch = replace(parse_launch(phases["gate_up"]["launch"]),
+                             down=parse_launch(phases["down"]["launch"]).down)
             options.append((sum(r["us"] for r in phases.values()), str(launch), launch))
     return min(options)[2]
 
@@ -196,6 +198,13 @@ def best_launch(rows: list[dict], num_tokens: int) -> MoeLaunch:
 def parse_tiles(text: str) -> Tiles:
     n, k, w, s = (int(part[1:]) for part in text.split("/"))
     return Tiles(n, k, w, s)
+
+
+def parse_launch(text: str) -> MoeLaunch:
+    """The MoeLaunch whose str() is `text`."""
+    parts = text.split()
+    block_m = int(parts[1][1:]) if parts[0] == "sorted" else 16
+    return MoeLaunch(parts[0], parse_tiles(parts[-3]), parse_tiles(parts[-1]), block_m, "routed" not in parts)
 
 
 def print_sweep(rows: list[dict]) -> None:
@@ -215,15 +224,9 @@ def print_choice(rows: list[dict], tokens: list[int]) -> None:
                 ["tokens", "path", "tiles", "us", "gb_per_s", "of_copy", "rel_err", "experts_touched"])
     print("\nbest launches, for rollout/engine/moe_launch.py (bucket = the tokens measured):")
     for num_tokens in tokens:
-        best = next(r for r in layer if r["tokens"] == num_tokens and r["path"] == "best")
-        launch = parse_launch(best["tiles"])
+        launch = parse_launch(next(r for r in layer if r["tokens"] == num_tokens and r["path"] == "best")["launch"])
         print(f"    ({num_tokens}, {launch!r}),")
 
-
-def parse_launch(text: str) -> MoeLaunch:
-    parts = text.split()
-    block_m = int(parts[1][1:]) if parts[0] == "sorted" else 16
-    return MoeLaunch(parts[0], parse_tiles(parts[-3]), parse_tiles(parts[-1]), block_m)
 
 
 def main() -> None:

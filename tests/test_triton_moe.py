@@ -128,11 +128,12 @@ CASES = {  # tokens, experts, top k
     "64-row-blocks": (70, 4, 2),
 }
 # Every launch of the table on every case, and on two cases variants with other tiles (several
-# reduction iterations, one pipeline stage, 64-row blocks on a small step): any launch computes
-# the same function.
+# reduction iterations, one pipeline stage, 64-row blocks on a small step, routing launched
+# before the gemv programs): any launch computes the same function.
 TABLE = {f"table-{i}": launch for i, (_, launch) in enumerate(moe_launch.LAUNCHES)}
 VARIANTS = {
     "gemv-narrow": MoeLaunch("gemv", gate_up=Tiles(16, 16, 2, 1), down=Tiles(16, 16, 4, 2)),
+    "gemv-routed": MoeLaunch("gemv", gate_up=Tiles(16, 32), down=Tiles(8, 32), route_inside=False),
     "sorted-m16": MoeLaunch("sorted", gate_up=Tiles(16, 16, 4, 1), down=Tiles(32, 16, 4, 2), block_m=16),
     "sorted-m64": MoeLaunch("sorted", gate_up=Tiles(32, 32, 4, 2), down=Tiles(16, 32, 4, 3), block_m=64),
 }

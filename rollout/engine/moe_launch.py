@@ -54,6 +54,7 @@ class MoeLaunch:
     gate_up: Tiles
     down: Tiles
     block_m: int = 16  # rows per expert block (sorted path; tl.dot needs >= 16)
+    route_inside: bool = True  # gemv path: gate/up programs route their token (False: a routing launch first)
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -65,7 +66,7 @@ class MoeLaunch:
             raise ValueError("the sorted path's tiles must be >= 16 (tl.dot)")
 
     def __str__(self) -> str:
-        rows = f" m{self.block_m}" if self.path == "sorted" else ""
+        rows = f" m{self.block_m}" if self.path == "sorted" else ("" if self.route_inside else " routed")
         return f"{self.path}{rows} gate_up {self.gate_up} down {self.down}"
 
 

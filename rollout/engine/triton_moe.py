@@ -9,7 +9,8 @@ gemv path (decode, small verify steps; nothing sorted, three launches a layer wi
 1. `_gate_up_gemv_kernel`, a program per (pair, column tile): routes its token, streams its
    expert's gate and up rows against the token's x (an elementwise product summed over the
    reduction tile: no padded rows), silu(gate) * up -> `hidden` [M, I]; the first column tile
-   of each pair also writes the pair's weight and expert for step 2.
+   of each pair also writes the pair's weight and expert for step 2. (`route_inside=False`:
+   `_route_kernel` routes first, one launch more, no top-k at the start of every program.)
 2. `_down_gemv_kernel`, a program per (token, column tile): the token's k experts' down rows read
    as one [k, BLOCK_N, BLOCK_K] tile per iteration, each expert's output times its weight, summed
    over the k experts -> [T, H].
@@ -199,16 +200,20 @@ if triton is not None:
                              stride_xt, stride_lt, stride_we, stride_wn, stride_ht,
                              HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                              EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
-                             RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
         pair = tl.program_id(0)
         token = pair // TOP_K
-        top_w, top_i = _top_k(logits_ptr, token + tl.arange(0, 1), num_tokens, stride_lt, NUM_EXPERTS, EXPERTS_P2,
-                              TOP_K, TOP_K_P2, RENORMALIZE, 1)  # [1, KP2]: the token's routing
-        mine = tl.arange(0, TOP_K_P2)[None, :] == pair % TOP_K
-        expert = tl.sum(tl.where(mine, top_i, 0))
-        if tl.program_id(1) == 0:  # for the down kernel
-            tl.store(weights_ptr + pair, tl.sum(tl.where(mine, top_w, 0.0)).to(weights_ptr.dtype.element_ty))
-            tl.store(ids_ptr + pair, expert)
+        if ROUTE:  # the token's routing, here: no routing launch
+            top_w, top_i = _top_k(logits_ptr, token + tl.arange(0, 1), num_tokens, stride_lt, NUM_EXPERTS,
+                                  EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, 1)  # [1, KP2]
+            mine = tl.arange(0, TOP_K_P2)[None, :] == pair % TOP_K
+            expert = tl.sum(tl.where(mine, top_i, 0))
+            if tl.program_id(1) == 0:  # for the down kernel
+                tl.store(weights_ptr + pair, tl.sum(tl.where(mine, top_w, 0.0)).to(weights_ptr.dtype.element_ty))
+                tl.store(ids_ptr + pair, expert)
+        else:  # routed by `_route_kernel`
+            expert = tl.load(ids_ptr + pair)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < INTER
         w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1] gate rows
@@ -336,7 +341,8 @@ def fused_moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, t
     _check_layout(x, gate_up, down)
     launch = launch or launch_for(num_tokens)
     if launch.path == "gemv":
-        hidden, weights, ids = gemv_gate_up(x, router_logits, gate_up, top_k, renormalize, launch.gate_up)
+        hidden, weights, ids = gemv_gate_up(x, router_logits, gate_up, top_k, renormalize, launch.gate_up,
+                                            launch.route_inside)
         return gemv_down(hidden, down, weights, ids, top_k, launch.down)
     weights, sorted_pairs, block_expert = sorted_route(router_logits, top_k, renormalize, launch.block_m)
     return _sorted_experts(x, gate_up, down, weights, sorted_pairs, block_expert, top_k, launch)
@@ -379,19 +385,22 @@ def _sorted_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, s
 
 
 def gemv_gate_up(x: Tensor, router_logits: Tensor, gate_up: Tensor, top_k: int, renormalize: bool,
-                 tiles: Tiles) -> tuple[Tensor, Tensor, Tensor]:
-    """gemv path, step 1 (routing inside): -> (hidden [T * k, I], weights [T * k] in x's dtype,
-    ids [T * k] int32)."""
+                 tiles: Tiles, route_inside: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """gemv path, step 1 -> (hidden [T * k, I], weights [T * k] in the logits' dtype, ids [T * k]
+    int32). Its programs route their own token, or with `route_inside=False` `route` does first."""
     (num_tokens, hidden_size), (num_experts, inter2, _) = x.shape, gate_up.shape
     num_pairs = num_tokens * top_k
     hidden = torch.empty(num_pairs, inter2 // 2, dtype=x.dtype, device=x.device)
-    weights = torch.empty(num_pairs, dtype=x.dtype, device=x.device)
-    ids = torch.empty(num_pairs, dtype=torch.int32, device=x.device)
+    if route_inside:
+        weights, ids = (t.view(-1) for t in _routing_buffers(router_logits, top_k))
+    else:
+        weights, ids = (t.view(-1) for t in route(router_logits, top_k, renormalize))
     _gate_up_gemv_kernel[(num_pairs, triton.cdiv(inter2 // 2, tiles.block_n))](
         x, router_logits, gate_up, hidden, weights, ids, num_tokens,
         x.stride(0), router_logits.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
         HIDDEN=hidden_size, INTER=inter2 // 2, **_routing_args(num_experts, top_k), RENORMALIZE=renormalize,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
+        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
+        num_stages=tiles.stages)
     return hidden, weights, ids
 
 
