@@ -35,16 +35,22 @@ from common import SHAPES, copy_bandwidth, environment, free_memory, print_table
 from rollout.engine import moe, moe_launch, triton_moe  # noqa: E402
 from rollout.engine.moe_launch import MoeLaunch, Tiles  # noqa: E402
 
+# Variants per kernel (block_n, block_k, warps, stages); each list's first entry leads, the table's
+# choice is among them. Sorted: some from vLLM's tuned H200 configs for this shape (its BLOCK_N
+# counts gate and up columns together: half of ours).
 GEMV_GATE_UP = [Tiles(16, 256, 4, 3), Tiles(16, 256, 4, 1), Tiles(8, 256, 4, 3), Tiles(32, 128, 4, 3),
-                Tiles(16, 512, 8, 3), Tiles(8, 512, 4, 2), Tiles(32, 256, 8, 3), Tiles(4, 512, 4, 3)]
+                Tiles(16, 512, 8, 3), Tiles(4, 512, 4, 3)]
 GEMV_DOWN = [Tiles(8, 128, 4, 3), Tiles(8, 128, 4, 1), Tiles(4, 256, 4, 3), Tiles(16, 64, 4, 3),
-             Tiles(16, 128, 8, 3), Tiles(8, 256, 8, 3), Tiles(4, 128, 2, 3), Tiles(32, 64, 8, 2)]
-SORTED_GATE_UP = {16: [Tiles(32, 128, 4, 3), Tiles(32, 64, 4, 5), Tiles(64, 128, 4, 3), Tiles(64, 128, 8, 2),
-                       Tiles(128, 128, 8, 2), Tiles(32, 256, 4, 2), Tiles(64, 64, 4, 4)],
-                  64: [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 4), Tiles(64, 128, 8, 3)]}
-SORTED_DOWN = {16: [Tiles(32, 128, 4, 3), Tiles(64, 64, 4, 4), Tiles(64, 128, 4, 3), Tiles(128, 128, 8, 2),
-                    Tiles(128, 64, 4, 3), Tiles(32, 64, 4, 5), Tiles(256, 64, 8, 3)],
-               64: [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 4), Tiles(64, 128, 8, 3)]}
+             Tiles(16, 128, 8, 3), Tiles(8, 256, 8, 3)]
+SORTED_GATE_UP = {16: [Tiles(64, 128, 4, 3), Tiles(32, 128, 4, 3), Tiles(32, 64, 4, 5), Tiles(128, 128, 8, 2),
+                       Tiles(64, 64, 4, 4)],
+                  64: [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 4)]}
+SORTED_DOWN = {16: [Tiles(64, 64, 4, 4), Tiles(32, 128, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 128, 8, 2),
+                    Tiles(128, 64, 4, 3)],
+               64: [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 4)]}
+# What main ran before the table (tiles() at 50f12be): 16-row blocks below 32 pairs per expert.
+BEFORE = MoeLaunch("sorted", Tiles(32, 128, 4, 3), Tiles(32, 128, 4, 3), block_m=16)
+BEFORE_LARGE = MoeLaunch("sorted", Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3), block_m=64)
 GEMV_MAX_TOKENS = 64  # the gemv path is swept up to here (it re-reads shared experts per pair)
 BAD_ERROR = 2e-2  # bf16 operands land between 1e-3 and 1e-2
 
@@ -54,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="tiny shape, two variants per list (CPU check)")
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=[k for k, v in SHAPES.items() if "num_experts" in v])
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8, 16, 32, 64, 128, 512])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 16, 64, 512])
     p.add_argument("--copies", type=int, default=4, help="copies of the layer's experts, rotated")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--no-breakdown", action="store_true", help="skip the whole-model breakdown")
@@ -131,9 +137,11 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
 
     if num_tokens <= GEMV_MAX_TOKENS:
         sweep_gemv(layer, x, logits, args, add)
-    for block_m in (16, 64) if num_tokens >= 128 else (16,):
+    for block_m in (16, 64) if num_tokens >= 256 else (16,):
         sweep_sorted(layer, x, logits, block_m, args, add)
-    for name, launch in (("table", moe_launch.launch_for(num_tokens)), ("best", best_launch(rows, num_tokens))):
+    launches = (("before", BEFORE if num_tokens * layer.top_k < 32 * layer.experts else BEFORE_LARGE),
+                ("table", moe_launch.launch_for(num_tokens)), ("best", best_launch(rows, num_tokens)))
+    for name, launch in launches:
         us = layer.time(args, lambda c, launch=launch: triton_moe.fused_moe(
             x, F.linear(x, c[2]), c[0], c[1], layer.top_k, True, launch))
         add(name, "layer", launch, us, launch)
