@@ -20,6 +20,7 @@ and the best launches printed as a table to paste into moe_launch.py.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -100,8 +101,13 @@ class Layer:
         return dict(gate_up=2 * down, down=down)
 
     def time(self, args, fn) -> float:
-        """Median microseconds of `fn(copy)` per copy, every copy in one graph."""
-        return time_us(lambda: [fn(c) for c in self.copies], args.device, args.reps) / len(self.copies)
+        """Median microseconds of `fn(copy)` per copy, every copy in one graph; NaN (and the error
+        printed) when the variant fails, so that one failure costs one row, not the run."""
+        try:
+            return time_us(lambda: [fn(c) for c in self.copies], args.device, args.reps) / len(self.copies)
+        except Exception as e:  # noqa: BLE001 - a variant Triton cannot compile or launch
+            print(f"variant failed: {e!r}"[:400], flush=True)
+            return float("nan")
 
 
 def poisoned(fn):
@@ -125,9 +131,16 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
     ref = moe.experts_reference(x.float(), gate_up0.float(), down0.float(), weights.float(), ids)
     nbytes = layer.expert_bytes(ids)
 
+    def check(launch: MoeLaunch) -> float:
+        try:
+            return rel_error(poisoned(lambda: triton_moe.fused_moe(x, logits, gate_up0, down0, layer.top_k, True,
+                                                                   launch)), ref)
+        except Exception as e:  # noqa: BLE001 - reported as an infinite error, never picked
+            print(f"{launch} failed: {e!r}"[:400], flush=True)
+            return float("inf")
+
     def add(path: str, phase: str, tiles, us: float, launch: MoeLaunch | None = None, block_m: int = 0) -> None:
-        err = None if launch is None else rel_error(
-            poisoned(lambda: triton_moe.fused_moe(x, logits, gate_up0, down0, layer.top_k, True, launch)), ref)
+        err = None if launch is None else check(launch)
         row = dict(tokens=num_tokens, path=path, block_m=block_m, phase=phase, tiles=str(tiles or "-"), us=us,
                    rel_err=err, launch=str(launch or "-"), experts_touched=ids.unique().numel())
         moved = sum(nbytes.values()) if phase == "layer" else nbytes.get(phase)
@@ -135,10 +148,15 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
             row.update(gb_per_s=moved / us / 1e3, of_copy=moved / us / 1e3 / (bandwidth / 1e9))
         rows.append(row)
 
-    if num_tokens <= GEMV_MAX_TOKENS:
-        sweep_gemv(layer, x, logits, args, add)
-    for block_m in (16, 64) if num_tokens >= 256 else (16,):
-        sweep_sorted(layer, x, logits, block_m, args, add)
+    paths = [("gemv", 0)] if num_tokens <= GEMV_MAX_TOKENS else []
+    for path, block_m in paths + [("sorted", bm) for bm in ((16, 64) if num_tokens >= 256 else (16,))]:
+        try:
+            if path == "gemv":
+                sweep_gemv(layer, x, logits, args, add)
+            else:
+                sweep_sorted(layer, x, logits, block_m, args, add)
+        except Exception as e:  # noqa: BLE001 - the path's base launch failed: report it, sweep the rest
+            print(f"{num_tokens} tokens, {path} {block_m}: failed: {e!r}"[:400], flush=True)
     launches = (("before", BEFORE if num_tokens * layer.top_k < 32 * layer.experts else BEFORE_LARGE),
                 ("table", moe_launch.launch_for(num_tokens)), ("best", best_launch(rows, num_tokens)))
     for name, launch in launches:
@@ -148,7 +166,9 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
 
 
 def sweep_gemv(layer: Layer, x, logits, args, add) -> None:
-    k, base = layer.top_k, moe_launch.launch_for(1, "gemv")
+    k = layer.top_k
+    base = next((e for _, e in moe_launch.LAUNCHES if e.path == "gemv"), MoeLaunch("gemv", GEMV_GATE_UP[0],
+                                                                                 GEMV_DOWN[0]))
     hidden, weights, ids = triton_moe.gemv_gate_up(x, logits, layer.copies[0][0], k, True, base.gate_up)
     for tiles, inside in [(t, True) for t in variants(GEMV_GATE_UP, args)] + [(base.gate_up, False)]:
         us = layer.time(args, lambda c, t=tiles, r=inside: triton_moe.gemv_gate_up(x, logits, c[0], k, True, t, r))
@@ -188,7 +208,7 @@ def variants(tiles: list[Tiles], args) -> list[Tiles]:
 def best_launch(rows: list[dict], num_tokens: int) -> MoeLaunch:
     """The fastest correct launch for `num_tokens` from the phase rows: per path and block size,
     the best gate/up (with its routing choice) and down, plus routing and sum where separate."""
-    mine = [r for r in rows if r["tokens"] == num_tokens and r["path"] in moe_launch.PATHS
+    mine = [r for r in rows if r["tokens"] == num_tokens and r["path"] in moe_launch.PATHS and math.isfinite(r["us"])
             and (r["rel_err"] is None or r["rel_err"] < BAD_ERROR)]
     options = []
     for group in sorted({(r["path"], r["block_m"]) for r in mine}):
@@ -200,7 +220,7 @@ def best_launch(rows: list[dict], num_tokens: int) -> MoeLaunch:
             launch = replace(parse_launch(phases["gate_up"]["launch"]),
                              down=parse_launch(phases["down"]["launch"]).down)
             options.append((sum(r["us"] for r in phases.values()), str(launch), launch))
-    return min(options)[2]
+    return min(options)[2] if options else moe_launch.launch_for(num_tokens)
 
 
 def parse_tiles(text: str) -> Tiles:
