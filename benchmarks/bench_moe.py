@@ -110,10 +110,12 @@ class Layer:
             return float("nan")
 
 
-def poisoned(fn):
-    """Run `fn` after NaN-filling freed allocator blocks (so an unwritten output shows up as NaN)."""
+def poisoned(fn, sizes: list[int]):
+    """Run `fn` after freeing NaN-filled bf16 blocks of the element counts its outputs will have,
+    so that the allocator likely hands them back to it and an unwritten element shows as NaN
+    (best effort: the caching allocator decides)."""
     if torch.cuda.is_available():
-        junk = torch.full((64 << 20,), float("nan"), device="cuda")
+        junk = [torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda") for n in sizes]
         del junk
     return fn()
 
@@ -130,11 +132,14 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
     weights, ids = moe.route(logits, layer.top_k, True)
     ref = moe.experts_reference(x.float(), gate_up0.float(), down0.float(), weights.float(), ids)
     nbytes = layer.expert_bytes(ids)
+    pairs = num_tokens * layer.top_k  # the element counts of the paths' hidden and output buffers:
+    hidden_rows = [pairs] + [triton_moe.max_blocks(pairs, layer.experts, bm) * bm for bm in (16, 64)]
+    outputs = [n * layer.inter for n in hidden_rows] + [pairs * layer.hidden, x.numel()]
 
     def check(launch: MoeLaunch) -> float:
         try:
-            return rel_error(poisoned(lambda: triton_moe.fused_moe(x, logits, gate_up0, down0, layer.top_k, True,
-                                                                   launch)), ref)
+            run = lambda: triton_moe.fused_moe(x, logits, gate_up0, down0, layer.top_k, True, launch)  # noqa: E731
+            return rel_error(poisoned(run, outputs), ref)
         except Exception as e:  # noqa: BLE001 - reported as an infinite error, never picked
             print(f"{launch} failed: {e!r}"[:400], flush=True)
             return float("inf")
