@@ -57,8 +57,7 @@ def test_routing_equals_the_reference_and_transformers(renormalize):
 def test_ties_go_to_the_lowest_expert_id():
     logits = torch.tensor([[0.0] * 6, [1, 3, 3, 0, 3, 3], [2, 2, 1, 1, 5, 5], [-1, 0, 0, 0, 0, -1]], device=DEVICE)
     want = [[0, 1, 2], [1, 2, 4], [4, 5, 0], [1, 2, 3]]
-    in_align = lambda logits, k, renormalize: triton_moe.route_and_align(logits, k, renormalize, 16)[:2]  # noqa: E731
-    for route in (moe.route, triton_moe.route, in_align, _gemv_routing):
+    for route in (moe.route, triton_moe.route, _gemv_routing):
         weights, ids = route(logits, 3, True)
         assert ids.tolist() == want
         torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3, device=DEVICE))
@@ -81,14 +80,43 @@ def test_the_gemv_programs_route_like_the_reference(renormalize):
     torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-5)
 
 
-def test_routing_inside_the_align_program_equals_the_two_launches():
-    gen = torch.Generator().manual_seed(6)
-    logits = torch.randn(37, 7, generator=gen).to(DEVICE)  # three routing tiles, 7 experts
-    weights, ids = triton_moe.route(logits, 4, False)  # 148 pairs: two align iterations
-    want = triton_moe.align(ids, 7, 16)
-    got = triton_moe.route_and_align(logits, 4, False, 16)
-    for a, b in zip(got, (weights, ids, *want), strict=True):
-        assert torch.equal(a, b)
+def _align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """A stable sort by expert, each run padded to whole blocks with M, unused blocks -1."""
+    flat = ids.flatten().cpu().long()
+    num_pairs, rows, experts = flat.numel(), [], []
+    for expert in range(num_experts):
+        mine = (flat == expert).nonzero().flatten().tolist()  # increasing pair ids
+        blocks = -(-len(mine) // block_m)
+        rows += mine + [num_pairs] * (blocks * block_m - len(mine))
+        experts += [expert] * blocks
+    total = triton_moe.max_blocks(num_pairs, num_experts, block_m)
+    return rows + [num_pairs] * (total * block_m - len(rows)), experts + [-1] * (total - len(experts))
+
+
+ALIGN_CASES = {  # tokens, experts, top k, block_m: routing tiles of 16 tokens
+    "one-token": (1, 8, 2, 16),
+    "three-tiles": (37, 7, 4, 16),
+    "top-3-four-tiles": (50, 7, 3, 16),  # 48 pairs a tile: padded lanes
+    "two-experts-used": (40, 9, 2, 4),  # many blocks per program, unused experts between
+    "two-block-iterations": (16, 128, 8, 16),  # 128 blocks for one program: two of 64
+}
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES)
+def test_align_is_a_stable_sort_padded_to_blocks(case):
+    num_tokens, num_experts, top_k, block_m = ALIGN_CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if case == "two-experts-used":
+        logits[:, [2, 6]] += 10.0
+    logits = logits.to(DEVICE)
+    weights, ids = triton_moe.route(logits, top_k, False)
+    want_rows, want_experts = _align_reference(ids, num_experts, block_m)
+    for sorted_pairs, block_expert in (triton_moe.align(ids, num_experts, block_m),
+                                       triton_moe.sorted_route(logits, top_k, False, block_m)[1:]):
+        assert sorted_pairs.tolist() == want_rows
+        assert block_expert.tolist() == want_experts
+    assert torch.equal(triton_moe.sorted_route(logits, top_k, False, block_m)[0], weights.flatten())
 
 
 def test_align_pads_each_experts_run_to_whole_blocks():
@@ -190,7 +218,7 @@ def test_bad_tiles_are_refused(bad):
         MoeLaunch("dense", Tiles(16, 16), Tiles(16, 16))
 
 
-@pytest.mark.parametrize("num_tokens", [9, triton_moe.FUSED_ROUTE_TOKENS + 6])  # routed in align / on its own
+@pytest.mark.parametrize("num_tokens", [9, 2 * triton_moe.ROUTE_BLOCK_T + 6])  # one / three routing tiles
 def test_fused_moe_equals_the_sparse_block(num_tokens):
     block = moe.SparseMoeBlock(48, moe.MoeConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
                                                  norm_topk_prob=False)).to(DEVICE)

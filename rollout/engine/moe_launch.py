@@ -2,7 +2,7 @@
 
 A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same function:
 
-* "gemv" (decode, small verify steps): no sort. gate/up runs a program per (pair, column tile)
+* "gemv" (a decode step of one token): no sort. gate/up runs a program per (pair, column tile)
   that routes its own token from the router logits (top-k in the program: no routing launch)
   and streams its expert's rows; down runs a program per (token, column tile) that reads the
   token's k experts at once and sums them weighted (no separate sum). Three launches per layer
@@ -71,11 +71,16 @@ class MoeLaunch:
 
 
 # (largest token count of the bucket, launch), by increasing token count; the last entry takes
-# every larger step too. Predicted, not yet measured on the H200 (see BENCHMARKS.md, issue 21).
+# every larger step too. Measured on the H200 (2026-12-01, bench_moe.py at 03e6cc7, whole layer
+# with the router GEMM, BENCHMARKS.md issue 21): 1 token gemv 40.9 us vs sorted 40.9 (a tie: the
+# gemv path is kept only there); 8 tokens sorted 139 vs gemv 156; 16 sorted 215 vs gemv >= 291;
+# 64 tokens 357 us, 512 tokens (64-row blocks) 517 us. The sorted entries' tiles are the sweep's
+# fastest per phase (8 and 16 tokens share one entry: its gate/up tiles cost 8 tokens 1.5%).
 LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = (
-    (16, MoeLaunch("gemv", gate_up=Tiles(16, 256, 4, 3), down=Tiles(8, 128, 4, 3))),
-    (256, MoeLaunch("sorted", gate_up=Tiles(64, 128, 4, 3), down=Tiles(64, 64, 4, 4), block_m=16)),
-    (1024, MoeLaunch("sorted", gate_up=Tiles(64, 64, 4, 3), down=Tiles(64, 64, 4, 3), block_m=64)),
+    (1, MoeLaunch("gemv", gate_up=Tiles(8, 256, 4, 3), down=Tiles(16, 128, 8, 3))),
+    (16, MoeLaunch("sorted", gate_up=Tiles(32, 128, 4, 3), down=Tiles(64, 128, 4, 3), block_m=16)),
+    (256, MoeLaunch("sorted", gate_up=Tiles(128, 128, 8, 2), down=Tiles(64, 128, 4, 3), block_m=16)),
+    (1024, MoeLaunch("sorted", gate_up=Tiles(64, 64, 4, 3), down=Tiles(128, 64, 4, 3), block_m=64)),
 )
 
 

@@ -16,13 +16,17 @@ gemv path (decode, small verify steps; nothing sorted, three launches a layer wi
    over the k experts -> [T, H].
 
 sorted path (bigger steps: each touched expert's weights are read once per block, not per pair):
-1. `_route_kernel` (a program per BLOCK_T tokens) -> weights, ids [T, k]; steps of at most
-   FUSED_ROUTE_TOKENS tokens route inside the align program instead, saving a launch.
-2. `_align_kernel` (one program): the pairs sorted by expert (stable), each expert's run padded to
-   a multiple of BLOCK_M rows, as vLLM's moe_align_block_size does: `sorted_pairs`
-   [max_blocks * BLOCK_M] (padding rows hold M) and `block_expert` [max_blocks] (-1 for unused
-   blocks). `max_blocks` bounds the padded blocks of every routing of M pairs, so buffers and
-   grids depend on T alone: no host sync, and decode / verify steps can be CUDA graphs.
+1. `_route_kernel`, a program per tile of BLOCK_T tokens -> weights, ids [T, k], and the tile's
+   pairs per expert -> counts [tiles, E].
+2. `_align_kernel`, a program per tile: the pairs sorted by expert (stable: by expert, then pair),
+   each expert's run padded to a multiple of BLOCK_M rows, as vLLM's moe_align_block_size does:
+   `sorted_pairs` [max_blocks * BLOCK_M] (padding rows hold M) and `block_expert` [max_blocks]
+   (-1 for unused blocks). Each program sums the counts (every expert's padded start, a cumsum),
+   places its tile's pairs at start + the expert's pairs in earlier tiles + its earlier pairs in
+   the tile, and writes its share of the blocks' experts and padding rows; no atomics, so the
+   order is the same every run. `max_blocks` bounds the padded blocks of every routing of M
+   pairs, so buffers and grids depend on T alone: no host sync, and decode / verify steps can be
+   CUDA graphs.
 3. `_gate_up_kernel` (a program per (block, column tile)): the block's rows of x, gathered by
    token, times its expert's gate and up rows (tl.dot); silu(gate) * up -> `hidden`.
 4. `_down_kernel`: `hidden` times the expert's down_proj, times the pair's routing weight ->
@@ -71,64 +75,70 @@ if triton is not None:
             top_w = top_w / tl.sum(top_w, 1)[:, None]
         return top_w, top_i
 
-    @triton.jit
-    def _route_tile(logits_ptr, weights_ptr, ids_ptr, tokens, num_tokens, stride_lt,
-                    NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
-                    TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-        top_w, top_i = _top_k(logits_ptr, tokens, num_tokens, stride_lt, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2,
-                              RENORMALIZE, BLOCK_T)
-        slots = tl.arange(0, TOP_K_P2)
-        out = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-        keep = (tokens < num_tokens)[:, None] & (slots < TOP_K)[None, :]
-        tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
-        tl.store(ids_ptr + out, top_i, mask=keep)
-
     @triton.jit(do_not_specialize=["num_tokens"])
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt,
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, stride_lt,
                       NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
-                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-        _route_tile(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T),
-                    num_tokens, stride_lt, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, BLOCK_T)
+                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, COUNT: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+        """A program per tile of BLOCK_T tokens: with ROUTE their top-k -> weights, ids [T, k] (else
+        the ids are read); with COUNT the tile's pairs per expert -> counts[tile] [EXPERTS_P2]."""
+        tile = tl.program_id(0)
+        tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        slots = tl.arange(0, TOP_K_P2)
+        out = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]  # [BT, KP2]: pair ids
+        keep = (tokens < num_tokens)[:, None] & (slots < TOP_K)[None, :]
+        if ROUTE:
+            top_w, top_i = _top_k(logits_ptr, tokens, num_tokens, stride_lt, NUM_EXPERTS, EXPERTS_P2, TOP_K,
+                                  TOP_K_P2, RENORMALIZE, BLOCK_T)
+            tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
+            tl.store(ids_ptr + out, top_i, mask=keep)
+        else:
+            top_i = tl.load(ids_ptr + out, mask=keep, other=0)
+        if COUNT:
+            experts = tl.arange(0, EXPERTS_P2)
+            hits = ((top_i[:, :, None] == experts[None, None, :]) & keep[:, :, None]).to(tl.int32)  # [BT, KP2, EP]
+            tl.store(counts_ptr + tile * EXPERTS_P2 + experts, tl.sum(tl.sum(hits, 1), 0))
 
-    @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
-    def _align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_blocks,
-                      stride_lt, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
-                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-        if ROUTE:  # a small step: this program routes the tokens first (one launch less)
-            for t0 in range(0, num_tokens, BLOCK_T):
-                _route_tile(logits_ptr, weights_ptr, ids_ptr, t0 + tl.arange(0, BLOCK_T), num_tokens, stride_lt,
-                            NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, BLOCK_T)
-            tl.debug_barrier()  # the ids are read back below by other threads of this program
-        num_pairs = num_tokens * TOP_K
+    @triton.jit(do_not_specialize=["num_pairs", "num_tiles", "num_blocks", "blocks_per_program"])
+    def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_tiles, num_blocks,
+                      blocks_per_program, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
+                      TILE_PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      TILE_CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+        """A program per routing tile: places the tile's pairs, and writes its share of the blocks."""
+        tile = tl.program_id(0)
         experts = tl.arange(0, EXPERTS_P2)
-        lanes = tl.arange(0, CHUNK)
-        counts = tl.zeros([EXPERTS_P2], tl.int32)
-        for start in range(0, num_pairs, CHUNK):
-            ids = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=EXPERTS_P2)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        total = tl.zeros([EXPERTS_P2], tl.int32)  # pairs per expert, all tiles
+        before = tl.zeros([EXPERTS_P2], tl.int32)  # pairs per expert in the tiles before this one
+        for t0 in range(0, num_tiles, TILE_CHUNK):
+            tiles = t0 + tl.arange(0, TILE_CHUNK)
+            counts = tl.load(counts_ptr + tiles[:, None] * EXPERTS_P2 + experts[None, :],
+                             mask=(tiles < num_tiles)[:, None], other=0)  # [TC, EP]
+            total += tl.sum(counts, 0)
+            before += tl.sum(tl.where((tiles < tile)[:, None], counts, 0), 0)
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, 0)  # expert e owns padded rows [ends - padded, ends)
         starts = ends - padded
-        # every block's expert (-1 past the last used row) and the padding rows' sentinel
-        for b0 in range(0, num_blocks, CHUNK):
-            blocks = b0 + lanes
-            first = blocks * BLOCK_M
-            expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)  # [C]
-            filled = tl.sum(tl.where(expert[:, None] == experts[None, :], (starts + counts)[None, :], 0), 1)
-            tl.store(block_expert_ptr + blocks, tl.where(expert < NUM_EXPERTS, expert, -1), mask=blocks < num_blocks)
-            rows = first[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [C, BM]
-            pad = (rows >= filled[:, None]) & (blocks < num_blocks)[:, None]
-            tl.store(sorted_ptr + rows, tl.zeros([CHUNK, BLOCK_M], tl.int32) + num_pairs, mask=pad)
-        # each pair's row: its expert's start + the pairs of that expert before it
-        placed = tl.zeros([EXPERTS_P2], tl.int32)
-        for start in range(0, num_pairs, CHUNK):
-            pairs = start + lanes
-            ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=EXPERTS_P2)
-            onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [C, EP]
-            before = tl.cumsum(onehot, 0) - onehot + (starts + placed)[None, :]
-            tl.store(sorted_ptr + tl.sum(onehot * before, 1), pairs, mask=pairs < num_pairs)
-            placed += tl.sum(onehot, 0)
+        # the tile's pairs: row = expert's start + its pairs in earlier tiles + its earlier pairs here
+        lanes = tl.arange(0, PAIRS_P2)
+        pairs = tile * TILE_PAIRS + lanes
+        ok = (lanes < TILE_PAIRS) & (pairs < num_pairs)
+        ids = tl.load(ids_ptr + pairs, mask=ok, other=EXPERTS_P2)
+        earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])  # [P, P]
+        base = tl.sum(tl.where(ids[:, None] == experts[None, :], (starts + before)[None, :], 0), 1)  # [P]
+        tl.store(sorted_ptr + base + tl.sum(earlier.to(tl.int32), 1), pairs, mask=ok)
+        # this program's blocks: each block's expert (-1 past the last used row), padding rows' sentinel
+        first = tile * blocks_per_program
+        last = tl.minimum(first + blocks_per_program, num_blocks)
+        for b0 in range(first, last, BLOCK_CHUNK):
+            blocks = b0 + tl.arange(0, BLOCK_CHUNK)
+            mine = blocks < last
+            row0 = blocks * BLOCK_M
+            expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), 1)  # [BC]
+            filled = tl.sum(tl.where(expert[:, None] == experts[None, :], (starts + total)[None, :], 0), 1)
+            tl.store(block_expert_ptr + blocks, tl.where(expert < NUM_EXPERTS, expert, -1), mask=mine)
+            rows = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [BC, BM]
+            pad = (rows >= filled[:, None]) & mine[:, None]
+            tl.store(sorted_ptr + rows, tl.zeros([BLOCK_CHUNK, BLOCK_M], tl.int32) + num_pairs, mask=pad)
 
     @triton.jit
     def _swiglu(gate, up, dtype: tl.constexpr):
@@ -259,8 +269,9 @@ if triton is not None:
 else:
     KERNELS = ()
 
-ROUTE_BLOCK_T = 16  # tokens per routing program
-FUSED_ROUTE_TOKENS = 64  # sorted path: steps up to this many tokens route inside the align program
+ROUTE_BLOCK_T = 16  # tokens per routing program: the align launch runs a program per such tile
+ALIGN_TILE_CHUNK = 16  # routing tiles' counts the align programs read per iteration
+ALIGN_BLOCK_CHUNK = 64  # blocks an align program writes per iteration
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -271,28 +282,34 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """router_logits: [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int32), as `moe.route`."""
-    num_tokens, num_experts = router_logits.shape
-    weights, ids = _routing_buffers(router_logits, top_k)
-    if num_tokens:
-        _route_kernel[(triton.cdiv(num_tokens, ROUTE_BLOCK_T),)](
-            router_logits, weights, ids, num_tokens, router_logits.stride(0), **_routing_args(num_experts, top_k),
-            RENORMALIZE=renormalize, BLOCK_T=ROUTE_BLOCK_T)
+    weights, ids, _ = _route(router_logits, top_k, renormalize, count=False)
     return weights, ids
 
 
 def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """ids: [T, k] -> (sorted_pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32)."""
     ids = ids.to(torch.int32).contiguous()
-    return _align(None, None, ids, num_experts, block_m, renormalize=False)
+    (num_tokens, top_k), device = ids.shape, ids.device
+    counts = _counts_buffer(num_tokens, num_experts, device)
+    if num_tokens:
+        _route_kernel[(counts.shape[0],)](
+            ids, ids, ids, counts, num_tokens, 0, **_routing_args(num_experts, top_k), RENORMALIZE=False,
+            ROUTE=False, COUNT=True, BLOCK_T=ROUTE_BLOCK_T)
+    return _align(ids, counts, num_experts, block_m)
 
 
-def route_and_align(router_logits: Tensor, top_k: int, renormalize: bool, block_m: int
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`route` and `align` in one launch (one program: for small steps). Returns (weights, ids,
-    sorted_pairs, block_expert)."""
+def _route(router_logits: Tensor, top_k: int, renormalize: bool, count: bool
+           ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The routing launch -> (weights, ids [T, k], counts [tiles, E_p2] int32 when `count`)."""
+    num_tokens, num_experts = router_logits.shape
     weights, ids = _routing_buffers(router_logits, top_k)
-    sorted_pairs, block_expert = _align(router_logits, weights, ids, router_logits.shape[1], block_m, renormalize)
-    return weights, ids, sorted_pairs, block_expert
+    counts = _counts_buffer(num_tokens, num_experts, router_logits.device) if count else None
+    if num_tokens:
+        _route_kernel[(triton.cdiv(num_tokens, ROUTE_BLOCK_T),)](
+            router_logits, weights, ids, ids if counts is None else counts, num_tokens, router_logits.stride(0),
+            **_routing_args(num_experts, top_k), RENORMALIZE=renormalize, ROUTE=True, COUNT=count,
+            BLOCK_T=ROUTE_BLOCK_T)
+    return weights, ids, counts
 
 
 def _routing_buffers(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -301,32 +318,30 @@ def _routing_buffers(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]
             torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
 
 
+def _counts_buffer(num_tokens: int, num_experts: int, device: torch.device) -> Tensor:
+    """[routing tiles, E_p2] int32: each tile's pairs per expert (every entry written by its tile)."""
+    return torch.empty(triton.cdiv(num_tokens, ROUTE_BLOCK_T), triton.next_power_of_2(num_experts),
+                       dtype=torch.int32, device=device)
+
+
 def _routing_args(num_experts: int, top_k: int) -> dict:
     return dict(NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts), TOP_K=top_k,
                 TOP_K_P2=triton.next_power_of_2(top_k))
 
 
-def _chunk(num_pairs: int, num_blocks: int, experts_p2: int) -> int:
-    """Pairs (and blocks) the align program takes per iteration: all of a decode step's at once,
-    at most 16K one-hot entries per iteration for big steps."""
-    return max(16, min(triton.next_power_of_2(max(num_pairs, num_blocks)), 128, 16384 // experts_p2))
-
-
-def _align(router_logits: Tensor | None, weights: Tensor | None, ids: Tensor, num_experts: int, block_m: int,
-           renormalize: bool) -> tuple[Tensor, Tensor]:
-    """The align launch; with `router_logits` it routes into `weights` / `ids` first."""
+def _align(ids: Tensor, counts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """The align launch, a program per routing tile, on the tiles' `counts`."""
     (num_tokens, top_k), device = ids.shape, ids.device
-    num_blocks = max_blocks(num_tokens * top_k, num_experts, block_m)
+    num_pairs, num_tiles = num_tokens * top_k, counts.shape[0]
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     if num_tokens:
-        route = router_logits is not None
-        args = _routing_args(num_experts, top_k)
-        _align_kernel[(1,)](
-            router_logits if route else ids, weights if route else ids, ids, sorted_pairs, block_expert,
-            num_tokens, num_blocks, router_logits.stride(0) if route else 0, **args, RENORMALIZE=renormalize,
-            ROUTE=route, BLOCK_T=ROUTE_BLOCK_T, BLOCK_M=block_m, CHUNK=_chunk(num_tokens * top_k, num_blocks,
-                                                                               args["EXPERTS_P2"]), num_warps=8)
+        _align_kernel[(num_tiles,)](
+            ids, counts, sorted_pairs, block_expert, num_pairs, num_tiles, num_blocks,
+            triton.cdiv(num_blocks, num_tiles), NUM_EXPERTS=num_experts, EXPERTS_P2=counts.shape[1],
+            TILE_PAIRS=ROUTE_BLOCK_T * top_k, PAIRS_P2=triton.next_power_of_2(ROUTE_BLOCK_T * top_k),
+            BLOCK_M=block_m, TILE_CHUNK=ALIGN_TILE_CHUNK, BLOCK_CHUNK=ALIGN_BLOCK_CHUNK)
     return sorted_pairs, block_expert
 
 
@@ -416,13 +431,9 @@ def gemv_down(hidden: Tensor, down: Tensor, weights: Tensor, ids: Tensor, top_k:
 
 
 def sorted_route(router_logits: Tensor, top_k: int, renormalize: bool, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-    """sorted path, steps 1-2 (one launch up to FUSED_ROUTE_TOKENS tokens, else two) -> (weights
-    [T * k], sorted_pairs, block_expert)."""
-    if router_logits.shape[0] > FUSED_ROUTE_TOKENS:
-        weights, ids = route(router_logits, top_k, renormalize)
-        sorted_pairs, block_expert = align(ids, router_logits.shape[1], block_m)
-    else:
-        weights, _, sorted_pairs, block_expert = route_and_align(router_logits, top_k, renormalize, block_m)
+    """sorted path, steps 1-2 (two launches) -> (weights [T * k], sorted_pairs, block_expert)."""
+    weights, ids, counts = _route(router_logits, top_k, renormalize, count=True)
+    sorted_pairs, block_expert = _align(ids, counts, router_logits.shape[1], block_m)
     return weights.flatten(), sorted_pairs, block_expert
 
 
