@@ -5,7 +5,7 @@ A step's T tokens pick k experts each: M = T * k (token, expert) pairs, pair p =
 Routing (`_top_k`): softmax of the router logits in float32, the k largest by repeated arg-max
 (ties to the lowest id), renormalised when asked, as `moe.route` computes it.
 
-gemv path (decode, small verify steps; nothing sorted, three launches a layer with the router):
+gemv path (1-token steps in the table; nothing sorted, three launches a layer with the router):
 1. `_gate_up_gemv_kernel`, a program per (pair, column tile): routes its token, streams its
    expert's gate and up rows against the token's x (an elementwise product summed over the
    reduction tile: no padded rows), silu(gate) * up -> `hidden` [M, I]; the first column tile
