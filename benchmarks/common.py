@@ -113,6 +113,35 @@ def graph_ms(fn, device: str, iters: int = 20) -> float | None:
     return time_ms(graph.replay, device, iters)
 
 
+def time_us(fn, device: str, reps: int, capture: bool = True) -> float:
+    """Median microseconds of one `fn()`: on CUDA timed with events around each call, `fn`
+    captured as a CUDA graph first (after a warm-up call outside the capture: compilation, lazy
+    tables) unless `capture` is False (e.g. `fn` replays a graph itself); the host clock elsewhere."""
+    fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e6
+    torch.cuda.synchronize()
+    run = fn
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
 def copy_bandwidth(device: str, nbytes: int) -> float:
     """Bytes/s moved by a large device-to-device copy, counting the read and the write."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from test_spec_engine import PROMPTS, _generate
 
-from rollout.engine import moe, triton_moe
+from rollout.engine import moe, moe_launch, triton_moe
+from rollout.engine.moe_launch import MoeLaunch, Tiles
 from rollout.engine.params import SamplingParams
 from rollout.engine.triton_attention import supported
 
@@ -56,21 +57,66 @@ def test_routing_equals_the_reference_and_transformers(renormalize):
 def test_ties_go_to_the_lowest_expert_id():
     logits = torch.tensor([[0.0] * 6, [1, 3, 3, 0, 3, 3], [2, 2, 1, 1, 5, 5], [-1, 0, 0, 0, 0, -1]], device=DEVICE)
     want = [[0, 1, 2], [1, 2, 4], [4, 5, 0], [1, 2, 3]]
-    in_align = lambda logits, k, renormalize: triton_moe.route_and_align(logits, k, renormalize, 16)[:2]  # noqa: E731
-    for route in (moe.route, triton_moe.route, in_align):
+    for route in (moe.route, triton_moe.route, _gemv_routing):
         weights, ids = route(logits, 3, True)
         assert ids.tolist() == want
         torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3, device=DEVICE))
 
 
-def test_routing_inside_the_align_program_equals_the_two_launches():
-    gen = torch.Generator().manual_seed(6)
-    logits = torch.randn(37, 7, generator=gen).to(DEVICE)  # three routing tiles, 7 experts
-    weights, ids = triton_moe.route(logits, 4, False)  # 148 pairs: two align iterations
-    want = triton_moe.align(ids, 7, 16)
-    got = triton_moe.route_and_align(logits, 4, False, 16)
-    for a, b in zip(got, (weights, ids, *want), strict=True):
-        assert torch.equal(a, b)
+def _gemv_routing(logits, top_k, renormalize):
+    """The routing the gemv path's gate/up programs compute for themselves (and hand to down)."""
+    gate_up, _ = _experts(logits.shape[1], 16, 8, logits.dtype)
+    x = torch.randn(logits.shape[0], 16, device=DEVICE, dtype=logits.dtype)
+    _, weights, ids = triton_moe.gemv_gate_up(x, logits, gate_up, top_k, renormalize, Tiles(8, 16))
+    return weights.view(-1, top_k), ids.view(-1, top_k)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_the_gemv_programs_route_like_the_reference(renormalize):
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    want_weights, want_ids = moe.route(logits, 4, renormalize)
+    weights, ids = _gemv_routing(logits, 4, renormalize)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights, atol=1e-5, rtol=1e-5)
+
+
+def _align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """A stable sort by expert, each run padded to whole blocks with M, unused blocks -1."""
+    flat = ids.flatten().cpu().long()
+    num_pairs, rows, experts = flat.numel(), [], []
+    for expert in range(num_experts):
+        mine = (flat == expert).nonzero().flatten().tolist()  # increasing pair ids
+        blocks = -(-len(mine) // block_m)
+        rows += mine + [num_pairs] * (blocks * block_m - len(mine))
+        experts += [expert] * blocks
+    total = triton_moe.max_blocks(num_pairs, num_experts, block_m)
+    return rows + [num_pairs] * (total * block_m - len(rows)), experts + [-1] * (total - len(experts))
+
+
+ALIGN_CASES = {  # tokens, experts, top k, block_m: routing tiles of 16 tokens
+    "one-token": (1, 8, 2, 16),
+    "three-tiles": (37, 7, 4, 16),
+    "top-3-four-tiles": (50, 7, 3, 16),  # 48 pairs a tile: padded lanes
+    "two-experts-used": (40, 9, 2, 4),  # many blocks per program, unused experts between
+    "two-block-iterations": (16, 128, 8, 16),  # 128 blocks for one program: two of 64
+}
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES)
+def test_align_is_a_stable_sort_padded_to_blocks(case):
+    num_tokens, num_experts, top_k, block_m = ALIGN_CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if case == "two-experts-used":
+        logits[:, [2, 6]] += 10.0
+    logits = logits.to(DEVICE)
+    weights, ids = triton_moe.route(logits, top_k, False)
+    want_rows, want_experts = _align_reference(ids, num_experts, block_m)
+    for sorted_pairs, block_expert in (triton_moe.align(ids, num_experts, block_m),
+                                       triton_moe.sorted_route(logits, top_k, False, block_m)[1:]):
+        assert sorted_pairs.tolist() == want_rows
+        assert block_expert.tolist() == want_experts
+    assert torch.equal(triton_moe.sorted_route(logits, top_k, False, block_m)[0], weights.flatten())
 
 
 def test_align_pads_each_experts_run_to_whole_blocks():
@@ -105,32 +151,74 @@ CASES = {  # tokens, experts, top k
     "decode-token": (1, 8, 2),
     "experts-without-tokens": (3, 8, 2),
     "token-to-every-expert": (5, 4, 4),
+    "top-3-of-7": (4, 7, 3),  # padded routing slots and expert lanes
     "ragged-step": (23, 6, 2),
     "64-row-blocks": (70, 4, 2),
 }
+# Every launch of the table on every case, and on two cases variants with other tiles (several
+# reduction iterations, one pipeline stage, 64-row blocks on a small step, routing launched
+# before the gemv programs): any launch computes the same function.
+TABLE = {f"table-{i}": launch for i, (_, launch) in enumerate(moe_launch.LAUNCHES)}
+VARIANTS = {
+    "gemv-narrow": MoeLaunch("gemv", gate_up=Tiles(16, 16, 2, 1), down=Tiles(16, 16, 4, 2)),
+    "gemv-routed": MoeLaunch("gemv", gate_up=Tiles(16, 32), down=Tiles(8, 32), route_inside=False),
+    "sorted-m16": MoeLaunch("sorted", gate_up=Tiles(16, 16, 4, 1), down=Tiles(32, 16, 4, 2), block_m=16),
+    "sorted-m64": MoeLaunch("sorted", gate_up=Tiles(32, 32, 4, 2), down=Tiles(16, 32, 4, 3), block_m=64),
+}
+LAUNCHES = TABLE | VARIANTS
+RUNS = [(case, launch) for case in CASES for launch in TABLE] + [
+    (case, launch) for case in ("decode-token", "top-3-of-7") for launch in VARIANTS]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_experts_equal_the_reference(case, dtype):
+def _case(case: str, dtype, seed: int = 1):
     num_tokens, num_experts, top_k = CASES[case]
     hidden, inter = 48, 40  # not multiples of the column / reduction tiles
     gate_up, down = _experts(num_experts, hidden, inter, dtype)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     logits = torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE, dtype)
+    return x, logits, gate_up, down, top_k
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("case", "launch"), RUNS)
+def test_fused_moe_equals_the_reference(case, launch, dtype):
+    launch = LAUNCHES[launch]
+    if launch.path == "gemv" and CASES[case][0] > 5 and DEVICE.type == "cpu":
+        pytest.skip("a program per pair: slow in the interpreter; the table sends such steps to the sorted path")
+    x, logits, gate_up, down, top_k = _case(case, dtype)
     weights, ids = moe.route(logits, top_k, renormalize=True)
-    used = ids.unique().numel()
-    assert used < num_experts if case == "experts-without-tokens" else True
-    assert triton_moe.tiles(num_tokens * top_k, num_experts)[0] == (64 if case == "64-row-blocks" else 16)
+    assert ids.unique().numel() < gate_up.shape[0] if case == "experts-without-tokens" else True
     want = moe.experts_reference(x.float(), gate_up.float(), down.float(), weights.float(), ids)
-    got = triton_moe.fused_experts(x, gate_up, down, weights, ids)
+    got = triton_moe.fused_moe(x, logits, gate_up, down, top_k, True, launch)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert got.dtype == dtype and got.shape == x.shape
+    if launch.path == "sorted":  # the same path on a given routing
+        torch.testing.assert_close(triton_moe.fused_experts(x, gate_up, down, weights, ids, launch).float(), want,
+                                   atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("num_tokens", [9, triton_moe.FUSED_ROUTE_TOKENS + 6])  # routed in align / on its own
+def test_the_table_picks_by_token_count():
+    (first, small), (second, mid) = moe_launch.LAUNCHES[:2]
+    assert moe_launch.launch_for(1) == moe_launch.launch_for(first) == small
+    assert moe_launch.launch_for(first + 1) == moe_launch.launch_for(second) == mid
+    assert moe_launch.launch_for(10**9) == moe_launch.LAUNCHES[-1][1]
+    assert moe_launch.launch_for(1, "sorted").path == "sorted"
+    assert small.path == "gemv" and all(launch.path == "sorted" for _, launch in moe_launch.LAUNCHES[1:])
+
+
+@pytest.mark.parametrize("bad", [dict(block_n=24), dict(warps=3), dict(stages=0)])
+def test_bad_tiles_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Tiles(**{**dict(block_n=16, block_k=32, warps=4, stages=2), **bad})
+    with pytest.raises(ValueError, match="block_m"):
+        MoeLaunch("sorted", Tiles(16, 16), Tiles(16, 16), block_m=8)
+    with pytest.raises(ValueError, match="path"):
+        MoeLaunch("dense", Tiles(16, 16), Tiles(16, 16))
+
+
+@pytest.mark.parametrize("num_tokens", [9, 2 * triton_moe.ROUTE_BLOCK_T + 6])  # one / three routing tiles
 def test_fused_moe_equals_the_sparse_block(num_tokens):
     block = moe.SparseMoeBlock(48, moe.MoeConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
                                                  norm_topk_prob=False)).to(DEVICE)
@@ -148,18 +236,23 @@ def test_fused_moe_equals_the_sparse_block(num_tokens):
     assert not torch.allclose(got, torch.zeros_like(got))
 
 
-def test_a_wrong_expert_breaks_the_comparison():
-    gate_up, down = _experts(4, 48, 40)
-    x = torch.randn(3, 48, device=DEVICE)
-    weights, ids = moe.route(torch.randn(3, 4, device=DEVICE), 2, True)
-    got = triton_moe.fused_experts(x, gate_up, down, weights, ids)
-    assert not torch.allclose(got, moe.experts_reference(x, gate_up, down, weights, (ids + 1) % 4), atol=1e-3)
+@pytest.mark.parametrize("launch", ["table-0", "sorted-m16"])
+def test_a_wrong_expert_breaks_the_comparison(launch):
+    x, logits, gate_up, down, top_k = _case("experts-without-tokens", torch.float32)
+    weights, ids = moe.route(logits, top_k, True)
+    got = triton_moe.fused_moe(x, logits, gate_up, down, top_k, True, LAUNCHES[launch])
+    assert torch.allclose(got, moe.experts_reference(x, gate_up, down, weights, ids), atol=1e-5)
+    assert not torch.allclose(got, moe.experts_reference(x, gate_up, down, weights, (ids + 1) % 8), atol=1e-3)
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU engine through the interpreter (bfloat16 on CUDA)")
-def test_moe_engine_through_the_kernels_and_graph_buffers(tiny_random_qwen3_moe, random_moe_drafters):
+def test_moe_engine_through_the_kernels_and_graph_buffers(tiny_random_qwen3_moe, random_moe_drafters, monkeypatch):
     """Verify steps of a DFlash drafter on the static-buffer (CUDA-graph) path, every layer's
-    kernels through the interpreter: the tokens and log-probs of the plain torch engine."""
+    kernels through the interpreter: the tokens and log-probs of the plain torch engine. Every
+    step takes the sorted path here: the gemv path's program per pair costs the interpreter ~6x
+    the time (it is checked on its own above, and through the sparse block)."""
+    monkeypatch.setattr(moe_launch, "LAUNCHES", tuple((most, moe_launch.launch_for(most, "sorted"))
+                                                      for most, _ in moe_launch.LAUNCHES))
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     plain, _ = _generate(tiny_random_qwen3_moe, PROMPTS[1:3], greedy, kernel_backend="torch")
     _, eng = _generate(tiny_random_qwen3_moe, [[1]], SamplingParams(max_tokens=1), spec="dflash", block=4,

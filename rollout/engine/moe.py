@@ -17,7 +17,8 @@ the loader fills the fused tensors from either layout.
 every token and a dense [T, E] routing matrix (zero where a token did not pick the expert) weighs
 the results, so shapes are static and nothing is read back to the host (CUDA graphs stay
 possible); it costs E / k times the kernel's arithmetic. `triton_moe.fused_moe` is the kernel
-path (tokens sorted by expert, grouped GEMMs).
+path: per-pair GEMVs for small steps, tokens sorted by expert and grouped GEMMs for larger ones,
+with launch parameters per step size from `moe_launch.LAUNCHES`.
 """
 
 from __future__ import annotations

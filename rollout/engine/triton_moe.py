@@ -1,27 +1,43 @@
-"""The mixture-of-experts layer in Triton: routing, the tokens sorted by expert, two grouped GEMMs.
+"""The mixture-of-experts layer in Triton: routing and the two expert GEMMs of every (token,
+expert) pair, by one of two paths that `moe_launch.launch_for` picks by the step's token count.
 
 A step's T tokens pick k experts each: M = T * k (token, expert) pairs, pair p = t * k + j.
+Routing (`_top_k`): softmax of the router logits in float32, the k largest by repeated arg-max
+(ties to the lowest id), renormalised when asked, as `moe.route` computes it.
 
-1. `_route_kernel` (a program per BLOCK_T tokens): softmax of the router logits in float32, the
-   k largest by repeated arg-max (ties to the lowest id), renormalised when asked: weights and
-   ids [T, k], as `moe.route` computes them. Steps of at most FUSED_ROUTE_TOKENS tokens (decode,
-   small verify steps) route inside the align program instead, saving a launch per layer.
-2. `_align_kernel` (one program): the pairs sorted by expert (stable), each expert's run padded
-   to a multiple of BLOCK_M rows, as vLLM's moe_align_block_size does: `sorted_pairs`
-   [max_blocks * BLOCK_M] (padding rows hold M) and `block_expert` [max_blocks] (-1 for unused
-   blocks). `max_blocks` bounds the padded blocks of every routing of M pairs, so buffers and
-   grids depend on T alone: no host sync, and decode / verify steps can be CUDA graphs.
+gemv path (1-token steps in the table; nothing sorted, three launches a layer with the router):
+1. `_gate_up_gemv_kernel`, a program per (pair, column tile): routes its token, streams its
+   expert's gate and up rows against the token's x (an elementwise product summed over the
+   reduction tile: no padded rows), silu(gate) * up -> `hidden` [M, I]; the first column tile
+   of each pair also writes the pair's weight and expert for step 2. (`route_inside=False`:
+   `_route_kernel` routes first, one launch more, no top-k at the start of every program.)
+2. `_down_gemv_kernel`, a program per (token, column tile): the token's k experts' down rows read
+   as one [k, BLOCK_N, BLOCK_K] tile per iteration, each expert's output times its weight, summed
+   over the k experts -> [T, H].
+
+sorted path (bigger steps: each touched expert's weights are read once per block, not per pair):
+1. `_route_kernel`, a program per tile of BLOCK_T tokens -> weights, ids [T, k], and the tile's
+   pairs per expert -> counts [tiles, E].
+2. `_align_kernel`, a program per tile: the pairs sorted by expert (stable: by expert, then pair),
+   each expert's run padded to a multiple of BLOCK_M rows, as vLLM's moe_align_block_size does:
+   `sorted_pairs` [max_blocks * BLOCK_M] (padding rows hold M) and `block_expert` [max_blocks]
+   (-1 for unused blocks). Each program sums the counts (every expert's padded start, a cumsum),
+   places its tile's pairs at start + the expert's pairs in earlier tiles + its earlier pairs in
+   the tile, and writes its share of the blocks' experts and padding rows; no atomics, so the
+   order is the same every run. `max_blocks` bounds the padded blocks of every routing of M
+   pairs, so buffers and grids depend on T alone: no host sync, and decode / verify steps can be
+   CUDA graphs.
 3. `_gate_up_kernel` (a program per (block, column tile)): the block's rows of x, gathered by
-   token, times its expert's gate and up rows; silu(gate) * up -> `hidden` [max_blocks * BLOCK_M, I].
+   token, times its expert's gate and up rows (tl.dot); silu(gate) * up -> `hidden`.
 4. `_down_kernel`: `hidden` times the expert's down_proj, times the pair's routing weight ->
    `pair_out` [M, H]; torch then sums each token's k rows (accumulating in float32).
 
 Programs of unused blocks exit at once. Index products that can pass 2^31 (expert * expert
-stride of large models, row * row stride of big steps) are computed in int64. The GEMMs
-accumulate in float32 and round where the torch path rounds (the projections' outputs, silu,
-the product), so on bfloat16 they differ from `moe.experts_reference` by rounding order only.
-The kernels run on CPU tensors through Triton's interpreter (the tests compare them with the
-torch reference there).
+stride of large models, row * row stride of big steps) are computed in int64. Both paths
+accumulate in float32 and round where the torch path rounds (the projections' outputs, silu, the
+product, each pair's weighted output), so on bfloat16 they differ from `moe.experts_reference` by
+rounding order only. The kernels run on CPU tensors through Triton's interpreter (the tests
+compare them with the torch reference there).
 """
 
 from __future__ import annotations
@@ -29,15 +45,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollout.engine.moe_launch import MoeLaunch, Tiles, launch_for
 from rollout.engine.triton_attention import triton
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _route_tile(logits_ptr, weights_ptr, ids_ptr, tokens, num_tokens, stride_lt,
-                    NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
-                    TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _top_k(logits_ptr, tokens, num_tokens, stride_lt, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
+               TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+        """tokens [BT] -> (weights [BT, KP2] float32, ids [BT, KP2] int32); slots >= TOP_K hold 0."""
         experts = tl.arange(0, EXPERTS_P2)
         slots = tl.arange(0, TOP_K_P2)
         ok, real = tokens < num_tokens, experts < NUM_EXPERTS
@@ -56,57 +73,79 @@ if triton is not None:
             probs = tl.where(experts[None, :] == pick[:, None], -1.0, probs)  # probabilities are >= 0
         if RENORMALIZE:
             top_w = top_w / tl.sum(top_w, 1)[:, None]
-        out = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-        keep = ok[:, None] & (slots < TOP_K)[None, :]
-        tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
-        tl.store(ids_ptr + out, top_i, mask=keep)
+        return top_w, top_i
 
     @triton.jit(do_not_specialize=["num_tokens"])
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_lt,
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, stride_lt,
                       NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
-                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-        _route_tile(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T),
-                    num_tokens, stride_lt, NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, BLOCK_T)
+                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, COUNT: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+        """A program per tile of BLOCK_T tokens: with ROUTE their top-k -> weights, ids [T, k] (else
+        the ids are read); with COUNT the tile's pairs per expert -> counts[tile] [EXPERTS_P2]."""
+        tile = tl.program_id(0)
+        tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        slots = tl.arange(0, TOP_K_P2)
+        out = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]  # [BT, KP2]: pair ids
+        keep = (tokens < num_tokens)[:, None] & (slots < TOP_K)[None, :]
+        if ROUTE:
+            top_w, top_i = _top_k(logits_ptr, tokens, num_tokens, stride_lt, NUM_EXPERTS, EXPERTS_P2, TOP_K,
+                                  TOP_K_P2, RENORMALIZE, BLOCK_T)
+            tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
+            tl.store(ids_ptr + out, top_i, mask=keep)
+        else:
+            top_i = tl.load(ids_ptr + out, mask=keep, other=0)
+        if COUNT:
+            experts = tl.arange(0, EXPERTS_P2)
+            hits = ((top_i[:, :, None] == experts[None, None, :]) & keep[:, :, None]).to(tl.int32)  # [BT, KP2, EP]
+            tl.store(counts_ptr + tile * EXPERTS_P2 + experts, tl.sum(tl.sum(hits, 1), 0))
 
-    @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
-    def _align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_blocks,
-                      stride_lt, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
-                      TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-        if ROUTE:  # a small step: this program routes the tokens first (one launch less)
-            for t0 in range(0, num_tokens, BLOCK_T):
-                _route_tile(logits_ptr, weights_ptr, ids_ptr, t0 + tl.arange(0, BLOCK_T), num_tokens, stride_lt,
-                            NUM_EXPERTS, EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, BLOCK_T)
-            tl.debug_barrier()  # the ids are read back below by other threads of this program
-        num_pairs = num_tokens * TOP_K
+    @triton.jit(do_not_specialize=["num_pairs", "num_tiles", "num_blocks", "blocks_per_program"])
+    def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_tiles, num_blocks,
+                      blocks_per_program, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
+                      TILE_PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      TILE_CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+        """A program per routing tile: places the tile's pairs, and writes its share of the blocks."""
+        tile = tl.program_id(0)
         experts = tl.arange(0, EXPERTS_P2)
-        lanes = tl.arange(0, CHUNK)
-        counts = tl.zeros([EXPERTS_P2], tl.int32)
-        for start in range(0, num_pairs, CHUNK):
-            ids = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=EXPERTS_P2)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        total = tl.zeros([EXPERTS_P2], tl.int32)  # pairs per expert, all tiles
+        before = tl.zeros([EXPERTS_P2], tl.int32)  # pairs per expert in the tiles before this one
+        for t0 in range(0, num_tiles, TILE_CHUNK):
+            tiles = t0 + tl.arange(0, TILE_CHUNK)
+            counts = tl.load(counts_ptr + tiles[:, None] * EXPERTS_P2 + experts[None, :],
+                             mask=(tiles < num_tiles)[:, None], other=0)  # [TC, EP]
+            total += tl.sum(counts, 0)
+            before += tl.sum(tl.where((tiles < tile)[:, None], counts, 0), 0)
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, 0)  # expert e owns padded rows [ends - padded, ends)
         starts = ends - padded
-        # every block's expert (-1 past the last used row) and the padding rows' sentinel
-        for b0 in range(0, num_blocks, CHUNK):
-            blocks = b0 + lanes
-            first = blocks * BLOCK_M
-            expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)  # [C]
-            filled = tl.sum(tl.where(expert[:, None] == experts[None, :], (starts + counts)[None, :], 0), 1)
-            tl.store(block_expert_ptr + blocks, tl.where(expert < NUM_EXPERTS, expert, -1), mask=blocks < num_blocks)
-            rows = first[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [C, BM]
-            pad = (rows >= filled[:, None]) & (blocks < num_blocks)[:, None]
-            tl.store(sorted_ptr + rows, tl.zeros([CHUNK, BLOCK_M], tl.int32) + num_pairs, mask=pad)
-        # each pair's row: its expert's start + the pairs of that expert before it
-        placed = tl.zeros([EXPERTS_P2], tl.int32)
-        for start in range(0, num_pairs, CHUNK):
-            pairs = start + lanes
-            ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=EXPERTS_P2)
-            onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [C, EP]
-            before = tl.cumsum(onehot, 0) - onehot + (starts + placed)[None, :]
-            tl.store(sorted_ptr + tl.sum(onehot * before, 1), pairs, mask=pairs < num_pairs)
-            placed += tl.sum(onehot, 0)
+        # the tile's pairs: row = expert's start + its pairs in earlier tiles + its earlier pairs here
+        lanes = tl.arange(0, PAIRS_P2)
+        pairs = tile * TILE_PAIRS + lanes
+        ok = (lanes < TILE_PAIRS) & (pairs < num_pairs)
+        ids = tl.load(ids_ptr + pairs, mask=ok, other=EXPERTS_P2)
+        earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])  # [P, P]
+        base = tl.sum(tl.where(ids[:, None] == experts[None, :], (starts + before)[None, :], 0), 1)  # [P]
+        tl.store(sorted_ptr + base + tl.sum(earlier.to(tl.int32), 1), pairs, mask=ok)
+        # this program's blocks: each block's expert (-1 past the last used row), padding rows' sentinel
+        first = tile * blocks_per_program
+        last = tl.minimum(first + blocks_per_program, num_blocks)
+        for b0 in range(first, last, BLOCK_CHUNK):
+            blocks = b0 + tl.arange(0, BLOCK_CHUNK)
+            mine = blocks < last
+            row0 = blocks * BLOCK_M
+            expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), 1)  # [BC]
+            filled = tl.sum(tl.where(expert[:, None] == experts[None, :], (starts + total)[None, :], 0), 1)
+            tl.store(block_expert_ptr + blocks, tl.where(expert < NUM_EXPERTS, expert, -1), mask=mine)
+            rows = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [BC, BM]
+            pad = (rows >= filled[:, None]) & mine[:, None]
+            tl.store(sorted_ptr + rows, tl.zeros([BLOCK_CHUNK, BLOCK_M], tl.int32) + num_pairs, mask=pad)
+
+    @triton.jit
+    def _swiglu(gate, up, dtype: tl.constexpr):
+        """float32 projections -> silu(gate) * up in `dtype`, rounded where torch rounds."""
+        gate = gate.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (act * up.to(dtype).to(tl.float32)).to(dtype)
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _gate_up_kernel(x_ptr, w_ptr, hidden_ptr, sorted_ptr, block_expert_ptr, num_pairs,
@@ -135,11 +174,8 @@ if triton is not None:
                 b_up = tl.load(w + INTER * stride_wn + ks[:, None], mask=w_ok, other=0.0)
                 gate = tl.dot(a, b_gate, gate, input_precision=DOT_PRECISION)
                 up = tl.dot(a, b_up, up, input_precision=DOT_PRECISION)
-            dtype = hidden_ptr.dtype.element_ty
-            gate = gate.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             tl.store(hidden_ptr + rows.to(tl.int64)[:, None] * stride_ht + cols[None, :],
-                     (act * up.to(dtype).to(tl.float32)).to(dtype), mask=valid[:, None] & col_ok[None, :])
+                     _swiglu(gate, up, hidden_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _down_kernel(hidden_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs,
@@ -169,12 +205,73 @@ if triton is not None:
             tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :], out.to(dtype),
                      mask=valid[:, None] & col_ok[None, :])
 
-    KERNELS = (_route_kernel, _align_kernel, _gate_up_kernel, _down_kernel)  # triton_ops.compiled_variants
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _gate_up_gemv_kernel(x_ptr, logits_ptr, w_ptr, hidden_ptr, weights_ptr, ids_ptr, num_tokens,
+                             stride_xt, stride_lt, stride_we, stride_wn, stride_ht,
+                             HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                             EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                             RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0)
+        token = pair // TOP_K
+        if ROUTE:  # the token's routing, here: no routing launch
+            top_w, top_i = _top_k(logits_ptr, token + tl.arange(0, 1), num_tokens, stride_lt, NUM_EXPERTS,
+                                  EXPERTS_P2, TOP_K, TOP_K_P2, RENORMALIZE, 1)  # [1, KP2]
+            mine = tl.arange(0, TOP_K_P2)[None, :] == pair % TOP_K
+            expert = tl.sum(tl.where(mine, top_i, 0))
+            if tl.program_id(1) == 0:  # for the down kernel
+                tl.store(weights_ptr + pair, tl.sum(tl.where(mine, top_w, 0.0)).to(weights_ptr.dtype.element_ty))
+                tl.store(ids_ptr + pair, expert)
+        else:  # routed by `_route_kernel`
+            expert = tl.load(ids_ptr + pair)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < INTER
+        w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1] gate rows
+        gate = tl.zeros([BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
+            a = tl.load(x_ptr + token.to(tl.int64) * stride_xt + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            gate += tl.sum(tl.load(w + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)  # [BN, BK] -> [BN]
+            up += tl.sum(tl.load(w + INTER * stride_wn + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)
+        tl.store(hidden_ptr + pair.to(tl.int64) * stride_ht + cols, _swiglu(gate, up, hidden_ptr.dtype.element_ty),
+                 mask=col_ok)
+
+    @triton.jit
+    def _down_gemv_kernel(hidden_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, stride_ht, stride_we, stride_wn,
+                          stride_ot, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+                          TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        slots = tl.arange(0, TOP_K_P2)
+        used = slots < TOP_K
+        pairs = token * TOP_K + slots  # [KP2]
+        experts = tl.load(ids_ptr + pairs, mask=used, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < HIDDEN
+        w = w_ptr + experts[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn  # [KP2, BN, 1]
+        h = hidden_ptr + pairs[:, None, None] * stride_ht  # [KP2, 1, 1]
+        acc = tl.zeros([TOP_K_P2, BLOCK_N], tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            ks = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
+            k_ok = ks < INTER
+            a = tl.load(h + ks, mask=used[:, None, None] & k_ok, other=0.0).to(tl.float32)  # [KP2, 1, BK]
+            b = tl.load(w + ks, mask=used[:, None, None] & col_ok[None, :, None] & k_ok, other=0.0)  # [KP2, BN, BK]
+            acc += tl.sum(b.to(tl.float32) * a, 2)
+        dtype = out_ptr.dtype.element_ty
+        weight = tl.load(weights_ptr + pairs, mask=used, other=0.0).to(tl.float32)  # [KP2]
+        per_pair = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # as pair_out rounds
+        tl.store(out_ptr + token * stride_ot + cols, tl.sum(per_pair, 0).to(dtype), mask=col_ok)
+
+    KERNELS = (_route_kernel, _align_kernel, _gate_up_kernel, _down_kernel, _gate_up_gemv_kernel,
+               _down_gemv_kernel)  # triton_ops.compiled_variants
 else:
     KERNELS = ()
 
-ROUTE_BLOCK_T = 16  # tokens per routing program
-FUSED_ROUTE_TOKENS = 64  # steps up to this many tokens route inside the align program
+ROUTE_BLOCK_T = 16  # tokens per routing program: the align launch runs a program per such tile
+ALIGN_TILE_CHUNK = 16  # routing tiles' counts the align programs read per iteration
+ALIGN_BLOCK_CHUNK = 64  # blocks an align program writes per iteration
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -183,40 +280,36 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-def tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row blocks while experts get few pairs each
-    (decode: the step streams weights, so narrow column tiles spread them over more programs),
-    64-row blocks once they get many (prefill: it computes). Three pipeline stages of either fit
-    the shared memory of an H100 / H200 in float32 too."""
-    if num_pairs < 32 * num_experts:
-        return 16, 32, 128, 4
-    return 64, 64, 64, 4
-
-
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """router_logits: [T, E] -> (weights [T, k] in the logits' dtype, ids [T, k] int32), as `moe.route`."""
-    num_tokens, num_experts = router_logits.shape
-    weights, ids = _routing_buffers(router_logits, top_k)
-    if num_tokens:
-        _route_kernel[(triton.cdiv(num_tokens, ROUTE_BLOCK_T),)](
-            router_logits, weights, ids, num_tokens, router_logits.stride(0), **_routing_args(num_experts, top_k),
-            RENORMALIZE=renormalize, BLOCK_T=ROUTE_BLOCK_T)
+    weights, ids, _ = _route(router_logits, top_k, renormalize, count=False)
     return weights, ids
 
 
 def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """ids: [T, k] -> (sorted_pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32)."""
     ids = ids.to(torch.int32).contiguous()
-    return _align(None, None, ids, num_experts, block_m, renormalize=False)
+    (num_tokens, top_k), device = ids.shape, ids.device
+    counts = _counts_buffer(num_tokens, num_experts, device)
+    if num_tokens:
+        _route_kernel[(counts.shape[0],)](
+            ids, ids, ids, counts, num_tokens, 0, **_routing_args(num_experts, top_k), RENORMALIZE=False,
+            ROUTE=False, COUNT=True, BLOCK_T=ROUTE_BLOCK_T)
+    return _align(ids, counts, num_experts, block_m)
 
 
-def route_and_align(router_logits: Tensor, top_k: int, renormalize: bool, block_m: int
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`route` and `align` in one launch (one program: for small steps). Returns (weights, ids,
-    sorted_pairs, block_expert)."""
+def _route(router_logits: Tensor, top_k: int, renormalize: bool, count: bool
+           ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The routing launch -> (weights, ids [T, k], counts [tiles, E_p2] int32 when `count`)."""
+    num_tokens, num_experts = router_logits.shape
     weights, ids = _routing_buffers(router_logits, top_k)
-    sorted_pairs, block_expert = _align(router_logits, weights, ids, router_logits.shape[1], block_m, renormalize)
-    return weights, ids, sorted_pairs, block_expert
+    counts = _counts_buffer(num_tokens, num_experts, router_logits.device) if count else None
+    if num_tokens:
+        _route_kernel[(triton.cdiv(num_tokens, ROUTE_BLOCK_T),)](
+            router_logits, weights, ids, ids if counts is None else counts, num_tokens, router_logits.stride(0),
+            **_routing_args(num_experts, top_k), RENORMALIZE=renormalize, ROUTE=True, COUNT=count,
+            BLOCK_T=ROUTE_BLOCK_T)
+    return weights, ids, counts
 
 
 def _routing_buffers(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -225,76 +318,147 @@ def _routing_buffers(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]
             torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
 
 
+def _counts_buffer(num_tokens: int, num_experts: int, device: torch.device) -> Tensor:
+    """[routing tiles, E_p2] int32: each tile's pairs per expert (every entry written by its tile)."""
+    return torch.empty(triton.cdiv(num_tokens, ROUTE_BLOCK_T), triton.next_power_of_2(num_experts),
+                       dtype=torch.int32, device=device)
+
+
 def _routing_args(num_experts: int, top_k: int) -> dict:
     return dict(NUM_EXPERTS=num_experts, EXPERTS_P2=triton.next_power_of_2(num_experts), TOP_K=top_k,
                 TOP_K_P2=triton.next_power_of_2(top_k))
 
 
-def _chunk(num_pairs: int, num_blocks: int, experts_p2: int) -> int:
-    """Pairs (and blocks) the align program takes per iteration: all of a decode step's at once,
-    at most 16K one-hot entries per iteration for big steps."""
-    return max(16, min(triton.next_power_of_2(max(num_pairs, num_blocks)), 128, 16384 // experts_p2))
-
-
-def _align(router_logits: Tensor | None, weights: Tensor | None, ids: Tensor, num_experts: int, block_m: int,
-           renormalize: bool) -> tuple[Tensor, Tensor]:
-    """The align launch; with `router_logits` it routes into `weights` / `ids` first."""
+def _align(ids: Tensor, counts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """The align launch, a program per routing tile, on the tiles' `counts`."""
     (num_tokens, top_k), device = ids.shape, ids.device
-    num_blocks = max_blocks(num_tokens * top_k, num_experts, block_m)
+    num_pairs, num_tiles = num_tokens * top_k, counts.shape[0]
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     if num_tokens:
-        route = router_logits is not None
-        args = _routing_args(num_experts, top_k)
-        _align_kernel[(1,)](
-            router_logits if route else ids, weights if route else ids, ids, sorted_pairs, block_expert,
-            num_tokens, num_blocks, router_logits.stride(0) if route else 0, **args, RENORMALIZE=renormalize,
-            ROUTE=route, BLOCK_T=ROUTE_BLOCK_T, BLOCK_M=block_m, CHUNK=_chunk(num_tokens * top_k, num_blocks,
-                                                                               args["EXPERTS_P2"]), num_warps=8)
+        _align_kernel[(num_tiles,)](
+            ids, counts, sorted_pairs, block_expert, num_pairs, num_tiles, num_blocks,
+            triton.cdiv(num_blocks, num_tiles), NUM_EXPERTS=num_experts, EXPERTS_P2=counts.shape[1],
+            TILE_PAIRS=ROUTE_BLOCK_T * top_k, PAIRS_P2=triton.next_power_of_2(ROUTE_BLOCK_T * top_k),
+            BLOCK_M=block_m, TILE_CHUNK=ALIGN_TILE_CHUNK, BLOCK_CHUNK=ALIGN_BLOCK_CHUNK)
     return sorted_pairs, block_expert
 
 
-def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-    """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; weights, ids: [T, k] -> [T, H], as
-    `moe.experts_reference` computes it."""
-    block_m = tiles(ids.numel(), gate_up.shape[0])[0]
-    sorted_pairs, block_expert = align(ids, gate_up.shape[0], block_m)
-    return _grouped_gemms(x, gate_up, down, weights.contiguous(), sorted_pairs, block_expert, ids.shape[1])
-
-
-def fused_moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
-              renormalize: bool) -> Tensor:
-    """x: [T, H]; router_logits: [T, E]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H]."""
-    num_tokens, num_experts = router_logits.shape
-    if num_tokens > FUSED_ROUTE_TOKENS:
-        weights, ids = route(router_logits, top_k, renormalize)
-        return fused_experts(x, gate_up, down, weights, ids)
-    block_m = tiles(num_tokens * top_k, num_experts)[0]
-    weights, _, sorted_pairs, block_expert = route_and_align(router_logits, top_k, renormalize, block_m)
-    return _grouped_gemms(x, gate_up, down, weights, sorted_pairs, block_expert, top_k)
-
-
-def _grouped_gemms(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, sorted_pairs: Tensor,
-                   block_expert: Tensor, top_k: int) -> Tensor:
-    """The two grouped GEMMs over aligned pairs and the sum of each token's k rows -> [T, H]."""
-    (num_tokens, hidden_size), (num_experts, _, inter) = x.shape, down.shape
+def fused_moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int, renormalize: bool,
+              launch: MoeLaunch | None = None) -> Tensor:
+    """x: [T, H]; router_logits: [T, E]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H], as
+    `moe.experts_reference` computes it on `moe.route`'s routing. `launch` defaults to the
+    table's entry for T (moe_launch.launch_for)."""
+    num_tokens = x.shape[0]
     if num_tokens == 0:
         return torch.zeros_like(x)
+    _check_layout(x, gate_up, down)
+    launch = launch or launch_for(num_tokens)
+    if launch.path == "gemv":
+        hidden, weights, ids = gemv_gate_up(x, router_logits, gate_up, top_k, renormalize, launch.gate_up,
+                                            launch.route_inside)
+        return gemv_down(hidden, down, weights, ids, top_k, launch.down)
+    weights, sorted_pairs, block_expert = sorted_route(router_logits, top_k, renormalize, launch.block_m)
+    return _sorted_experts(x, gate_up, down, weights, sorted_pairs, block_expert, top_k, launch)
+
+
+def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor,
+                  launch: MoeLaunch | None = None) -> Tensor:
+    """The sorted path on a given routing: weights, ids [T, k] -> [T, H] (default launch: the
+    table's sorted entry for T)."""
+    num_tokens, top_k = ids.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    _check_layout(x, gate_up, down)
+    launch = launch or launch_for(num_tokens, "sorted")
+    if launch.path != "sorted":
+        raise ValueError(f"fused_experts runs the sorted path, got launch {launch}")
+    sorted_pairs, block_expert = align(ids, gate_up.shape[0], launch.block_m)
+    return _sorted_experts(x, gate_up, down, weights.contiguous().flatten(), sorted_pairs, block_expert, top_k,
+                           launch)
+
+
+def _check_layout(x: Tensor, gate_up: Tensor, down: Tensor) -> None:
     if x.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("fused MoE needs x and the expert weights contiguous in their last dimension")
-    num_pairs, num_blocks = num_tokens * top_k, block_expert.shape[0]
-    block_m, block_n, block_k, warps = tiles(num_pairs, num_experts)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 stays float32
+
+
+def _precision(x: Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # float32 stays float32
+
+
+def _sorted_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, sorted_pairs: Tensor,
+                    block_expert: Tensor, top_k: int, launch: MoeLaunch) -> Tensor:
+    hidden = sorted_gate_up(x, gate_up, sorted_pairs, block_expert, top_k, launch.block_m, launch.gate_up)
+    pair_out = sorted_down(hidden, down, weights, sorted_pairs, block_expert, x.shape[0] * top_k, launch.block_m,
+                           launch.down)
+    return pair_out.view(x.shape[0], top_k, x.shape[1]).sum(dim=1)
+
+
+# -- the phases (benchmarks/bench_moe.py times them one by one) -----------------------------------
+
+
+def gemv_gate_up(x: Tensor, router_logits: Tensor, gate_up: Tensor, top_k: int, renormalize: bool,
+                 tiles: Tiles, route_inside: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """gemv path, step 1 -> (hidden [T * k, I], weights [T * k] in the logits' dtype, ids [T * k]
+    int32). Its programs route their own token, or with `route_inside=False` `route` does first."""
+    (num_tokens, hidden_size), (num_experts, inter2, _) = x.shape, gate_up.shape
+    num_pairs = num_tokens * top_k
+    hidden = torch.empty(num_pairs, inter2 // 2, dtype=x.dtype, device=x.device)
+    if route_inside:
+        weights, ids = (t.view(-1) for t in _routing_buffers(router_logits, top_k))
+    else:
+        weights, ids = (t.view(-1) for t in route(router_logits, top_k, renormalize))
+    _gate_up_gemv_kernel[(num_pairs, triton.cdiv(inter2 // 2, tiles.block_n))](
+        x, router_logits, gate_up, hidden, weights, ids, num_tokens,
+        x.stride(0), router_logits.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
+        HIDDEN=hidden_size, INTER=inter2 // 2, **_routing_args(num_experts, top_k), RENORMALIZE=renormalize,
+        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
+        num_stages=tiles.stages)
+    return hidden, weights, ids
+
+
+def gemv_down(hidden: Tensor, down: Tensor, weights: Tensor, ids: Tensor, top_k: int, tiles: Tiles) -> Tensor:
+    """gemv path, step 2: hidden [T * k, I] -> [T, H], each token's k experts summed by weight."""
+    (_, hidden_size, inter), num_tokens = down.shape, ids.numel() // top_k
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, tiles.block_n))](
+        hidden, down, out, weights, ids, hidden.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
+    return out
+
+
+def sorted_route(router_logits: Tensor, top_k: int, renormalize: bool, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """sorted path, steps 1-2 (two launches) -> (weights [T * k], sorted_pairs, block_expert)."""
+    weights, ids, counts = _route(router_logits, top_k, renormalize, count=True)
+    sorted_pairs, block_expert = _align(ids, counts, router_logits.shape[1], block_m)
+    return weights.flatten(), sorted_pairs, block_expert
+
+
+def sorted_gate_up(x: Tensor, gate_up: Tensor, sorted_pairs: Tensor, block_expert: Tensor, top_k: int, block_m: int,
+                   tiles: Tiles) -> Tensor:
+    """sorted path, step 3 -> hidden [max_blocks * block_m, I] (rows of padding unwritten)."""
+    (num_tokens, hidden_size), inter = x.shape, gate_up.shape[1] // 2
+    num_blocks = block_expert.shape[0]
     hidden = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, hidden, sorted_pairs, block_expert, num_pairs,
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles.block_n))](
+        x, gate_up, hidden, sorted_pairs, block_expert, num_tokens * top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
-        HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=precision, num_warps=warps)
-    pair_out = torch.empty(num_pairs, hidden_size, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+        HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        DOT_PRECISION=_precision(x), num_warps=tiles.warps, num_stages=tiles.stages)
+    return hidden
+
+
+def sorted_down(hidden: Tensor, down: Tensor, weights: Tensor, sorted_pairs: Tensor, block_expert: Tensor,
+                num_pairs: int, block_m: int, tiles: Tiles) -> Tensor:
+    """sorted path, step 4: -> pair_out [M, H], each pair's expert output times its weight."""
+    (_, hidden_size, inter), num_blocks = down.shape, block_expert.shape[0]
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden_size, tiles.block_n))](
         hidden, down, pair_out, sorted_pairs, block_expert, weights, num_pairs,
         hidden.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
-        HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=precision, num_warps=warps)
-    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+        HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        DOT_PRECISION=_precision(hidden), num_warps=tiles.warps, num_stages=tiles.stages)
+    return pair_out

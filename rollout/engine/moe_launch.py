@@ -1,0 +1,93 @@
+"""Launch parameters of the fused MoE kernels (triton_moe.py), one entry per token-count bucket.
+
+A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same function:
+
+* "gemv" (a decode step of one token): no sort. gate/up runs a program per (pair, column tile)
+  that routes its own token from the router logits (top-k in the program: no routing launch)
+  and streams its expert's rows; down runs a program per (token, column tile) that reads the
+  token's k experts at once and sums them weighted (no separate sum). Three launches per layer
+  with the router's GEMM. A pair re-reads its expert even when another pair shares it, so this
+  wins while few pairs share experts.
+* "sorted" (larger steps): route, align the pairs into `block_m`-row blocks of one expert each,
+  two grouped GEMMs (tl.dot) that read each touched expert once per block, then the sum of
+  each token's k rows.
+
+`Tiles` are one kernel's launch parameters: `block_n` output columns per program, `block_k`
+reduction elements per iteration, `warps`, and `stages` of Triton's software pipeline. The
+table's values were picked for Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, width 768) on an
+H200 with `benchmarks/bench_moe.py`, which times variants of every entry; any valid `Tiles`
+computes the same result (tests/test_triton_moe.py runs every entry of the table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PATHS = ("gemv", "sorted")
+
+
+def _power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "warps"):
+            if not _power_of_two(getattr(self, name)):
+                raise ValueError(f"Tiles.{name} must be a power of two, got {getattr(self, name)}")
+        if self.stages < 1:
+            raise ValueError(f"Tiles.stages must be >= 1, got {self.stages}")
+
+    def __str__(self) -> str:
+        return f"n{self.block_n}/k{self.block_k}/w{self.warps}/s{self.stages}"
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    path: str  # one of PATHS
+    gate_up: Tiles
+    down: Tiles
+    block_m: int = 16  # rows per expert block (sorted path; tl.dot needs >= 16)
+    route_inside: bool = True  # gemv path: gate/up programs route their token (False: a routing launch first)
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ValueError(f"MoeLaunch.path must be one of {PATHS}, got {self.path!r}")
+        if self.path == "sorted" and (self.block_m < 16 or not _power_of_two(self.block_m)):
+            raise ValueError(f"MoeLaunch.block_m must be a power of two >= 16, got {self.block_m}")
+        if self.path == "sorted" and min(self.gate_up.block_n, self.gate_up.block_k, self.down.block_n,
+                                         self.down.block_k) < 16:
+            raise ValueError("the sorted path's tiles must be >= 16 (tl.dot)")
+
+    def __str__(self) -> str:
+        rows = f" m{self.block_m}" if self.path == "sorted" else ("" if self.route_inside else " routed")
+        return f"{self.path}{rows} gate_up {self.gate_up} down {self.down}"
+
+
+# (largest token count of the bucket, launch), by increasing token count; the last entry takes
+# every larger step too. Measured on the H200 (2026-12-01, bench_moe.py at 03e6cc7, whole layer
+# with the router GEMM, BENCHMARKS.md issue 21): 1 token gemv 40.9 us vs sorted 40.9 (a tie: the
+# gemv path is kept only there); 8 tokens sorted 139 vs gemv 156; 16 sorted 215 vs gemv >= 291;
+# 64 tokens 357 us, 512 tokens (64-row blocks) 517 us. The sorted entries' tiles are the sweep's
+# fastest per phase (8 and 16 tokens share one entry: its gate/up tiles cost 8 tokens 1.5%).
+LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = (
+    (1, MoeLaunch("gemv", gate_up=Tiles(8, 256, 4, 3), down=Tiles(16, 128, 8, 3))),
+    (16, MoeLaunch("sorted", gate_up=Tiles(32, 128, 4, 3), down=Tiles(64, 128, 4, 3), block_m=16)),
+    (256, MoeLaunch("sorted", gate_up=Tiles(128, 128, 8, 2), down=Tiles(64, 128, 4, 3), block_m=16)),
+    (1024, MoeLaunch("sorted", gate_up=Tiles(64, 64, 4, 3), down=Tiles(128, 64, 4, 3), block_m=64)),
+)
+
+
+def launch_for(num_tokens: int, path: str | None = None) -> MoeLaunch:
+    """The table's launch for a step of `num_tokens` tokens; with `path`, the first entry of
+    that path whose bucket holds the step, else that path's last entry."""
+    entries = [(most, launch) for most, launch in LAUNCHES if path in (None, launch.path)]
+    if not entries:
+        raise ValueError(f"the launch table has no {path!r} entry")
+    return next((launch for most, launch in entries if num_tokens <= most), entries[-1][1])
