@@ -1,7 +1,8 @@
 """trainer_client pieces: request building, the weight-chunk stream reassembled by the server's
 assembler (state dicts of every dtype, pieces of large tensors, safetensors files and
-directories), table assembly; and, against a real server, the trainer-side replay:
-`masked_logprobs` on the model's own logits reproduces the returned `token_logprobs`."""
+directories), table assembly; and, against a real server, the trainer-side replay: the batch's
+model inputs through transformers' model, its output logits and `masked_logprobs` reproduce the
+returned `token_logprobs` (sampled with masks, temperature 1 without, greedy)."""
 
 from __future__ import annotations
 
@@ -83,26 +84,37 @@ def test_assembler_refuses_malformed_pieces():
         assemble(chunks)
 
 
-def test_masked_logprobs_on_the_models_own_logits_reproduce_token_logprobs(tiny_random_qwen3):
-    import transformers
-
-    temperature = 0.8
-    sampling = dict(temperature=temperature, top_k=16, top_p=0.9, max_tokens=10, seed=5)
-    config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=128)
-    with BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0)) as server:
-        with RolloutClient(server.address, timeout=120) as client:
-            table = client.generate([[7, 8, 9, 10], "x = "], n=2, sampling=sampling, mask="support")
+@pytest.mark.parametrize("sampling, mask", [
+    (dict(temperature=0.8, top_k=16, top_p=0.9), "support"),
+    (dict(temperature=1.0), None),  # no masks: the plain log-softmax
+    (dict(temperature=0.0), "selected"),  # greedy: singleton supports
+])  # fmt: skip
+def test_the_trainer_path_through_the_batch_helpers_reproduces_token_logprobs(served_tiny, sampling, mask):
+    """`model(**batch.model_inputs())`, `batch.output_logits`, `masked_logprobs` at each row's own
+    temperature (no argument): transformers' float32 model gives the rollout's own log-probs."""
+    model, address = served_tiny
+    with RolloutClient(address, timeout=120) as client:
+        table = client.generate([[7, 8, 9, 10], "x = "], n=2, sampling=dict(sampling, max_tokens=10, seed=5),
+                                mask=mask)  # fmt: skip
     batch = to_torch(table)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
-    length = batch.token_ids.shape[1]
-    logits = torch.zeros(len(table), length, model.config.vocab_size)  # [B, L, V]
-    for b in range(len(table)):
-        prompt = batch.prompt_ids[b, : batch.prompt_lens[b]]
-        n_out = int(batch.loss_mask[b].sum())
-        ids = torch.cat([prompt, batch.token_ids[b, :n_out]])[None]  # [1, P + n_out]
-        with torch.no_grad():
-            out = model(ids).logits[0]  # [P + n_out, V]
-        logits[b, :n_out] = out[len(prompt) - 1 : len(prompt) - 1 + n_out]
-    replay = masked_logprobs(logits, batch, temperature=temperature)
+    with torch.no_grad():
+        logits = model(**batch.model_inputs()).logits  # [B, T, V]
+    out_logits = batch.output_logits(logits)  # [B, L, V]
+    replay = masked_logprobs(out_logits, batch)
     served = batch.token_logprobs
     assert torch.allclose(replay[batch.loss_mask], served[batch.loss_mask], atol=2e-4)
+    if sampling["temperature"] == 0.0:  # the helpers' alignment, not only 0 == 0
+        assert torch.equal(out_logits.argmax(-1)[batch.loss_mask], batch.token_ids[batch.loss_mask])
+    else:
+        assert (served[batch.loss_mask] < -1e-3).any()
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny_random_qwen3):
+    """transformers' float32 model of tiny_random_qwen3 and the address of a float32 server of it."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
+    config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=128)
+    with BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0)) as server:
+        yield model, server.address

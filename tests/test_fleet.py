@@ -219,7 +219,7 @@ class _FakeCore:
         core = self
 
         class Client:
-            def stream(self, prompts, n, sampling, mask, grammar, request_id, timeout):
+            def stream(self, prompts, n, sampling, mask, grammar, request_id, timeout, return_text):
                 core.calls.append((replica.index, prompts[0][0], sampling["seed"]))
                 return _FakeStream(replica.index, n, fail=replica.index == 0)
 

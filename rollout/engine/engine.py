@@ -44,6 +44,7 @@ class LLMEngine:
         self.loaded = load_model(config.model_path, self.device, load_format=config.load_format)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
+        self.chat_template = self.loaded.chat_template
         self.vocab_size = self.loaded.config.vocab_size
         self.eos_token_ids = self.loaded.eos_token_ids
         self.model_name = self.loaded.name
@@ -83,10 +84,15 @@ class LLMEngine:
         return self.weights.version
 
     def add_request(self, request_id: str, prompts: list[list[int]], params, n: int = 1,
-                    mask: str | None = None, grammar=None) -> None:
+                    mask: str | None = None, grammar=None, return_text: bool = False) -> None:
         """Validate everything, then queue n samples of every prompt. Raises InvalidArgument
-        (naming the field) or ResourceExhausted before any work is done."""
-        self.intake.add(request_id, prompts, params, n, mask, grammar)
+        (naming the field) or ResourceExhausted before any work is done. `return_text`: each
+        sample's decoded output comes back in SampleOutput.text."""
+        self.intake.add(request_id, prompts, params, n, mask, grammar, return_text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Output text as stop strings and the `text` column see it: special tokens left out."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def abort(self, request_id: str) -> list[SampleOutput]:
         """Stop a request now and free its KV blocks; returns its unfinished samples."""

@@ -9,6 +9,7 @@ import torch
 
 from rollout.engine.params import SamplingParams, validate_mask_request
 from rollout.engine.sequence import Sequence
+from rollout.engine.stops import StopMatcher
 from rollout.errors import InvalidArgument, ResourceExhausted
 
 _M64 = (1 << 64) - 1
@@ -32,7 +33,7 @@ class Intake:
         self._grammars = None
 
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
-            mask: str | None, grammar) -> None:
+            mask: str | None, grammar, return_text: bool = False) -> None:
         eng = self.engine
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id", "must be a non-empty string")
@@ -46,6 +47,9 @@ class Intake:
         validate_mask_request(mask or None, params, eng.config.max_mask_tokens)
         for i, prompt in enumerate(prompts):
             self._check_prompt(i, prompt, params)
+        if (params.stop or return_text) and eng.tokenizer is None:
+            raise InvalidArgument("stop" if params.stop else "return_text",
+                                  "needs the model's tokenizer (tokenizer.json), which this model lacks")
         if grammar is not None:
             if params.ignore_eos:
                 raise InvalidArgument("ignore_eos", "cannot be combined with a grammar: a grammar-constrained "
@@ -62,7 +66,8 @@ class Intake:
             group = [self.new_sequence(request_id=request_id, prompt_index=p, sample_index=s,
                                        prompt_token_ids=list(prompt), params=params,
                                        seed=sample_seed(base, p, s), mask=mask or None,
-                                       grammar=None)
+                                       grammar=None, grammar_kind=grammar.kind if grammar else None,
+                                       return_text=return_text)
                      for s in range(n)]
             if grammar is not None:
                 for seq in group:
@@ -92,6 +97,8 @@ class Intake:
         sp, eos = seq.params, self.engine.eos_token_ids
         seq.end_ids = tuple(dict.fromkeys([*eos, *sp.stop_token_ids]))
         seq.stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos))
+        if sp.stop:
+            seq.stop_matcher = StopMatcher(sp.stop, self.engine.decode)
         return seq
 
     def done(self, seq: Sequence) -> None:

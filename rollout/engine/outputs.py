@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollout.engine.params import SamplingParams
 from rollout.masks.pack import Supports
 
 
@@ -20,6 +21,10 @@ class SampleOutput:
     `supports` is None unless the request asked for masks; its log-probs are None unless mask
     mode is "support". `error` is set (and the token lists are empty) when the sample failed as
     a whole, e.g. a support overflow; `finish_reason` is then "error".
+
+    `params`, `mask` and `grammar_kind` are the request's settings, carried into every row
+    (rollout.schema). `stop_reason` is the stop string that finished the sample (None when it
+    finished otherwise); `text` its decoded output when the request asked for it.
     """
 
     request_id: str
@@ -33,6 +38,11 @@ class SampleOutput:
     accept_lengths: list[int] = field(default_factory=list)
     policy_version: int = 0
     error: str | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    mask: str | None = None
+    grammar_kind: str | None = None
+    stop_reason: str | None = None
+    text: str | None = None
 
     @property
     def support_ids(self) -> list[list[int]] | None:

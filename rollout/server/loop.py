@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.engine.chat import prompt_token_ids
 from rollout.engine.outputs import SampleOutput
 from rollout.errors import FailedPrecondition, InvalidArgument
 from rollout.server.convert import GenerateCall
@@ -230,10 +231,9 @@ class EngineLoop:
     def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
         if call.request_id in self._routes:
             raise InvalidArgument("request_id", f"{call.request_id!r} is already running")
-        prompts = [engine.tokenizer.encode(p).ids if isinstance(p, str) else p for p in call.prompts]
-        engine.add_request(
-            call.request_id, prompts, call.params, n=call.n, mask=call.mask, grammar=call.grammar
-        )
+        prompts = [prompt_token_ids(engine.tokenizer, engine.chat_template, i, p) for i, p in enumerate(call.prompts)]
+        engine.add_request(call.request_id, prompts, call.params, n=call.n, mask=call.mask, grammar=call.grammar,
+                           return_text=call.return_text)
         self._routes[call.request_id] = _Route(sink, call.num_samples, time.perf_counter())
         if self._busy_period is not None:
             self._busy_period.last_admitted = time.perf_counter()
