@@ -58,7 +58,7 @@ class StopMatcher:
         new = text[len(os.path.commonprefix((text, self.context_text))):]
         window = self.tail + new
         hit = _earliest(window, self.stops, len(self.tail))
-        self.tail = window[len(window) - self.keep:] if self.keep else ""
+        self.tail = window[-self.keep:] if self.keep else ""
         self.pending = []
         self.context, self.context_text = ids, text
         if len(ids) > 2 * CONTEXT_TOKENS:
