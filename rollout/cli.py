@@ -1,6 +1,7 @@
 """The `rollout` command: `serve` (the gRPC server), `generate` (prompts -> Arrow IPC file through
-a running server), `validate` (Contract 3 checks on such a file) and `demo` (a local server with
-the embedded models, one GRPO group with support masks, a readable summary).
+a running server), `validate` (Contract 3 checks on such a file), `show` (a rollout file in the
+terminal or as an HTML page: rollout.show) and `demo` (a local server with the embedded models,
+one GRPO group with support masks, a readable summary).
 
 Each subcommand is a small function from parsed arguments to an exit status; `main(argv)` is
 the console entry point.
@@ -12,13 +13,13 @@ import argparse
 import asyncio
 import dataclasses
 import functools
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from rollout.errors import InvalidArgument, RolloutError
+from rollout.generate_inputs import cli_grammar, read_prompts
+from rollout.show import add_show_arguments
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -73,51 +74,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(engine_factory(args), config))
 
 
-def read_prompts(texts: list[str], jsonl: str | None) -> list[str | list[int]]:
-    """Prompts from arguments, then from a JSONL file whose lines are a string, a list of token
-    ids, or an object with "prompt" (text) or "token_ids"."""
-    prompts: list[str | list[int]] = list(texts)
-    if jsonl:
-        for lineno, line in enumerate(Path(jsonl).read_text().splitlines(), 1):
-            if line.strip():
-                prompts.append(_jsonl_prompt(json.loads(line), f"{jsonl}:{lineno}"))
-    if not prompts:
-        raise InvalidArgument("prompts", "give prompts as arguments or with --prompts-file")
-    return prompts
-
-
-def _jsonl_prompt(item: Any, where: str) -> str | list[int]:
-    if isinstance(item, dict):
-        item = item.get("token_ids", item.get("prompt"))
-    if isinstance(item, str) or (isinstance(item, list) and all(isinstance(t, int) for t in item)):
-        return item
-    raise InvalidArgument(
-        "prompts", f"{where}: expected a string, a list of token ids, or an object with them"
-    )
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     import pyarrow as pa
     from tqdm import tqdm
 
     from trainer_client import RolloutClient
+    from trainer_client.client import to_table
 
-    prompts = read_prompts(args.prompt, args.prompts_file)
+    prompts = read_prompts(args.prompt, args.prompts_file, args.messages)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed)  # fmt: skip
-    grammar = (args.grammar_kind, args.grammar) if args.grammar else None
-    writer, rows = None, 0
+                    max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed,
+                    stop=args.stop or None)  # fmt: skip
+    grammar = cli_grammar(args.grammar, args.grammar_kind)
+    batches = []
     with RolloutClient(args.address, timeout=args.timeout) as client:
-        stream = client.stream(prompts, args.n, sampling, args.mask, grammar, args.request_id)
+        stream = client.stream(prompts, args.n, sampling, args.mask, grammar, args.request_id,
+                               return_text=args.text)  # fmt: skip
         with tqdm(total=len(prompts) * args.n, unit="sample", disable=args.quiet) as bar:
             for batch in stream:
-                writer = writer or pa.ipc.new_file(args.out, batch.schema)
-                writer.write_batch(batch)
-                rows += batch.num_rows
+                batches.append(batch)
                 bar.update(batch.num_rows)
-    if writer is not None:
-        writer.close()
-    print(f"wrote {rows} samples to {args.out}")
+    table = to_table(batches)  # sorted by (prompt_index, sample_index), like client.generate
+    with pa.ipc.new_file(args.out, table.schema) as writer:
+        writer.write_table(table)
+    print(f"wrote {table.num_rows} samples to {args.out}")
     return 0
 
 
@@ -131,7 +111,13 @@ def cmd_validate(argv: list[str]) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rollout.server.demo import run_demo
 
-    return run_demo(args.spec, args.n, args.max_tokens, args.prompt, args.seed, args.model, args.draft)
+    return run_demo(args.spec, args.n, args.max_tokens, args.prompt, args.seed, args.model, args.draft, args.keep)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from rollout.show import main as show_main
+
+    return show_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="prompts -> Arrow IPC file through a running server")
     gen.add_argument("prompt", nargs="*", help="prompt texts")
-    gen.add_argument("--prompts-file", help="JSONL: strings, token-id lists, or {prompt|token_ids}")
+    gen.add_argument("--prompts-file", help="JSONL: strings, token-id lists, or {prompt|token_ids|messages}")
+    gen.add_argument("--messages", action="append", default=[],
+                     help='a chat prompt: JSON [{"role": ..., "content": ...}, ...] or @FILE (repeatable)')
     gen.add_argument("--address", default="127.0.0.1:50051")
     gen.add_argument("--out", required=True, help="Arrow IPC file to write")
     gen.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
@@ -176,8 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-tokens", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--mask", choices=("selected", "support"), default=None)
-    gen.add_argument("--grammar", default=None, help="grammar text (see --grammar-kind)")
-    gen.add_argument("--grammar-kind", choices=("json_schema", "regex", "ebnf"), default="regex")
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--grammar", default=None,
+                     help="grammar text or @FILE; a JSON object is a JSON schema, anything else needs --grammar-kind")
+    gen.add_argument("--grammar-kind", choices=("json_schema", "regex", "ebnf"), default=None)
+    gen.add_argument("--text", action="store_true", help="fill the text column with the decoded outputs")
     gen.add_argument("--request-id", default=None)
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -192,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=7)
     demo.add_argument("--model", default=None, help="default: the embedded tiny Qwen3")
     demo.add_argument("--draft", default=None, help="default: the embedded drafter for --spec")
+    demo.add_argument("--keep", default=None, metavar="FILE", help="write the group's rollout to FILE (Arrow IPC)")
+
+    show = sub.add_parser("show", help="look at a rollout file: text per sample, --tokens, --html page")
+    add_show_arguments(show)
     return parser
 
 
@@ -200,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["validate"]:
         return cmd_validate(argv[1:])
     args = build_parser().parse_args(argv)
-    commands = {"serve": cmd_serve, "generate": cmd_generate, "demo": cmd_demo}
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "demo": cmd_demo, "show": cmd_show}
     try:
         return commands[args.command](args)
     except RolloutError as exc:

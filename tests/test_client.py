@@ -6,6 +6,8 @@ returned `token_logprobs` (sampled with masks, temperature 1 without, greedy).""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -16,6 +18,7 @@ from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.weights import assemble
+from rollout.spec.grammar import GrammarSpec
 from trainer_client import RolloutClient, masked_logprobs, to_torch
 from trainer_client import client as client_module
 from trainer_client.client import build_request, to_table, weight_chunks
@@ -31,6 +34,45 @@ def test_build_request_prompts_sampling_and_grammar():
     assert [list(p.token_ids.ids) for p in req.prompts] == [[1, 2], [3]] and req.request_id == ""
     with pytest.raises(InvalidArgument, match="temprature"):
         build_request("x", 1, dict(temprature=1.0), None, None, None)
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("grammar, kind, value", [
+    (SCHEMA, "json_schema", json.dumps(SCHEMA)),  # a dict is a JSON schema
+    (json.dumps(SCHEMA), "json_schema", json.dumps(SCHEMA)),  # so is a JSON object string
+    (("json_schema", SCHEMA), "json_schema", json.dumps(SCHEMA)),
+    ({"kind": "json_schema", "value": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+    (["regex", "[0-9]+"], "regex", "[0-9]+"),
+    ({"kind": "ebnf", "value": "root ::= 'a'"}, "ebnf", "root ::= 'a'"),
+    (GrammarSpec("regex", "a|b"), "regex", "a|b"),
+])  # fmt: skip
+def test_grammar_forms(grammar, kind, value):
+    request = build_request("x", 1, None, None, grammar, None)
+    assert (request.grammar.kind, request.grammar.value) == (kind, value)
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ("[0-9]+", "JSON schema object"),  # a bare regex is not guessed
+    ('["a"]', "JSON schema object"),
+    (3, "got int"),
+    (("regex", 5), "must be a string"),
+    (("lark", "x"), "kind must be one of"),
+    ({"kind": "regex", "value": ""}, "non-empty"),
+    (("regex", "a", "b"), "got tuple"),
+])  # fmt: skip
+def test_other_grammars_are_refused_naming_grammar(grammar, message):
+    with pytest.raises(InvalidArgument, match=f"^grammar: .*{message}"):
+        build_request("x", 1, None, None, grammar, None)
+
+
+def test_stop_strings_and_text_on_the_wire():
+    request = build_request("x", 1, dict(stop="\n\n"), None, None, None, return_text=True)
+    assert list(request.sampling.stop) == ["\n\n"] and request.return_text
+    assert list(build_request("x", 1, dict(stop=["a", "b"]), None, None, None).sampling.stop) == ["a", "b"]
+    with pytest.raises(InvalidArgument, match="sampling"):
+        build_request("x", 1, dict(stop=[3]), None, None, None)
 
 
 def test_empty_stream_is_an_empty_table_in_the_rollout_schema():

@@ -63,7 +63,7 @@ def test_decoding_stays_a_few_tokens_long():
     decode = _piece_decoder({i: chr(97 + i) for i in range(26)}, calls)
     matcher = StopMatcher(["never", "zz"], decode)
     assert matcher.scan([i % 25 for i in range(5000)], 0, 0) is None
-    assert max(calls) <= 2 * CONTEXT_TOKENS + 1 and len(calls) < 5000 * 1.3
+    assert max(calls) <= 2 * CONTEXT_TOKENS + 1 and len(calls) < 5000 * 1.3  # a few ids, ~1.25 decodes a token
     assert len(matcher.tail) == len("never") - 1
 
 

@@ -7,11 +7,12 @@ nothing after that token is kept (masks, log-probs and acceptance lengths follow
 tokens: rollout.engine.commit). Text is the tokenizer's decoding without special tokens, the
 same as the `text` column.
 
-Decoding is incremental and costs a few tokens per token, whatever the output's length: a
-`StopMatcher` keeps the last few token ids as left context (decoding a token alone can lose a
-leading space or split a character), the ids of a character still incomplete (a multi-byte
-character spread over byte tokens), and the last `longest stop - 1` characters of text, which is
-all an occurrence that ends in the next token's text can reach back into.
+Decoding is incremental and costs a few tokens per token, whatever the output's length: an
+`IncrementalDecoder` keeps the last few token ids as left context (decoding a token alone can
+lose a leading space or split a character) and the ids of a character still incomplete (a
+multi-byte character spread over byte tokens); a `StopMatcher` adds the last `longest stop - 1`
+characters of text, which is all an occurrence that ends in the next token's text can reach back
+into. (`rollout show` uses the same decoder to give each token its own piece of text.)
 """
 
 from __future__ import annotations
@@ -24,18 +25,43 @@ MAX_PENDING_TOKENS = 4  # a character of up to 4 bytes; past that the replacemen
 _REPLACEMENT = "\ufffd"
 
 
-class StopMatcher:
-    """One sample's stop strings and the end of its decoded text so far."""
+class IncrementalDecoder:
+    """The text a token stream adds, one token at a time, decoding a few tokens per token."""
 
-    __slots__ = ("stops", "keep", "decode", "context", "context_text", "pending", "tail")
+    __slots__ = ("decode", "context", "context_text", "pending")
 
-    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]):
-        self.stops = tuple(stops)
-        self.keep = max(map(len, self.stops)) - 1  # characters an occurrence may span before new text
+    def __init__(self, decode: Callable[[list[int]], str]):
         self.decode = decode
         self.context: list[int] = []  # ids whose text has been read, the last few
         self.context_text = ""  # decode(context)
         self.pending: list[int] = []  # ids after context whose character is not complete yet
+
+    def push(self, token: int) -> str:
+        """The text `token` adds: "" while it leaves a character incomplete, which the token that
+        completes it then brings whole."""
+        ids = self.context + self.pending + [token]
+        text = self.decode(ids)
+        if text.endswith(_REPLACEMENT) and len(self.pending) < MAX_PENDING_TOKENS:
+            self.pending.append(token)
+            return ""
+        new = text[len(os.path.commonprefix((text, self.context_text))):]
+        self.pending = []
+        self.context, self.context_text = ids, text
+        if len(ids) > 2 * CONTEXT_TOKENS:
+            self.context = ids[-CONTEXT_TOKENS:]
+            self.context_text = self.decode(self.context)
+        return new
+
+
+class StopMatcher:
+    """One sample's stop strings and the end of its decoded text so far."""
+
+    __slots__ = ("stops", "keep", "decoder", "tail")
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]):
+        self.stops = tuple(stops)
+        self.keep = max(map(len, self.stops)) - 1  # characters an occurrence may span before new text
+        self.decoder = IncrementalDecoder(decode)
         self.tail = ""  # the last `keep` characters of the text read
 
     def scan(self, tokens: Sequence[int], position: int, min_tokens: int) -> tuple[int, str] | None:
@@ -50,20 +76,12 @@ class StopMatcher:
 
     def push(self, token: int) -> str | None:
         """Reads one token; returns the stop string its text completes (the earliest-ending one)."""
-        ids = self.context + self.pending + [token]
-        text = self.decode(ids)
-        if text.endswith(_REPLACEMENT) and len(self.pending) < MAX_PENDING_TOKENS:
-            self.pending.append(token)
+        new = self.decoder.push(token)
+        if not new:
             return None
-        new = text[len(os.path.commonprefix((text, self.context_text))):]
         window = self.tail + new
         hit = _earliest(window, self.stops, len(self.tail))
         self.tail = window[-self.keep:] if self.keep else ""
-        self.pending = []
-        self.context, self.context_text = ids, text
-        if len(ids) > 2 * CONTEXT_TOKENS:
-            self.context = ids[-CONTEXT_TOKENS:]
-            self.context_text = self.decode(self.context)
         return hit
 
 

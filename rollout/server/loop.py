@@ -231,7 +231,8 @@ class EngineLoop:
     def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
         if call.request_id in self._routes:
             raise InvalidArgument("request_id", f"{call.request_id!r} is already running")
-        prompts = [prompt_token_ids(engine.tokenizer, engine.chat_template, i, p) for i, p in enumerate(call.prompts)]
+        prompts = [p if isinstance(p, list) else prompt_token_ids(engine.tokenizer, engine.chat_template, i, p)
+                   for i, p in enumerate(call.prompts)]  # fmt: skip
         engine.add_request(call.request_id, prompts, call.params, n=call.n, mask=call.mask, grammar=call.grammar,
                            return_text=call.return_text)
         self._routes[call.request_id] = _Route(sink, call.num_samples, time.perf_counter())
