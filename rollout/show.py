@@ -58,14 +58,10 @@ class SampleView:
 
 def main(args: argparse.Namespace) -> int:
     from rollout.errors import InvalidArgument
-    from rollout.masks.check import read_table
 
     if args.samples < 1:
         raise InvalidArgument("samples", f"must be >= 1, got {args.samples}")
-    try:
-        table = read_table(args.file)
-    except OSError as e:
-        raise InvalidArgument("file", f"cannot read {args.file}: {e.strerror or e}") from None
+    table = read_rollout(args.file)
     views = sample_views(table, find_tokenizer(args.tokenizer, table), args.samples)
     if args.html:
         from rollout.show_html import render_page
@@ -78,6 +74,26 @@ def main(args: argparse.Namespace) -> int:
     if table.num_rows > len(views):
         print(f"... {table.num_rows - len(views)} more samples (--samples)")
     return 0
+
+
+def read_rollout(path: str):
+    """The rollout table in `path`; InvalidArgument naming `file` when it is not one."""
+    import pyarrow as pa
+
+    from rollout.errors import InvalidArgument
+    from rollout.masks.check import read_table
+    from rollout.schema import ROLLOUT_SCHEMA
+
+    try:
+        table = read_table(path)
+    except OSError as e:
+        raise InvalidArgument("file", f"cannot read {path}: {e.strerror or e}") from None
+    except pa.ArrowException as e:
+        raise InvalidArgument("file", f"{path} is not an Arrow IPC file or stream: {e}") from None
+    missing = [f.name for f in ROLLOUT_SCHEMA if f.name not in table.column_names]
+    if missing:
+        raise InvalidArgument("file", f"{path} is not a rollout in this version's schema: no column(s) {missing}")
+    return table
 
 
 def find_tokenizer(path: str | None, table) -> Any:

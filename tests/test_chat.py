@@ -6,9 +6,11 @@ server, whose prompt_token_ids are transformers' ids."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
+import grpc
 import pytest
 from tokenizers import Tokenizer
 
@@ -113,6 +115,13 @@ def test_client_prompt_forms():
             build_request(bad, 1, None, None, None, None)
 
 
+async def _aio_generate(address: str, chat):
+    from trainer_client import AsyncRolloutClient
+
+    async with AsyncRolloutClient(address, timeout=120) as client:
+        return await client.generate(chat, sampling=dict(max_tokens=2))
+
+
 def test_chat_prompts_through_the_server(tiny_random_qwen3):
     from rollout.engine.config import EngineConfig
     from rollout.engine.engine import LLMEngine
@@ -124,12 +133,12 @@ def test_chat_prompts_through_the_server(tiny_random_qwen3):
         with RolloutClient(server.address, timeout=120) as client:
             table = client.generate(CHATS[1], n=2, sampling=dict(temperature=0.0, max_tokens=3))
             both = client.generate([CHATS[0], "plain"], sampling=dict(max_tokens=2))
-            import grpc
-
             with pytest.raises(grpc.RpcError) as err:
                 client.generate([{"role": "tool", "content": "x"}], sampling=dict(max_tokens=2))
+        by_aio = asyncio.run(_aio_generate(server.address, CHATS[1]))
     expected = _hf_ids(tiny_random_qwen3, CHATS[1])
     assert table.column("prompt_token_ids").to_pylist() == [expected, expected]
+    assert by_aio.column("prompt_token_ids").to_pylist() == [expected]
     assert both.column("prompt_token_ids").to_pylist() == [_hf_ids(tiny_random_qwen3, CHATS[0]), list(b"plain")]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompts[0].messages" in err.value.details() and "not tool" in err.value.details()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -73,6 +74,27 @@ def test_stop_strings_and_text_on_the_wire():
     assert list(build_request("x", 1, dict(stop=["a", "b"]), None, None, None).sampling.stop) == ["a", "b"]
     with pytest.raises(InvalidArgument, match="sampling"):
         build_request("x", 1, dict(stop=[3]), None, None, None)
+
+
+def test_decode_a_table_with_a_tokenizer_its_file_or_its_directory():
+    from tokenizers import Tokenizer
+
+    from rollout.engine.config import DEFAULT_MODEL
+    from rollout.engine.outputs import SampleOutput
+    from rollout.schema import to_record_batch
+    from trainer_client import decode
+
+    rows = [SampleOutput("r", 0, 0, prompt_token_ids=list(b"p:"), token_ids=[*"héllo".encode(), 256]),
+            SampleOutput("r", 0, 1, prompt_token_ids=[259], token_ids=[])]  # fmt: skip
+    table = pa.Table.from_batches([to_record_batch(rows)])
+    for tokenizer in (DEFAULT_MODEL, DEFAULT_MODEL / "tokenizer.json", str(DEFAULT_MODEL),
+                      Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))):  # fmt: skip
+        assert decode(table, tokenizer) == ["héllo", ""]  # EOS left out, as in the text column
+    assert decode(table, DEFAULT_MODEL, column="prompt_token_ids", skip_special_tokens=False) == ["p:", "<|im_start|>"]
+    with pytest.raises(InvalidArgument, match="^tokenizer: .*does not exist"):
+        decode(table, "/nonexistent")
+    with pytest.raises(InvalidArgument, match="^column"):
+        decode(table, DEFAULT_MODEL, column="nope")
 
 
 def test_empty_stream_is_an_empty_table_in_the_rollout_schema():

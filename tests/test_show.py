@@ -68,6 +68,14 @@ def test_without_a_tokenizer_tokens_show_as_ids(tmp_path, capsys):
     assert "output: 'ab\\ncé'" in capsys.readouterr().out
     assert main(["show", str(tmp_path / "missing.arrow")]) == 2
     assert "rollout show: file: cannot read" in capsys.readouterr().err
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow at all")
+    assert main(["show", str(tmp_path / "junk.arrow")]) == 2
+    assert "is not an Arrow IPC file or stream" in capsys.readouterr().err
+    old = pa.table({"token_ids": pa.array([[1]], pa.list_(pa.int32()))})
+    with pa.ipc.new_file(str(tmp_path / "old.arrow"), old.schema) as writer:
+        writer.write_table(old)
+    assert main(["show", str(tmp_path / "old.arrow")]) == 2
+    assert "not a rollout in this version's schema: no column(s) ['request_id'" in capsys.readouterr().err
 
 
 class _Spans(html.parser.HTMLParser):
