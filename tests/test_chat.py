@@ -84,6 +84,26 @@ def test_a_named_template_list_uses_default(model_dir):
     assert _ours(model_dir, CHATS[1]) == _hf_ids(model_dir, CHATS[1])
 
 
+def test_a_tokenizer_that_adds_a_bos_adds_it_to_text_not_to_chats(model_dir):
+    """Like a Llama tokenizer: its post-processor prepends BOS to text; a chat template writes the BOS
+    itself, and the rendered chat is tokenised without special tokens (one BOS, not two)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<|reserved_0|> $A",
+                                                             special_tokens=[("<|reserved_0|>", 261)])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["bos_token"] = "<|reserved_0|>"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (model_dir / "chat_template.jinja").write_text("{{ bos_token }}" + config["chat_template"])
+    ours = _ours(model_dir, CHATS[0])
+    assert ours == _hf_ids(model_dir, CHATS[0]) and ours.count(261) == 1 and ours[0] == 261
+    text = prompt_token_ids(Tokenizer.from_file(str(model_dir / "tokenizer.json")), None, 0, "hi")
+    assert text == [261, *b"hi"] == AutoTokenizer.from_pretrained(str(model_dir))("hi")["input_ids"]
+
+
 def test_refusals_name_the_prompt(model_dir):
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     template = ChatTemplate.load(model_dir)
