@@ -1,6 +1,7 @@
 """The `rollout` command: `serve` (the gRPC server), `generate` (prompts -> Arrow IPC file through
-a running server), `validate` (the mask contract's checks on such a file, docs/masks.md) and `demo`
-(a local server with the embedded models, one GRPO group with support masks, a readable summary).
+a running server), `validate` (the mask contract's checks on such a file, docs/masks.md), `show` (a
+rollout file in the terminal or as an HTML page: rollout.show) and `demo` (a local server with the
+embedded models, one GRPO group with support masks, a readable summary).
 
 Each subcommand is a small function from parsed arguments to an exit status; `main(argv)` is
 the console entry point.
@@ -18,6 +19,7 @@ from typing import Any
 from rollout.cli_generate import INTERRUPTED, add_generate_args, cmd_generate, read_prompts, rpc_error_line
 from rollout.errors import RolloutError
 from rollout.options import add_options, from_options
+from rollout.show import add_show_arguments
 
 __all__ = ["build_parser", "main", "read_prompts"]
 
@@ -63,10 +65,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rollout.server.process import ServerStartError
 
     try:
-        return run_demo(args.spec, args.n, args.max_tokens, args.prompt, args.seed, args.model, args.draft)
+        return run_demo(args.spec, args.n, args.max_tokens, args.prompt, args.seed, args.model, args.draft,
+                        args.keep)
     except ServerStartError as exc:
         print(f"rollout demo: {exc}", file=sys.stderr)
         return 1
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from rollout.show import main as show_main
+
+    return show_main(args)
 
 
 class SubcommandParser(argparse.ArgumentParser):
@@ -117,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=7, help="the request's seed")
     demo.add_argument("--model", default=None, help="target checkpoint directory (default: the embedded tiny Qwen3)")
     demo.add_argument("--draft", default=None, help="drafter directory (default: the embedded drafter for --spec)")
+    demo.add_argument("--keep", default=None, metavar="FILE",
+                      help="write the group's rollout to FILE (Arrow IPC) for `rollout show` (default: not kept)")
+
+    show = sub.add_parser("show", help="look at a rollout file: text per sample, --tokens, --html page", **kw)
+    add_show_arguments(show)
     return parser
 
 
@@ -129,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["validate"]:
         return cmd_validate(argv[1:])
     args = build_parser().parse_args(argv)
-    commands = {"serve": cmd_serve, "generate": cmd_generate, "demo": cmd_demo}
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "demo": cmd_demo, "show": cmd_show}
     try:
         return commands[args.command](args)
     except RolloutError as exc:

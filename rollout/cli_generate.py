@@ -1,9 +1,14 @@
 """`rollout generate`: prompts -> Arrow IPC file through a running server.
 
+What it reads besides its sampling options: prompts (arguments, --messages chats, a JSONL file)
+and the grammar (--grammar text or @FILE, its kind given or inferred); every refusal is an
+InvalidArgument naming the argument, and where it came from (file:line).
+
 The file is written as batches arrive and is always closed valid with what arrived: after the
-last sample (exit 0), when the server fails the request midway (the error's one line, exit 1), or
-on Ctrl-C (exit 130). A Ctrl-C that comes while a batch is being written takes effect right after
-it, so the file never ends in half a batch.
+last sample (exit 0, the rows then sorted by (prompt_index, sample_index) like
+`RolloutClient.generate`'s tables), when the server fails the request midway (the error's one
+line, exit 1), or on Ctrl-C (exit 130). A Ctrl-C that comes while a batch is being written takes
+effect right after it, so the file never ends in half a batch.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -19,7 +25,7 @@ from typing import Any
 
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
-from rollout.masks import MASK_MODES
+from rollout.masks import GRAMMAR_KINDS, MASK_MODES
 
 MASK_HELP = ("sampling masks, one per output token (needs --top-k between 1 and the server's --max-mask-tokens, "
              "or --temperature 0): 'selected' returns support_ids, the token ids of the finite support each token "
@@ -37,12 +43,17 @@ SAMPLING_FLAGS = {  # flag: (type, help); unset flags take the server's defaults
     "seed": (int, "seed of the request: its samples depend on (seed, prompt, sample, position) alone"),
 }
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+JSONL_KEYS = ("prompt", "token_ids", "messages")
 
 
 def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt", nargs="*", help="prompt texts")
+    gen.add_argument("--messages", action="append", default=[], metavar="JSON",
+                     help='a chat prompt, rendered by the server with the model\'s chat template: '
+                          '[{"role": ..., "content": ...}, ...] or @FILE holding it (default: none; repeatable)')
     gen.add_argument("--prompts-file", metavar="JSONL", help="more prompts, one per line: a string, a list of "
-                     "token ids, or an object with prompt (text) or token_ids (default: none)")
+                     "token ids, or an object with one key of prompt (text), token_ids or messages (a chat) "
+                     "(default: none)")
     gen.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of a rollout server")
     gen.add_argument("--out", required=True, help="Arrow IPC file to write (one row per sample)")
     gen.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
@@ -50,11 +61,15 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
         default = getattr(_SERVER_DEFAULTS, name)
         gen.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                          help=f"{text} (default: the server's, {'none' if default is None else default})")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="a stop string: a sample finishes once its output text contains it (default: none; "
+                          "repeatable)")
     gen.add_argument("--mask", choices=MASK_MODES, default=None, help=f"{MASK_HELP} (default: no masks)")
-    gen.add_argument("--grammar", default=None, help="constrain the output: grammar text of --grammar-kind "
-                     "(default: none)")
-    gen.add_argument("--grammar-kind", choices=("json_schema", "regex", "ebnf"), default="regex",
-                     help="what --grammar holds")
+    gen.add_argument("--grammar", default=None, help="constrain the output: grammar text or @FILE; a JSON object "
+                     "is a JSON schema, a regex or EBNF grammar needs --grammar-kind (default: none)")
+    gen.add_argument("--grammar-kind", choices=GRAMMAR_KINDS, default=None,
+                     help="what --grammar holds (default: json_schema for a JSON object, else required)")
+    gen.add_argument("--text", action="store_true", help="fill the text column with each sample's decoded output")
     gen.add_argument("--request-id", default=None, help="the request's id in every row (default: the server "
                      "assigns one)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline of the whole request in seconds "
@@ -62,10 +77,13 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def read_prompts(texts: list[str], jsonl: str | None) -> list[str | list[int]]:
-    """Prompts from arguments, then from a JSONL file whose lines are a string, a list of token
-    ids, or an object with "prompt" (text) or "token_ids"."""
-    prompts: list[str | list[int]] = list(texts)
+def read_prompts(texts: list[str], jsonl: str | None, messages: list[str] = ()) -> list[str | list]:
+    """Prompts from arguments, chats from --messages (a JSON list of {"role", "content"}, or @FILE
+    holding one), then from a JSONL file whose lines are a string, a list of token ids, or an
+    object with one of JSONL_KEYS ("prompt": text, "token_ids", "messages": a chat)."""
+    prompts: list[str | list] = list(texts)
+    for i, chat in enumerate(messages):
+        prompts.append(_chat(_json_argument(chat, "messages"), f"--messages #{i + 1}"))
     if jsonl:
         try:
             lines = Path(jsonl).read_text().splitlines()
@@ -75,20 +93,74 @@ def read_prompts(texts: list[str], jsonl: str | None) -> list[str | list[int]]:
             if line.strip():
                 prompts.append(_jsonl_prompt(line, f"{jsonl}:{lineno}"))
     if not prompts:
-        raise InvalidArgument("prompts", "give prompts as arguments or with --prompts-file")
+        raise InvalidArgument("prompts", "give prompts as arguments, with --messages or with --prompts-file")
     return prompts
 
 
-def _jsonl_prompt(line: str, where: str) -> str | list[int]:
+def _jsonl_prompt(line: str, where: str) -> str | list:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InvalidArgument("prompts", f"{where}: not JSON ({exc.msg})") from exc
     if isinstance(item, dict):
-        item = item.get("token_ids", item.get("prompt"))
+        keys = [k for k in JSONL_KEYS if k in item]
+        if len(keys) != 1 or len(item) != 1:
+            raise InvalidArgument("prompts", f"{where}: an object needs exactly one of the keys {JSONL_KEYS}, "
+                                             f"got {sorted(item)}")
+        if keys[0] == "messages":
+            return _chat(item["messages"], where)
+        item = item[keys[0]]
     if isinstance(item, str) or (isinstance(item, list) and all(isinstance(t, int) for t in item)):
         return item
-    raise InvalidArgument("prompts", f"{where}: expected a string, a list of token ids, or an object with them")
+    raise InvalidArgument(
+        "prompts", f"{where}: expected a string, a list of token ids, or an object with one of {JSONL_KEYS}"
+    )
+
+
+def _chat(messages: Any, where: str) -> list[dict]:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+        for m in messages)
+    if not ok:
+        raise InvalidArgument("messages", f"{where}: expected a non-empty list of {{\"role\": str, \"content\": str}}")
+    return messages
+
+
+def _read_at(value: str, field: str) -> str:
+    """An argument's text, or the contents of the file it names as @PATH."""
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as e:
+        raise InvalidArgument(field, f"cannot read {value[1:]}: {e.strerror or e}") from None
+
+
+def _json_argument(value: str, field: str) -> Any:
+    try:
+        return json.loads(_read_at(value, field))
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(field, f"not JSON: {e}") from None
+
+
+def cli_grammar(text: str | None, kind: str | None) -> tuple[str, str] | None:
+    """--grammar (text or @FILE) and --grammar-kind -> (kind, value). Without a kind the grammar
+    must be a JSON object, read as a JSON schema (a regex or EBNF grammar needs its kind)."""
+    if text is None:
+        if kind is not None:
+            raise InvalidArgument("grammar_kind", "given without --grammar")
+        return None
+    value = _read_at(text, "grammar")
+    if kind is None:
+        try:
+            is_object = isinstance(json.loads(value), dict)
+        except json.JSONDecodeError:
+            is_object = False
+        if not is_object:
+            raise InvalidArgument("grammar", "is not a JSON schema object; give --grammar-kind regex or ebnf for "
+                                             "other grammars")
+        kind = "json_schema"
+    return kind, value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -97,19 +169,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from trainer_client import RolloutClient
 
-    prompts = read_prompts(args.prompt, args.prompts_file)
+    prompts = read_prompts(args.prompt, args.prompts_file, args.messages)
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
-    grammar = (args.grammar_kind, args.grammar) if args.grammar else None
+    sampling["stop"] = args.stop or None
+    grammar = cli_grammar(args.grammar, args.grammar_kind)
     total = len(prompts) * args.n
     out = ArrowOut(args.out)
     try:
         with DeferredInterrupt() as interrupts, RolloutClient(args.address, timeout=args.timeout) as client, \
-                client.stream(prompts, args.n, sampling, args.mask, grammar, args.request_id) as stream, \
+                client.stream(prompts, args.n, sampling, args.mask, grammar, args.request_id,
+                              return_text=args.text) as stream, \
                 tqdm(total=total, unit="sample", disable=args.quiet) as bar:  # fmt: skip
             for batch in stream:
                 with interrupts.deferred():
                     out.write(batch)
                 bar.update(batch.num_rows)
+            with interrupts.deferred():
+                out.finish()
     except KeyboardInterrupt:
         out.close()
         print(f"rollout generate: interrupted; wrote the {out.rows} of {total} samples that had arrived to "
@@ -134,12 +210,14 @@ def rpc_error_line(exc: Any) -> str:
 
 
 class ArrowOut:
-    """The output file, opened with the first batch's schema (the empty rollout schema if none came)."""
+    """The output file, opened with the first batch's schema (the empty rollout schema if none came),
+    written batch by batch as they arrive; `finish` rewrites it sorted once every sample is in."""
 
     def __init__(self, path: str):
         self.path, self.rows = path, 0
         self._writer: Any = None
         self._closed = False
+        self._batches: list = []
 
     def write(self, batch) -> None:
         import pyarrow as pa
@@ -147,7 +225,23 @@ class ArrowOut:
         if self._writer is None:
             self._writer = pa.ipc.new_file(self.path, batch.schema)
         self._writer.write_batch(batch)
+        self._batches.append(batch)
         self.rows += batch.num_rows
+
+    def finish(self) -> None:
+        """After the last sample: the file's rows sorted by (prompt_index, sample_index), as
+        `RolloutClient.generate` sorts them (written beside it, then moved over it)."""
+        import pyarrow as pa
+
+        from trainer_client.client import to_table
+
+        self.close()
+        if not self._batches:
+            return
+        table, sorting = to_table(self._batches), f"{self.path}.sorting"
+        with pa.ipc.new_file(sorting, table.schema) as writer:
+            writer.write_table(table)
+        os.replace(sorting, self.path)
 
     def close(self) -> None:
         if self._closed:

@@ -9,8 +9,23 @@ on each read: assign new lists to change them, mutating a returned list changes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout.masks.pack import Supports
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """The sampling settings a row carries besides its grammar and mask mode (rollout.schema's
+    `temperature` .. `seed` columns), at the engine's defaults (rollout.engine.params.SamplingParams,
+    whose fields these are; tests/test_schema.py checks the defaults agree): what a SampleOutput made
+    without a request (a test, a benchmark) carries."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
 
 
 @dataclass
@@ -20,6 +35,10 @@ class SampleOutput:
     `supports` is None unless the request asked for masks; its log-probs are None unless mask
     mode is "support". `error` is set (and the token lists are empty) when the sample failed as
     a whole, e.g. a support overflow; `finish_reason` is then "error".
+
+    `params`, `mask` and `grammar_kind` are the request's settings, carried into every row
+    (rollout.schema). `stop_reason` is the stop string that finished the sample (None when it
+    finished otherwise); `text` its decoded output when the request asked for it.
     """
 
     request_id: str
@@ -33,6 +52,11 @@ class SampleOutput:
     accept_lengths: list[int] = field(default_factory=list)
     policy_version: int = 0
     error: str | None = None
+    params: Any = field(default_factory=RowSampling)  # the request's SamplingParams (rollout.engine.params)
+    mask: str | None = None
+    grammar_kind: str | None = None
+    stop_reason: str | None = None
+    text: str | None = None
 
     @property
     def support_ids(self) -> list[list[int]] | None:

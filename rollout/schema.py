@@ -2,6 +2,14 @@
 
 Everything that writes or reads rollout record batches imports it from here: the server,
 `rollout generate`, the validator and trainer_client.
+
+Besides the tokens, log-probs and masks, every row carries the sampling settings it was drawn
+with (temperature, top_k, top_p, min_p, seed, grammar kind, mask mode), so that whoever replays
+it (trainer_client.masked_logprobs, rollout validate) reads them from the row instead of being
+told them again: top_k 0 is off, temperature 0 greedy, seed null when the request had none,
+grammar_kind null without a grammar, mask_mode "none" without masks. `stop_reason` is the stop
+string that finished the sample (null otherwise) and `text` the decoded output when the request
+asked for it (null otherwise).
 """
 
 from __future__ import annotations
@@ -28,8 +36,18 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("accept_lengths", pa.list_(pa.int16()), nullable=False),
         pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("top_k", pa.int32(), nullable=False),
+        pa.field("top_p", pa.float32(), nullable=False),
+        pa.field("min_p", pa.float32(), nullable=False),
+        pa.field("seed", pa.int64(), nullable=True),
+        pa.field("grammar_kind", pa.string(), nullable=True),
+        pa.field("mask_mode", pa.string(), nullable=False),
+        pa.field("stop_reason", pa.string(), nullable=True),
+        pa.field("text", pa.string(), nullable=True),
     ]
 )
+NO_MASK = "none"  # the mask_mode of a row without masks
 
 METADATA_KEYS = ("model", "drafter", "spec_method", "mask_mode")
 MASK_TOP_K_KEY = "mask_top_k"  # the widest support a masked row of this batch may have
@@ -73,8 +91,25 @@ def to_record_batch(samples: Sequence[SampleOutput], schema: pa.Schema = ROLLOUT
         pa.array([s.finish_reason for s in samples], pa.string()),
         _list_array([s.accept_lengths for s in samples], np.int16),
         pa.array([s.policy_version for s in samples], pa.int64()),
+        *_settings_arrays(samples),
+        pa.array([s.stop_reason for s in samples], pa.string()),
+        pa.array([s.text for s in samples], pa.string()),
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _settings_arrays(samples: Sequence[SampleOutput]) -> list[pa.Array]:
+    """The sampling settings of each row: temperature .. mask_mode."""
+    params = [s.params for s in samples]
+    return [
+        pa.array([p.temperature for p in params], pa.float32()),
+        pa.array([p.top_k for p in params], pa.int32()),
+        pa.array([p.top_p for p in params], pa.float32()),
+        pa.array([p.min_p for p in params], pa.float32()),
+        pa.array([p.seed for p in params], pa.int64()),
+        pa.array([s.grammar_kind for s in samples], pa.string()),
+        pa.array([s.mask or NO_MASK for s in samples], pa.string()),
+    ]
 
 
 _LIST_TYPES = {np.int16: pa.list_(pa.int16()), np.int32: pa.list_(pa.int32()), np.float32: pa.list_(pa.float32())}

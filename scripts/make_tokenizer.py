@@ -4,7 +4,8 @@ Id i is byte i for i in 0..255: a BPE model with no merges over the byte-level a
 (each byte shown as one printable character, as GPT-2 does), behind the ByteLevel
 pre-tokenizer and decoder, so any UTF-8 text encodes to exactly its bytes and decodes back.
 Special tokens follow the bytes: 256 `<|endoftext|>` (EOS), 257 `<|pad|>`, 258 `<|mask|>`
-(the drafters' MASK token), 259 `<|im_start|>`, 260 `<|im_end|>`, 261..263 reserved.
+(the drafters' MASK token), 259 `<|im_start|>`, 260 `<|im_end|>`, 261..263 reserved. The
+tokenizer_config.json carries a small ChatML chat template (`CHAT_TEMPLATE`) for chat prompts.
 Vocabulary size 264. Run: `python scripts/make_tokenizer.py DIR`.
 """
 
@@ -16,6 +17,16 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+# ChatML: <|im_start|>ROLE\nCONTENT<|im_end|>\n per message, then the assistant's header.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}"
+    "{%- endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|pad|>", "<|mask|>", "<|im_start|>", "<|im_end|>",
     "<|reserved_0|>", "<|reserved_1|>", "<|reserved_2|>",
@@ -65,6 +76,7 @@ def tokenizer_config() -> dict:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

@@ -28,6 +28,7 @@ class FakeEngine:
     weights). One KV block per running sample. Weight updates wait for running samples to drain."""
 
     vocab_size, eos_token_ids, model_name, drafter_name, max_model_len = VOCAB, [EOS], "fake", "none", MAX_LEN
+    chat_template = None  # chat prompts are refused naming the prompt (rollout.engine.chat)
 
     def __init__(self, step_s: float = 0.002):
         self.tokenizer = Tokenizer.from_file(str(BYTE_TOKENIZER))  # id i = byte i, like the fake's vocabulary
@@ -39,7 +40,7 @@ class FakeEngine:
         self.thread = self.thread or threading.get_ident()
         assert self.thread == threading.get_ident(), "engine called from two threads"
 
-    def add_request(self, request_id, prompts, params, n=1, mask=None, grammar=None) -> None:
+    def add_request(self, request_id, prompts, params, n=1, mask=None, grammar=None, return_text=False) -> None:
         self._check_thread()
         if any(key[0] == request_id for key in self.running):
             raise Aborted(f"request_id: {request_id!r} is still running")

@@ -1,9 +1,12 @@
 """trainer_client pieces: request building, the weight-chunk stream reassembled by the server's
 assembler (state dicts of every dtype, pieces of large tensors, safetensors files and
-directories), table assembly; and, against a real server, the trainer-side replay:
-`masked_logprobs` on the model's own logits reproduces the returned `token_logprobs`."""
+directories), table assembly; and, against a real server, the trainer-side replay: the batch's
+model inputs through transformers' model, its output logits and `masked_logprobs` reproduce the
+returned `token_logprobs` (sampled with masks, temperature 1 without, greedy)."""
 
 from __future__ import annotations
+
+import json
 
 import pyarrow as pa
 import pytest
@@ -12,6 +15,7 @@ from safetensors.torch import save_file
 
 from rollout import build_engine
 from rollout.engine.config import EngineConfig
+from rollout.engine.grammar import GrammarSpec
 from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
@@ -31,6 +35,66 @@ def test_build_request_prompts_sampling_and_grammar():
     assert [list(p.token_ids.ids) for p in req.prompts] == [[1, 2], [3]] and req.request_id == ""
     with pytest.raises(InvalidArgument, match="temprature"):
         build_request("x", 1, dict(temprature=1.0), None, None, None)
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("grammar, kind, value", [
+    (SCHEMA, "json_schema", json.dumps(SCHEMA)),  # a dict is a JSON schema
+    (json.dumps(SCHEMA), "json_schema", json.dumps(SCHEMA)),  # so is a JSON object string
+    (("json_schema", SCHEMA), "json_schema", json.dumps(SCHEMA)),
+    ({"kind": "json_schema", "value": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+    (["regex", "[0-9]+"], "regex", "[0-9]+"),
+    ({"kind": "ebnf", "value": "root ::= 'a'"}, "ebnf", "root ::= 'a'"),
+    (GrammarSpec("regex", "a|b"), "regex", "a|b"),
+])  # fmt: skip
+def test_grammar_forms(grammar, kind, value):
+    request = build_request("x", 1, None, None, grammar, None)
+    assert (request.grammar.kind, request.grammar.value) == (kind, value)
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ("[0-9]+", "JSON schema object"),  # a bare regex is not guessed
+    ('["a"]', "JSON schema object"),
+    (3, "got int"),
+    (("regex", 5), "must be a string"),
+    (("lark", "x"), "kind must be one of"),
+    ({"kind": "regex", "value": ""}, "non-empty"),
+    (("regex", "a", "b"), "got tuple"),
+])  # fmt: skip
+def test_other_grammars_are_refused_naming_grammar(grammar, message):
+    with pytest.raises(InvalidArgument, match=f"^grammar: .*{message}"):
+        build_request("x", 1, None, None, grammar, None)
+
+
+def test_stop_strings_and_text_on_the_wire():
+    request = build_request("x", 1, dict(stop="\n\n"), None, None, None, return_text=True)
+    assert list(request.sampling.stop) == ["\n\n"] and request.return_text
+    assert list(build_request("x", 1, dict(stop=["a", "b"]), None, None, None).sampling.stop) == ["a", "b"]
+    with pytest.raises(InvalidArgument, match="sampling"):
+        build_request("x", 1, dict(stop=[3]), None, None, None)
+
+
+def test_decode_a_table_with_a_tokenizer_its_file_or_its_directory():
+    from tokenizers import Tokenizer
+
+    from rollout.engine.config import DEFAULT_MODEL
+    from rollout.outputs import SampleOutput
+    from rollout.schema import to_record_batch
+    from trainer_client import decode
+
+    rows = [SampleOutput("r", 0, 0, prompt_token_ids=list(b"p:"), token_ids=[*"héllo".encode(), 256]),
+            SampleOutput("r", 0, 1, prompt_token_ids=[259], token_ids=[])]  # fmt: skip
+    table = pa.Table.from_batches([to_record_batch(rows)])
+    for tokenizer in (DEFAULT_MODEL, DEFAULT_MODEL / "tokenizer.json", str(DEFAULT_MODEL),
+                      Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))):  # fmt: skip
+        assert decode(table, tokenizer) == ["héllo", ""]  # EOS left out, as in the text column
+    assert decode(table, DEFAULT_MODEL, column="prompt_token_ids", skip_special_tokens=False) == ["p:", "<|im_start|>"]
+    with pytest.raises(InvalidArgument, match="^tokenizer: .*does not exist"):
+        decode(table, "/nonexistent")
+    with pytest.raises(InvalidArgument, match="^column"):
+        decode(table, DEFAULT_MODEL, column="nope")
 
 
 def test_empty_stream_is_an_empty_table_in_the_rollout_schema():
@@ -117,26 +181,37 @@ def test_assembler_refuses_malformed_pieces():
         assemble(chunks)
 
 
-def test_masked_logprobs_on_the_models_own_logits_reproduce_token_logprobs(tiny_random_qwen3):
-    import transformers
-
-    temperature = 0.8
-    sampling = dict(temperature=temperature, top_k=16, top_p=0.9, max_tokens=10, seed=5)
-    config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=128)
-    with BackgroundServer(lambda: build_engine(config), ServeConfig(port=0, engine_process=False)) as server:
-        with RolloutClient(server.address, timeout=120) as client:
-            table = client.generate([[7, 8, 9, 10], "x = "], n=2, sampling=sampling, mask="support")
+@pytest.mark.parametrize("sampling, mask", [
+    (dict(temperature=0.8, top_k=16, top_p=0.9), "support"),
+    (dict(temperature=1.0), None),  # no masks: the plain log-softmax
+    (dict(temperature=0.0), "selected"),  # greedy: singleton supports
+])  # fmt: skip
+def test_the_trainer_path_through_the_batch_helpers_reproduces_token_logprobs(served_tiny, sampling, mask):
+    """`model(**batch.model_inputs())`, `batch.output_logits`, `masked_logprobs` at each row's own
+    temperature (no argument): transformers' float32 model gives the rollout's own log-probs."""
+    model, address = served_tiny
+    with RolloutClient(address, timeout=120) as client:
+        table = client.generate([[7, 8, 9, 10], "x = "], n=2, sampling=dict(sampling, max_tokens=10, seed=5),
+                                mask=mask)  # fmt: skip
     batch = to_torch(table)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
-    length = batch.token_ids.shape[1]
-    logits = torch.zeros(len(table), length, model.config.vocab_size)  # [B, L, V]
-    for b in range(len(table)):
-        prompt = batch.prompt_ids[b, : batch.prompt_lens[b]]
-        n_out = int(batch.loss_mask[b].sum())
-        ids = torch.cat([prompt, batch.token_ids[b, :n_out]])[None]  # [1, P + n_out]
-        with torch.no_grad():
-            out = model(ids).logits[0]  # [P + n_out, V]
-        logits[b, :n_out] = out[len(prompt) - 1 : len(prompt) - 1 + n_out]
-    replay = masked_logprobs(logits, batch, temperature=temperature)
+    with torch.no_grad():
+        logits = model(**batch.model_inputs()).logits  # [B, T, V]
+    out_logits = batch.output_logits(logits)  # [B, L, V]
+    replay = masked_logprobs(out_logits, batch)
     served = batch.token_logprobs
     assert torch.allclose(replay[batch.loss_mask], served[batch.loss_mask], atol=2e-4)
+    if sampling["temperature"] == 0.0:  # the helpers' alignment, not only 0 == 0
+        assert torch.equal(out_logits.argmax(-1)[batch.loss_mask], batch.token_ids[batch.loss_mask])
+    else:
+        assert (served[batch.loss_mask] < -1e-3).any()
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny_random_qwen3):
+    """transformers' float32 model of tiny_random_qwen3 and the address of a float32 server of it."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
+    config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=128)
+    with BackgroundServer(lambda: build_engine(config), ServeConfig(port=0, engine_process=False)) as server:
+        yield model, server.address

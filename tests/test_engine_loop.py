@@ -23,7 +23,7 @@ class ScriptedEngine:
         self.steps = 0
         self.keep: set[str] = set()
 
-    def add_request(self, request_id, prompts, params, n=1, mask=None, grammar=None) -> None:
+    def add_request(self, request_id, prompts, params, n=1, mask=None, grammar=None, return_text=False) -> None:
         self.running += [(request_id, p) for p in range(len(prompts))]
 
     def step(self) -> list[SampleOutput]:

@@ -1,12 +1,13 @@
 """RolloutFleet on a local Ray cluster (CPU, node address 127.0.0.1), two replicas of the embedded
 tiny model: prompts spread over both replicas come back exactly once in the caller's order with
-valid masks; a weight broadcast reaches every replica and changes greedy outputs; a replica killed
-mid-generation loses no sample, is restarted with the current weights and serves again, and so is
-one whose server process crashes; one whose engine is stopped leaves the routing until it runs
-again; each replica is reported as it comes up; a replica that cannot start is reported with its
-own log (no Ray stack dump); a replica stopped elsewhere is said so once; shutdown leaves no server
-process behind. The routing bookkeeping and the launcher's message when there is no cluster are
-also tested on their own, without Ray."""
+valid masks; chat prompts, stop strings and text work through it; a weight broadcast reaches
+every replica and changes greedy outputs; a replica killed mid-generation loses no sample, is
+restarted with the current weights and serves again, and so is one whose server process crashes;
+one whose engine is stopped leaves the routing until it runs again; each replica is reported as it
+comes up; a replica that cannot start is reported with its own log (no Ray stack dump); a replica
+stopped elsewhere is said so once; shutdown leaves no server process behind. The routing
+bookkeeping and the launcher's message when there is no cluster are also tested on their own,
+without Ray."""
 
 from __future__ import annotations
 
@@ -128,6 +129,20 @@ def test_generate_spreads_prompts_and_keeps_caller_order(fleet):
     batches = list(fleet.stream(prompts[:4], n=2, sampling=sampling, mask="selected"))
     assert sorted(b.column("prompt_index")[0].as_py() for b in batches) == [0, 1, 2, 3]
     assert all(b.num_rows == 2 and len(set(b.column("prompt_index").to_pylist())) == 1 for b in batches)
+
+
+def test_chat_prompts_stop_strings_and_text_through_the_fleet(fleet):
+    chat = [{"role": "user", "content": "def f(x):"}]
+    free = fleet.generate(chat, sampling=GREEDY, return_text=True)
+    expected = [259, *b"user\ndef f(x):", 260, *b"\n", 259, *b"assistant\n"]  # the embedded ChatML template
+    assert free.column("prompt_token_ids").to_pylist() == [expected]
+    text = free.column("text")[0].as_py()
+    stop = text[2:4]  # greedy: the same text comes again, and stops at the first occurrence of this
+    table = fleet.generate(chat, n=2, sampling=dict(GREEDY, stop=[stop]), return_text=True)
+    kept = text[: text.index(stop) + len(stop)]
+    assert table.column("text").to_pylist() == [kept, kept] and len(stop) == 2
+    assert table.column("stop_reason").to_pylist() == [stop, stop]
+    assert table.column("finish_reason").to_pylist() == ["stop", "stop"]
 
 
 def test_weight_broadcast_reaches_every_replica(fleet):
@@ -305,7 +320,7 @@ class _FakeCore:
         core = self
 
         class Client:
-            def stream(self, prompts, n, sampling, mask, grammar, request_id, timeout):
+            def stream(self, prompts, n, sampling, mask, grammar, request_id, timeout, return_text):
                 core.calls.append((replica.index, prompts[0][0], sampling["seed"]))
                 return _FakeStream(replica.index, n, fail=replica.index == 0)
 

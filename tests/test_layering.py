@@ -3,7 +3,8 @@
 rollout.options, which turns config dataclasses into flags) imports nothing of engine/, spec/ or
 server/. Every module's imports, at any depth (function-level and TYPE_CHECKING ones included),
 are read with `ast` and checked against the allowed edges below. `rollout.build_engine`
-(rollout/__init__.py) and the CLI (cli.py, cli_generate.py) are where the packages meet."""
+(rollout/__init__.py) and the CLI (cli.py, cli_generate.py) are where the packages meet;
+`rollout show` (show.py, show_html.py) reads a rollout file with the engine's incremental decoder."""
 
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ ALLOWED: dict[str, set[str] | None] = {
     "server": {"engine"} | DATA,
     "cli": None,
     "cli_generate": None,
+    "show": {"engine", "errors", "masks", "schema", "show_html"},
+    "show_html": {"show"},
     "root": None,
 }
-# trainer_client speaks the wire; two named modules besides: the server's readiness line (fleet
-# replicas start `rollout serve`) and the per-sample seed derivation (fleet routing reseeds prompts)
+# trainer_client speaks the wire; three named modules besides: the server's readiness line (fleet
+# replicas start `rollout serve`), the per-sample seed derivation (fleet routing reseeds prompts) and
+# the grammar forms a caller may give (GrammarSpec.from_input, checked before a request is sent)
 CLIENT_ALLOWED = {"errors", "proto", "schema"}
-CLIENT_MODULES = {"rollout.server.process", "rollout.engine.intake"}
+CLIENT_MODULES = {"rollout.server.process", "rollout.engine.intake", "rollout.engine.grammar"}
 
 
 def part_of(module: str) -> str:

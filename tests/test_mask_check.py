@@ -1,5 +1,6 @@
-"""The mask contract's validator (docs/masks.md): clean rollouts pass, each broken rule is named at its position,
-and `rollout validate` reads IPC files and streams with the documented exit codes."""
+"""The mask contract's validator (docs/masks.md): clean rollouts pass, each broken rule is named at
+its position (the per-row sampling settings against the masks too), and `rollout validate` reads
+IPC files and streams with the documented exit codes."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _top_k_policy(rng: np.random.Generator, top_k: int):
 
 def _sample(rng, request_id="r0", n_tokens=6, top_k=5, greedy_at=(), mode="support") -> SimpleNamespace:
     s = _row(request_id=request_id, prompt_index=0, sample_index=1, prompt_token_ids=[1, 2, 3], token_ids=[],
-             token_logprobs=[], support_ids=[], support_logprobs=[], policy_version=0)
+             token_logprobs=[], support_ids=[], support_logprobs=[], policy_version=0, temperature=1.0,
+             top_k=top_k, top_p=1.0, min_p=0.0)  # fmt: skip
     for j in range(n_tokens):
         ids, logp = ([7], [0.0]) if j in greedy_at else _top_k_policy(rng, top_k)
         pick = int(rng.integers(len(ids)))
@@ -49,6 +51,9 @@ def _sample(rng, request_id="r0", n_tokens=6, top_k=5, greedy_at=(), mode="suppo
 
 
 def _table(samples, mode="support", **extra) -> pa.Table:
+    """The samples as a table whose rows and metadata have mask mode `mode` ("" = none)."""
+    for s in samples:
+        s.mask_mode = mode or "none"
     schema = schema_with_metadata("tiny", "dflash", "dflash", mode)
     if extra:
         schema = schema.with_metadata(
@@ -121,6 +126,36 @@ def test_each_rule_names_sample_and_position(rng, edit, expected):
     v = next(v for v in report.violations if (v.rule, v.position) == expected)
     assert (v.request_id, v.prompt_index, v.sample_index) == ("r0", 0, 1)
     assert "r0[prompt 0, sample 1]" in str(v)
+
+
+def _min_p_edit(s):
+    """min_p 0.5 on supports built without it: their tails fall below half the top probability."""
+    s.min_p = 0.5
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda s: setattr(s, "temperature", 0.0), {("support width", 0), ("greedy", 0)}),  # greedy: 1 token, logprob 0
+    (lambda s: setattr(s, "top_k", 3), {("support width", 0), ("support width", 5)}),  # the row's own top_k
+    (lambda s: setattr(s, "top_k", 0), {("settings", None)}),  # a masked sampled row needs a finite top_k
+    (_min_p_edit, {("min_p", 0)}),
+    (lambda s: setattr(s, "stop_reason", "\n"), {("stop_reason", None)}),  # finish_reason is "length"
+    (lambda s: setattr(s, "top_p", 0.0), {("settings", None)}),
+    (lambda s: setattr(s, "grammar_kind", "lark"), {("settings", None)}),
+    (lambda s: setattr(s, "temperature", None), {("settings", None)}),
+])  # fmt: skip
+def test_rows_are_checked_against_their_own_settings(rng, edit, expected):
+    clean = _sample(rng, greedy_at=(2,))
+    assert check_table(_table([clean])).ok
+    found, report = _broken(rng, edit)
+    assert expected <= found, report.summary()
+
+
+def test_the_row_mask_mode_decides_which_columns_it_has(rng):
+    s = _sample(rng)
+    table = _table([s]).to_pylist()
+    table[0]["mask_mode"] = "none"  # masks present on a row that says it has none
+    rows = pa.Table.from_pylist(table, schema=_table([s]).schema)
+    assert {v.rule for v in check_table(rows).violations} == {"mask_mode"}
 
 
 def test_width_bound_from_argument_and_metadata(rng):

@@ -1,6 +1,7 @@
 """`rollout.schema.to_record_batch` (flat values + offsets) against the straightforward nested
 `pa.array` construction: the same schema and values for samples with and without masks, in
-selected and support mode, with zero-length outputs and failed samples, and through Arrow IPC."""
+selected and support mode, with zero-length outputs and failed samples, and through Arrow IPC;
+every row carries its sampling settings, stop reason and text."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ import random
 import pyarrow as pa
 import pytest
 
-from rollout.outputs import SampleOutput
+from rollout.engine.params import SamplingParams
+from rollout.outputs import RowSampling, SampleOutput
 from rollout.schema import ROLLOUT_SCHEMA, schema_with_metadata, to_record_batch
+
+SETTINGS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+def _value(s: SampleOutput, name: str):
+    if name in SETTINGS:
+        return getattr(s.params, name)
+    return s.mask or "none" if name == "mask_mode" else getattr(s, name)
 
 
 def reference_batch(samples: list[SampleOutput], schema: pa.Schema = ROLLOUT_SCHEMA) -> pa.RecordBatch:
     """Every column as `pa.array` of the samples' Python values (the nested conversion)."""
-    arrays = [pa.array([getattr(s, f.name) for s in samples], type=f.type) for f in ROLLOUT_SCHEMA]
+    arrays = [pa.array([_value(s, f.name) for s in samples], type=f.type) for f in ROLLOUT_SCHEMA]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
@@ -32,6 +42,10 @@ def _sample(rng: random.Random, i: int, mode: str | None, num_tokens: int, width
     s.finish_reason = rng.choice(["stop", "length", "abort"])
     s.accept_lengths = [rng.randrange(1, 9) for _ in range(rng.randrange(0, 5))]
     s.policy_version = rng.randrange(2**40)
+    s.params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]), top_k=rng.choice([0, 8]),
+                              top_p=rng.random(), min_p=rng.random() / 2, seed=rng.choice([None, 2**62 + i]))
+    s.mask, s.grammar_kind = mode, rng.choice([None, "regex", "json_schema"])
+    s.stop_reason, s.text = rng.choice([None, "\n\n"]), rng.choice([None, "", "déjà vu"])
     return s
 
 
@@ -59,6 +73,13 @@ def test_record_batch_equals_the_nested_reference(modes):
     assert batch.to_pylist() == reference_batch(samples, schema).to_pylist()
     for name in ("support_ids", "support_logprobs"):
         assert [x is None for x in batch.column(name).to_pylist()] == [getattr(s, name) is None for s in samples]
+
+
+def test_a_sample_made_without_a_request_carries_the_engines_defaults():
+    defaults = {name: getattr(SamplingParams(), name) for name in SETTINGS}
+    assert {name: getattr(RowSampling(), name) for name in SETTINGS} == defaults
+    row = to_record_batch([SampleOutput("r", 0, 0, prompt_token_ids=[1])]).to_pylist()[0]
+    assert {name: row[name] for name in SETTINGS} == defaults
 
 
 def test_zero_length_outputs_empty_batches_and_failed_samples():

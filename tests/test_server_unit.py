@@ -83,7 +83,6 @@ def test_stream_flushes_in_small_batches(client):
         (dict(prompts=[[1] * MAX_LEN]), grpc.StatusCode.INVALID_ARGUMENT, "prompts[0]"),
         (dict(prompts=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompts"),
         (dict(n=0), grpc.StatusCode.INVALID_ARGUMENT, "n"),
-        (dict(grammar=("yaml", "x")), grpc.StatusCode.INVALID_ARGUMENT, "grammar"),
         (dict(prompts=[[1]] * (MAX_QUEUED + 1)), grpc.StatusCode.RESOURCE_EXHAUSTED, "queue"),
         (
             dict(sampling=dict(max_tokens=3, logit_bias={FAIL_TOKEN: 1.0})),

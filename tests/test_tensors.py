@@ -1,5 +1,7 @@
-"""trainer_client.tensors: padding of a hand-made table, and the mask replay reproducing the
-log-probs (docs/sampling.md) of supports computed by hand from known logits, with gradients."""
+"""trainer_client.tensors: padding of a hand-made table, the mask replay reproducing the
+log-probs (docs/sampling.md) of supports computed by hand from known logits at each row's own
+temperature (an explicit temperature that disagrees is refused), with gradients; the model inputs
+and output logits of a batch, and its short repr."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rollout.engine.params import SamplingParams
 from rollout.outputs import SampleOutput
 from rollout.schema import schema_with_metadata, to_record_batch
 from trainer_client.tensors import masked_logprobs, to_torch
@@ -15,12 +18,12 @@ from trainer_client.tensors import masked_logprobs, to_torch
 VOCAB, TEMPERATURE, TOP_K, TOP_P = 40, 0.7, 6, 0.8
 
 
-def _contract1(z: np.ndarray, greedy: bool):
+def _contract1(z: np.ndarray, greedy: bool, temperature: float = TEMPERATURE):
     """Support (sorted by prob desc, ties by id) and its log-probs: temperature, top-k, top-p."""
     if greedy:
         return [int(np.argmax(z))], [0.0]
     order = sorted(range(VOCAB), key=lambda t: (-z[t], t))[:TOP_K]
-    scaled = z[order] / TEMPERATURE
+    scaled = z[order] / temperature
     p = np.exp(scaled - scaled.max())
     p /= p.sum()
     keep = int(np.searchsorted(np.cumsum(p), TOP_P) + 1)  # shortest prefix reaching top_p
@@ -29,16 +32,20 @@ def _contract1(z: np.ndarray, greedy: bool):
     return order[:keep], logp.tolist()
 
 
-def _rollout(logits: np.ndarray, lens: list[int], greedy_rows: set[int], mode: str):
+def _rollout(logits: np.ndarray, lens: list[int], greedy_rows: set[int], mode: str,
+             temperature: float = TEMPERATURE):  # fmt: skip
     rng = np.random.default_rng(1)
     samples = []
     for b, n in enumerate(lens):
         s = SampleOutput(
             f"req{b}", b // 2, b % 2, prompt_token_ids=list(range(1, 2 + b)), policy_version=3 + b
         )
+        greedy = b in greedy_rows
+        s.params = SamplingParams(temperature=0.0 if greedy else temperature, top_k=TOP_K, top_p=TOP_P)
+        s.mask = mode or None
         support_ids, support_logprobs = [], []
         for j in range(n):
-            ids, logp = _contract1(logits[b, j], b in greedy_rows)
+            ids, logp = _contract1(logits[b, j], greedy, temperature)
             pick = int(rng.integers(len(ids)))
             s.token_ids.append(ids[pick])
             s.token_logprobs.append(logp[pick])
@@ -104,7 +111,7 @@ def test_masked_logprobs_reproduce_rollout(logits):
     table, samples = _rollout(logits, [5, 7, 2, 4], {2}, "selected")
     batch = to_torch(table)
     z = torch.tensor(logits, requires_grad=True)
-    logp = masked_logprobs(z, batch, temperature=TEMPERATURE)
+    logp = masked_logprobs(z, batch)  # each row's own temperature: 0.7, greedy row 2 at 0
     assert logp.shape == (4, 7)
     torch.testing.assert_close(
         logp[batch.loss_mask], batch.token_logprobs[batch.loss_mask], atol=1e-5, rtol=0
@@ -113,11 +120,27 @@ def test_masked_logprobs_reproduce_rollout(logits):
     assert (logp[~batch.loss_mask] == 0).all()
 
 
+def test_rows_keep_their_own_temperature_and_an_explicit_one_must_agree(logits):
+    """The issue's trap: sampled at 0.7, replayed at the default 1.0, log-probs off by up to ~1 nat."""
+    hot, _ = _rollout(logits[:2], [5, 7], set(), "support", temperature=0.7)
+    cold, _ = _rollout(logits[2:], [2, 4], set(), "support", temperature=1.3)
+    batch = to_torch(pa.concat_tables([hot, cold]))
+    assert batch.temperature.tolist() == pytest.approx([0.7, 0.7, 1.3, 1.3])
+    assert batch.top_k.tolist() == [TOP_K] * 4 and batch.mask_mode == ["support"] * 4
+    logp = masked_logprobs(torch.tensor(logits), batch)
+    torch.testing.assert_close(logp[batch.loss_mask], batch.token_logprobs[batch.loss_mask], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"temperature=0.7 disagrees .* \(temperature 0.7/1.3\)"):
+        masked_logprobs(torch.tensor(logits), batch, temperature=0.7)
+    hot_only = to_torch(hot)
+    torch.testing.assert_close(masked_logprobs(torch.tensor(logits[:2]), hot_only, temperature=0.7),
+                               masked_logprobs(torch.tensor(logits[:2]), hot_only))
+
+
 def test_gradients_flow_inside_support_only(logits):
     table, samples = _rollout(logits, [5, 7, 2, 4], {2}, "support")
     batch = to_torch(table)
     z = torch.tensor(logits, requires_grad=True)
-    masked_logprobs(z, batch, temperature=TEMPERATURE).sum().backward()
+    masked_logprobs(z, batch).sum().backward()
     grad = z.grad
     assert torch.isfinite(grad).all()
     b, j = 1, 3
@@ -131,15 +154,45 @@ def test_gradients_flow_inside_support_only(logits):
 
 
 def test_without_masks_is_plain_log_softmax(logits):
-    batch = to_torch(_rollout(logits, [3, 2], set(), "")[0])
+    batch = to_torch(_rollout(logits, [3, 2], set(), "", temperature=2.0)[0])
     z = torch.tensor(logits[:2, :3])
-    logp = masked_logprobs(z, batch, temperature=2.0)
+    logp = masked_logprobs(z, batch)
     full = torch.log_softmax(z / 2.0, dim=-1).gather(-1, batch.token_ids[..., None]).squeeze(-1)
     torch.testing.assert_close(logp, torch.where(batch.loss_mask, full, 0.0))
     with pytest.raises(ValueError, match="temperature"):
         masked_logprobs(z, batch, temperature=0.0)
     with pytest.raises(ValueError, match="logits"):
         masked_logprobs(torch.tensor(logits[:2]), batch)
+
+
+def test_model_inputs_join_prompt_and_output_and_output_logits_pick_the_predicting_positions(logits):
+    batch = to_torch(_rollout(logits, [5, 7, 2, 4], {2}, "support")[0])  # prompts of 1..4 tokens
+    inputs = batch.model_inputs(pad_token_id=99)
+    ids, attention, positions = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
+    assert ids.shape == attention.shape == positions.shape == (4, 9)  # longest: 2 prompt + 7 output
+    for b in range(4):
+        p, n = int(batch.prompt_lens[b]), int(batch.loss_mask[b].sum())
+        expected = batch.prompt_ids[b, :p].tolist() + batch.token_ids[b, :n].tolist()
+        assert ids[b].tolist() == expected + [99] * (9 - p - n)
+        assert attention[b].tolist() == [1] * (p + n) + [0] * (9 - p - n)
+        assert positions[b].tolist() == list(range(p + n)) + [0] * (9 - p - n)
+    fake = torch.arange(4 * 9, dtype=torch.float32).reshape(4, 9, 1).expand(4, 9, 3)  # [B, T, V]: value = b*9 + t
+    picked = batch.output_logits(fake)  # [B, L, V]
+    assert picked.shape == (4, 7, 3)
+    for b in range(4):
+        p, n = int(batch.prompt_lens[b]), int(batch.loss_mask[b].sum())
+        assert picked[b, :n, 0].tolist() == [b * 9 + p - 1 + j for j in range(n)]
+    with pytest.raises(ValueError, match="model_inputs"):
+        batch.output_logits(fake[:, :7])
+
+
+def test_repr_is_one_short_line(logits):
+    batch = to_torch(_rollout(logits, [5, 7, 2, 4], {2}, "support")[0])
+    text = repr(batch)
+    assert "\n" not in text and len(text) < 400 and "-inf" not in text
+    assert text.startswith("RolloutBatch(4 samples, prompts 1..4 tokens, outputs 2..7 tokens (18 in all), "
+                           "masks support")
+    assert "temperature 0.0/0.7" in text and "top_k 6" in text and "finish stop 4" in text
 
 
 @pytest.mark.parametrize("column, bad", [("support_ids", -5), ("support_ids", 2_080_374_867),

@@ -35,7 +35,8 @@ def _rollout(rng: np.random.Generator, num_samples: int = 6) -> pa.Table:
             tokens.append(order[pick]), token_lps.append(float(np.float32(kept[pick])))
         rows.append(dict(request_id=f"r{i}", prompt_index=i, sample_index=0, prompt_token_ids=[1, 2, 3],
                          token_ids=tokens, token_logprobs=token_lps, support_ids=ids, support_logprobs=logps,
-                         finish_reason="length", accept_lengths=[1] * len(tokens), policy_version=0))
+                         finish_reason="length", accept_lengths=[1] * len(tokens), policy_version=0,
+                         temperature=1.0, top_k=TOP_K, top_p=1.0, min_p=0.0, mask_mode="support"))
     schema = schema_with_metadata("tiny", "none", "none", "support", TOP_K, VOCAB)
     return pa.Table.from_pylist(rows, schema=schema)
 

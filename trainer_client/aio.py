@@ -66,9 +66,10 @@ class AsyncRolloutClient(ClientBase):
         grammar: Any = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        return_text: bool = False,
     ) -> pa.Table:
         """All samples of all prompts as one table, ordered by (prompt_index, sample_index)."""
-        async with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout) as batches:
+        async with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout, return_text) as batches:
             return to_table([batch async for batch in batches])
 
     def stream(
@@ -80,10 +81,12 @@ class AsyncRolloutClient(ClientBase):
         grammar: Any = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        return_text: bool = False,
     ) -> AsyncBatchStream:
         """Sends the request now; `async for` the record batches as samples finish. Closing
-        the stream, or dropping it before the end, cancels the request."""
-        request = build_request(prompts, n, sampling, mask, grammar, request_id)
+        the stream, or dropping it before the end, cancels the request. Arguments as
+        `RolloutClient.stream`."""
+        request = build_request(prompts, n, sampling, mask, grammar, request_id, return_text)
         return AsyncBatchStream(self._stub.Generate(request, timeout=self._deadline(timeout)))
 
     async def abort(self, request_id: str, timeout: float | None = None) -> int:

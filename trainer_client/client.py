@@ -1,6 +1,6 @@
 """The trainer's gRPC client of a rollout server (docs/wire.md).
 
-`RolloutClient(address)` sends prompts (text or token ids) with sampling parameters and gets the
+`RolloutClient(address)` sends prompts (text, token ids or chat messages) with sampling parameters and gets the
 finished samples back as a `pyarrow.Table` (`generate`) or as record batches while they finish
 (`stream`; leaving the iterator early cancels the call, and the server aborts the request and
 frees its KV blocks). `update_weights` pushes a state dict or safetensors files. Server-side
@@ -12,6 +12,7 @@ building and decoding helpers here are shared with the asyncio twin in `trainer_
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from rollout.engine.grammar import GrammarSpec
 from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
@@ -32,7 +34,7 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_mess
 WEIGHT_PIECE_BYTES = 8 << 20
 SORT_KEYS = [("prompt_index", "ascending"), ("sample_index", "ascending")]
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
 Weights = Mapping[str, torch.Tensor] | str | Path
 
 
@@ -43,45 +45,70 @@ def build_request(
     mask: str | None,
     grammar: Any,
     request_id: str | None,
+    return_text: bool = False,
 ) -> pb.GenerateRequest:
-    """Client arguments -> GenerateRequest. A bare string is one prompt. `grammar` is a
-    (kind, value) pair, a dict with those keys, or an object with those attributes."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
+    """Client arguments -> GenerateRequest (see `prompt_list` for the prompt forms; `grammar` is
+    anything `GrammarSpec.from_input` reads: a JSON schema as a dict or JSON string, a (kind, value)
+    pair, {"kind": ..., "value": ...}). Bad arguments raise InvalidArgument naming them."""
     request = pb.GenerateRequest(
         request_id=request_id or "",
-        prompts=[_prompt(p) for p in prompts],
+        prompts=[_prompt(i, p) for i, p in enumerate(prompt_list(prompts))],
         n=n,
         sampling=sampling_to_proto(dict(sampling or {})),
         mask=mask or "",
+        return_text=return_text,
     )
     if grammar is not None:
-        kind, value = _grammar_pair(grammar)
-        request.grammar.CopyFrom(pb.Grammar(kind=kind, value=value))
+        spec = GrammarSpec.from_input(grammar)
+        request.grammar.CopyFrom(pb.Grammar(kind=spec.kind, value=spec.value))
     return request
 
 
-def _prompt(prompt: Prompt) -> pb.Prompt:
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """The caller's prompts as a list. One prompt alone may be given as itself: a string, a list
+    of token ids, or a chat (a list of {"role", "content"} messages)."""
+    if isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], Mapping | numbers.Integral):
+        return [prompts]
+    return prompts
+
+
+def _prompt(index: int, prompt: Prompt) -> pb.Prompt:
     if isinstance(prompt, str):
         return pb.Prompt(text=prompt)
-    return pb.Prompt(token_ids=pb.TokenIds(ids=[int(t) for t in prompt]))
+    prompt = list(prompt)
+    if prompt and isinstance(prompt[0], Mapping):
+        return pb.Prompt(messages=pb.Messages(messages=[_message(index, j, m) for j, m in enumerate(prompt)]))
+    try:
+        return pb.Prompt(token_ids=pb.TokenIds(ids=[int(t) for t in prompt]))
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"prompts[{index}]", "must be text, a list of token ids, or a list of "
+                                                   "{'role', 'content'} messages") from None
 
 
-def _grammar_pair(grammar: Any) -> tuple[str, str]:
-    if isinstance(grammar, Mapping):
-        return grammar["kind"], grammar["value"]
-    if isinstance(grammar, tuple):
-        return grammar
-    return grammar.kind, grammar.value
+def _message(index: int, position: int, message: Any) -> pb.ChatMessage:
+    if (not isinstance(message, Mapping) or set(message) != {"role", "content"}
+            or not all(isinstance(message[k], str) for k in ("role", "content"))):
+        raise InvalidArgument(f"prompts[{index}].messages[{position}]",
+                              f"must be {{'role': str, 'content': str}}, got {message!r:.80}")
+    return pb.ChatMessage(role=message["role"], content=message["content"])
 
 
 def sampling_to_proto(sampling: dict[str, Any]) -> pb.SamplingParams:
-    """`sampling=dict(...)` -> SamplingParams message; None values are left unset."""
+    """`sampling=dict(...)` -> SamplingParams message; None values are left unset, a lone stop
+    string is a list of one."""
     known = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
     unknown = sorted(set(sampling) - known)
     if unknown:
         raise InvalidArgument("sampling", f"unknown field(s) {unknown}; known: {sorted(known)}")
-    return pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    try:
+        return pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument("sampling", str(e)) from None
 
 
 def decode_batch(response: pb.GenerateResponse) -> pa.RecordBatch:
@@ -226,9 +253,11 @@ class RolloutClient(ClientBase):
         grammar: Any = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        return_text: bool = False,
     ) -> pa.Table:
-        """All samples of all prompts as one table, ordered by (prompt_index, sample_index)."""
-        with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout) as batches:
+        """All samples of all prompts as one table, ordered by (prompt_index, sample_index). See
+        `stream` for the arguments."""
+        with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout, return_text) as batches:
             return to_table(list(batches))
 
     def stream(
@@ -240,10 +269,18 @@ class RolloutClient(ClientBase):
         grammar: Any = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        return_text: bool = False,
     ) -> BatchStream:
         """Sends the request now; iterate for record batches as samples finish. Closing the
-        stream, or dropping it before the end, cancels the request."""
-        request = build_request(prompts, n, sampling, mask, grammar, request_id)
+        stream, or dropping it before the end, cancels the request.
+
+        `prompts`: text, token ids or chat messages ([{"role", "content"}, ...], rendered by the
+        server with the model's chat template), one prompt or a list of them. `sampling`: the
+        SamplingParams fields (temperature, top_k, top_p, min_p, penalties, logit_bias, min_tokens,
+        max_tokens, stop_token_ids, stop strings, ignore_eos, seed). `mask`: None, "selected" or
+        "support". `grammar`: a JSON schema (dict or JSON string), (kind, value) or {"kind",
+        "value"}. `return_text`: fill the `text` column with each sample's decoded output."""
+        request = build_request(prompts, n, sampling, mask, grammar, request_id, return_text)
         return BatchStream(self._stub.Generate(request, timeout=self._deadline(timeout)))
 
     def abort(self, request_id: str, timeout: float | None = None) -> int:

@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 
 from rollout.errors import InvalidArgument
 from trainer_client.aio import AsyncRolloutClient
-from trainer_client.client import Prompt, Weights, safetensors_files, sampling_to_proto, to_table
+from trainer_client.client import Prompt, Weights, build_request, prompt_list, safetensors_files, to_table
 from trainer_client.fleet_replica import RolloutReplica, health_ok
 from trainer_client.fleet_requests import FleetRequest
 from trainer_client.fleet_routing import Replica, WeightHistory
@@ -187,27 +187,29 @@ class RolloutFleet:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], n: int = 1, sampling: Mapping[str, Any] | None = None,
                  mask: str | None = None, grammar: Any = None, request_id: str | None = None,
-                 timeout: float | None = None) -> pa.Table:  # fmt: skip
+                 timeout: float | None = None, return_text: bool = False) -> pa.Table:  # fmt: skip
         """All samples as one table ordered by (prompt_index, sample_index) in the caller's order."""
-        with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout) as batches:
+        with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout, return_text) as batches:
             return to_table(list(batches))
 
     def stream(self, prompts: Prompt | Sequence[Prompt], n: int = 1, sampling: Mapping[str, Any] | None = None,
                mask: str | None = None, grammar: Any = None, request_id: str | None = None,
-               timeout: float | None = None) -> FleetStream:  # fmt: skip
+               timeout: float | None = None, return_text: bool = False) -> FleetStream:  # fmt: skip
         """Record batches, each holding all n samples of one prompt, as prompts finish. `timeout` is
-        the deadline of each prompt's sub-request. Closing the stream cancels the request."""
+        the deadline of each prompt's sub-request. Closing the stream cancels the request. The
+        arguments are `RolloutClient.stream`'s (chat prompts included)."""
         if self._closed:
             raise RuntimeError("the fleet is shut down")
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = prompt_list(prompts)
         if not prompts:
             raise InvalidArgument("prompts", "at least one prompt is required")
         if not isinstance(n, int) or n < 1:
             raise InvalidArgument("n", f"must be an integer >= 1, got {n!r}")
-        sampling_to_proto(dict(sampling or {}))  # unknown keys fail here, not on a replica
+        build_request(prompts, n, sampling, mask, grammar, request_id, return_text)  # bad arguments fail here
         request_id = request_id or f"fleet-{uuid.uuid4().hex[:12]}"
         stream = FleetStream()
-        request = FleetRequest(self, prompts, n, sampling, mask, grammar, request_id, timeout, stream.put)
+        request = FleetRequest(self, prompts, n, sampling, mask, grammar, request_id, timeout, stream.put,
+                               return_text)
         self._requests[request_id] = (request, stream)
         future = asyncio.run_coroutine_threadsafe(request.run(), self._loop)
         stream.attach(future, on_close=lambda: self._requests.pop(request_id, None))

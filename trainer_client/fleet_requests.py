@@ -60,10 +60,11 @@ class FleetRequest:
 
     def __init__(self, core: FleetCore, prompts: Sequence[Prompt], n: int, sampling: Mapping[str, Any] | None,
                  mask: str | None, grammar: Any, request_id: str, timeout: float | None,
-                 emit: Callable[[pa.RecordBatch], None]):  # fmt: skip
+                 emit: Callable[[pa.RecordBatch], None], return_text: bool = False):  # fmt: skip
         self.core, self.prompts, self.n = core, prompts, n
         self.sampling = dict(sampling or {})
         self.mask, self.grammar, self.request_id, self.timeout = mask, grammar, request_id, timeout
+        self.return_text = return_text
         self.emit = emit
         self.delivered = 0
 
@@ -129,7 +130,7 @@ class FleetRequest:
         try:
             client = self.core.client(replica)
             stream = client.stream([self.prompts[prompt]], self.n, sampling, self.mask, self.grammar, sub_id,
-                                   self.timeout)  # fmt: skip
+                                   self.timeout, self.return_text)  # fmt: skip
             with stream:
                 async for batch in stream:
                     batches.append(batch)

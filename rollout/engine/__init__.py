@@ -8,9 +8,10 @@ runs the forward (attention.py, prefix_attention.py, rope.py, moe.py for Qwen3-M
 the Triton kernels); rows.py builds per-row parameters and the grammar processor's bitmask
 (grammar.py); sampler.py and truncation.py compute the policy (docs/sampling.md); verify.py
 accepts drafts losslessly (docs/verification.md); capture.py reads the masks (docs/masks.md);
-commit.py appends, finishes and emits. intake.py admits requests, weights.py swaps weights
-between steps, loader.py loads the model, kv.py allocates its cache, and memory.py sizes the
-pool from profile.py's run of the largest step.
+commit.py appends, finishes (stops.py: stop strings on the committed tokens) and emits.
+intake.py admits requests, weights.py swaps weights between steps, loader.py loads the model (and
+its chat template: chat.py renders chat prompts), kv.py allocates its cache, and memory.py sizes
+the pool from profile.py's run of the largest step.
 
 The engine imports nothing of rollout.spec or rollout.server: drafters plug in through
 drafter.py (`rollout.build_engine` passes rollout.spec's factory), the server calls the engine.

@@ -1,5 +1,6 @@
 """After the step's one host copy (and the scheduler's `advance`): append committed tokens with
-their logprobs and masks, stop at the finish, and emit finished samples.
+their logprobs and masks, stop at the finish (max_tokens, the context, a stop token, or the token
+completing a stop string: rollout.engine.stops), and emit finished samples.
 
 The mask hand-over, one step late (explained here once; capture and the engine refer here): a
 step's masks reach its samples one step late, unless one of its masked samples finishes (then
@@ -50,12 +51,15 @@ class HostStep(NamedTuple):
 class Committer:
     """Appends each entry's committed tokens up to its finish, hands masks over and emits finished
     samples. `scheduler` frees a finished sample's blocks, `intake` forgets it; `policy_version()`
-    stamps it; `max_model_len` bounds a sample's context."""
+    stamps it; `max_model_len` bounds a sample's context; `decode` (token ids -> output text) fills
+    the `text` of samples that asked for it."""
 
-    def __init__(self, scheduler: Scheduler, intake: Intake, max_model_len: int, policy_version: Callable[[], int]):
+    def __init__(self, scheduler: Scheduler, intake: Intake, max_model_len: int, policy_version: Callable[[], int],
+                 decode: Callable[[list[int]], str] | None = None):
         self.scheduler, self.intake = scheduler, intake
         self.max_model_len = max_model_len
         self.policy_version = policy_version
+        self.decode = decode
         self.pending: StepMasks | None = None  # the last step's masks, not yet handed to its samples
 
     def commit(self, rows: SampleRows, host: HostStep | None, captured) -> list[SampleOutput]:
@@ -91,23 +95,10 @@ class Committer:
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks, e: int) -> str | None:
         """Append committed tokens (entry e of the step) up to the finish; returns the finish reason
         or None. `masks`: the step's StepMasks, None when no entry asked for masks."""
-        out, n, reason = seq.output_token_ids, len(tokens), None
-        # the finish: the token that reaches max_tokens or the context, unless a stop token
-        # comes first (or is that token)
-        room = seq.params.max_tokens - len(out)
-        context_room = self.max_model_len - len(seq.prompt_token_ids) - len(out)
-        if context_room < room:
-            room = context_room
-        if room <= n:
-            n, reason = max(room, 1), "length"
-        if not seq.stop_ids.isdisjoint(tokens):
-            for j in range(n):
-                if tokens[j] in seq.stop_ids:
-                    n, reason = j + 1, "stop"
-                    break
+        n, reason = self._kept(seq, tokens)
         if n < len(tokens):
             tokens, logprobs = tokens[:n], logprobs[:n]
-        out += tokens
+        seq.output_token_ids += tokens
         seq.output_logprobs += logprobs
         if seq.mask:
             masks.taken.append((seq, e, n))
@@ -115,6 +106,25 @@ class Committer:
         if seq.grammar is not None:
             seq.grammar.commit(tokens)
         return reason
+
+    def _kept(self, seq: Sequence, tokens: list[int]) -> tuple[int, str | None]:
+        """How many of the step's committed tokens the sample keeps, and its finish reason (None: it
+        goes on). The finish is the token that reaches max_tokens or the context, unless a stop token
+        or the token completing a stop string comes first (or is that token)."""
+        out, n, reason = seq.output_token_ids, len(tokens), None
+        room = min(seq.params.max_tokens - len(out), self.max_model_len - len(seq.prompt_token_ids) - len(out))
+        if room <= n:
+            n, reason = max(room, 1), "length"
+        if not seq.stop_ids.isdisjoint(tokens):
+            for j in range(n):
+                if tokens[j] in seq.stop_ids:
+                    n, reason = j + 1, "stop"
+                    break
+        if seq.stop_matcher is not None:  # stop strings, on the tokens kept so far
+            hit = seq.stop_matcher.scan(tokens[:n], len(out), seq.params.min_tokens)
+            if hit is not None:
+                n, reason, seq.stop_reason = hit[0] + 1, "stop", hit[1]
+        return n, reason
 
     def hand_over_masks(self) -> None:
         """Gives the pending step's committed mask rows to its samples (one part each); a sample one
@@ -141,11 +151,13 @@ class Committer:
             supports=None if seq.support_parts is None else assemble_supports(seq.support_parts,
                                                                               seq.mask == "support"),
             accept_lengths=seq.accept_lengths, policy_version=self.policy_version(),
+            params=seq.params, mask=seq.mask, grammar_kind=seq.grammar_kind, stop_reason=seq.stop_reason,
+            text=self.decode(seq.output_token_ids) if seq.return_text and reason != "error" else None,
         )
 
     def fail(self, seq: Sequence, error: str) -> SampleOutput:
         """The whole sample fails: no tokens, no partial masks."""
         out = self.finish(seq, "error")
         out.token_ids, out.token_logprobs, out.supports = [], [], None
-        out.accept_lengths, out.error = [], error
+        out.accept_lengths, out.error, out.stop_reason = [], error, None
         return out

@@ -59,6 +59,7 @@ class LLMEngine:
                                  progress=load_progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
+        self.chat_template = self.loaded.chat_template
         self.vocab_size = self.loaded.config.vocab_size
         self.eos_token_ids = self.loaded.eos_token_ids
         self.model_name = self.loaded.name
@@ -88,10 +89,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_spec)
         checks = Limits(self.vocab_size, self.max_model_len, config.max_mask_tokens, config.max_queued_samples)
-        self.intake = Intake(self.scheduler, checks, self.eos_token_ids, self.tokenizer, random.Random())
+        decode = self.decode if self.tokenizer is not None else None
+        self.intake = Intake(self.scheduler, checks, self.eos_token_ids, self.tokenizer, random.Random(), decode)
         self.weights = WeightUpdater(self.model, getattr(self.drafter, "model", None), self.scheduler,
                                      self.block_manager)
-        self.committer = Committer(self.scheduler, self.intake, self.max_model_len, lambda: self.weights.version)
+        self.committer = Committer(self.scheduler, self.intake, self.max_model_len, lambda: self.weights.version,
+                                   decode)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = self.make_step_graphs(capture=True)
 
@@ -119,10 +122,15 @@ class LLMEngine:
         return self.weights.version
 
     def add_request(self, request_id: str, prompts: list[list[int]], params, n: int = 1,
-                    mask: str | None = None, grammar=None) -> None:
+                    mask: str | None = None, grammar=None, return_text: bool = False) -> None:
         """Validate everything, then queue n samples of every prompt. Raises InvalidArgument
-        (naming the field) or ResourceExhausted before any work is done."""
-        self.intake.add(request_id, prompts, params, n, mask, grammar)
+        (naming the field) or ResourceExhausted before any work is done. `return_text`: each
+        sample's decoded output comes back in SampleOutput.text."""
+        self.intake.add(request_id, prompts, params, n, mask, grammar, return_text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Output text as stop strings and the `text` column see it: special tokens left out."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def abort(self, request_id: str) -> list[SampleOutput]:
         """Stop a request now and free its KV blocks; returns its unfinished samples."""

@@ -1,6 +1,7 @@
 """Grammar-constrained decoding through xgrammar, shaped for speculative verify.
 
-A request may carry a `GrammarSpec` (a JSON schema, a regex or an EBNF grammar).
+A request may carry a `GrammarSpec` (a JSON schema, a regex or an EBNF grammar; `from_input`
+reads the forms callers give).
 `GrammarCompilerCache` builds xgrammar's tokenizer info from the model's tokenizer once and
 compiles each distinct grammar once (LRU). Every sequence with a grammar owns a
 `GrammarState`: before verify it fills one bitmask row per verify position (the grammar
@@ -22,15 +23,16 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
 from rollout.errors import GrammarRejected, InvalidArgument
+from rollout.masks import GRAMMAR_KINDS
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -43,7 +45,6 @@ def _xgrammar():
 
     return xgrammar
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # Whitespace between JSON elements is bounded: a sampled policy can otherwise spend its whole
 # token budget on blanks the schema allows, a degenerate loop RL rollouts hit in practice.
 MAX_JSON_WHITESPACE = 4
@@ -62,6 +63,44 @@ class GrammarSpec:
             raise InvalidArgument("grammar", f"kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
         if not isinstance(self.value, str) or not self.value.strip():
             raise InvalidArgument("grammar", f"{self.kind} must be a non-empty string")
+
+    @classmethod
+    def from_input(cls, grammar: Any) -> GrammarSpec:
+        """What a caller may give as a grammar: a JSON schema (a dict, or a string holding a JSON
+        object), a (kind, value) pair, {"kind": ..., "value": ...}, or a GrammarSpec. A JSON schema
+        value may be a dict in the last two too. Anything else is InvalidArgument naming `grammar`."""
+        if isinstance(grammar, GrammarSpec):
+            return grammar
+        if isinstance(grammar, Mapping):
+            if set(grammar) == {"kind", "value"}:
+                return cls._pair(grammar["kind"], grammar["value"])
+            return cls("json_schema", json.dumps(grammar))
+        if isinstance(grammar, tuple | list) and len(grammar) == 2:
+            return cls._pair(*grammar)
+        if isinstance(grammar, str):
+            if not isinstance(_json_or_none(grammar), dict):
+                raise InvalidArgument("grammar", "a string grammar must be a JSON schema object; give a regex or "
+                                                 "EBNF grammar as (kind, value) with kind one of " + str(GRAMMAR_KINDS))
+            return cls("json_schema", grammar)
+        raise InvalidArgument("grammar", f"must be a JSON schema (dict or JSON string), a (kind, value) pair or "
+                                         f"{{'kind': ..., 'value': ...}}, got {type(grammar).__name__}")
+
+    @classmethod
+    def _pair(cls, kind: Any, value: Any) -> GrammarSpec:
+        if kind == "json_schema" and isinstance(value, Mapping):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise InvalidArgument("grammar", f"the value of a {kind!r} grammar must be a string"
+                                             + (" or a dict" if kind == "json_schema" else "")
+                                             + f", got {type(value).__name__}")
+        return cls(kind, value)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def byte_level_alphabet() -> list[str]:

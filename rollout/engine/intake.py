@@ -4,12 +4,13 @@ grammar states, and the bookkeeping of which samples each request still has runn
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rollout.engine.params import SamplingParams, validate_mask_request
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Sequence
+from rollout.engine.stops import StopMatcher
 from rollout.errors import Aborted, InvalidArgument, ResourceExhausted
 
 _M64 = (1 << 64) - 1
@@ -36,13 +37,14 @@ class Limits:
 class Intake:
     """Admits requests into `scheduler` (n samples per prompt, the first of each prompt queued, the
     others forked from it once its prompt is computed). `tokenizer` and `eos_token_ids` build the
-    grammar compiler on the first grammar request; `rng` draws the base seed of unseeded ones."""
+    grammar compiler on the first grammar request; `rng` draws the base seed of unseeded ones;
+    `decode` (token ids -> output text, None without a tokenizer) reads stop strings."""
 
     def __init__(self, scheduler: Scheduler, limits: Limits, eos_token_ids: Iterable[int], tokenizer=None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, decode: Callable[[list[int]], str] | None = None):
         self.scheduler, self.limits = scheduler, limits
         self.eos_token_ids = tuple(eos_token_ids)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.decode = tokenizer, decode
         self.rng = rng or random.Random()
         self.requests: dict[str, list[Sequence]] = {}
         self.num_unfinished = 0
@@ -50,7 +52,7 @@ class Intake:
         self._grammars = None
 
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
-            mask: str | None, grammar) -> None:
+            mask: str | None, grammar, return_text: bool = False) -> None:
         limits = self.limits
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id", "must be a non-empty string")
@@ -65,6 +67,9 @@ class Intake:
         validate_mask_request(mask or None, params, limits.max_mask_tokens)
         for i, prompt in enumerate(prompts):
             self._check_prompt(i, prompt, params)
+        if (params.stop or return_text) and self.decode is None:
+            raise InvalidArgument("stop" if params.stop else "return_text",
+                                  "needs the model's tokenizer (tokenizer.json), which this model lacks")
         if grammar is not None:
             if params.ignore_eos:
                 raise InvalidArgument("ignore_eos", "cannot be combined with a grammar: a grammar-constrained "
@@ -81,7 +86,8 @@ class Intake:
             group = [self.new_sequence(request_id=request_id, prompt_index=p, sample_index=s,
                                        prompt_token_ids=list(prompt), params=params,
                                        seed=sample_seed(base, p, s), mask=mask or None,
-                                       grammar=None)
+                                       grammar=None, grammar_kind=grammar.kind if grammar else None,
+                                       return_text=return_text)
                      for s in range(n)]
             if grammar is not None:
                 for seq in group:
@@ -107,7 +113,10 @@ class Intake:
 
     def new_sequence(self, **kw) -> Sequence:
         self._next_id += 1
-        return new_sequence(self._next_id, self.eos_token_ids, **kw)
+        seq = new_sequence(self._next_id, self.eos_token_ids, **kw)
+        if seq.params.stop:
+            seq.stop_matcher = StopMatcher(seq.params.stop, self.decode)
+        return seq
 
     def done(self, seq: Sequence) -> None:
         seqs = self.requests.get(seq.request_id)

@@ -1,5 +1,5 @@
 """Load a target model from an HF checkpoint directory: config.json, safetensors (single file or
-sharded index), tokenizer.json and the EOS ids.
+sharded index), tokenizer.json, the chat template (rollout.engine.chat) and the EOS ids.
 
 Checkpoint tensor names are HF's (`model.layers.N.self_attn.q_proj.weight`, ...). A leading
 `model.` is dropped to get the module path, and a tensor whose module is a shard of a
@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from rollout.engine.chat import ChatTemplate
 from rollout.engine.model import ModelConfig, PackedLinear, TransformerLM
 from rollout.engine.moe import FusedExperts
 from rollout.errors import LoadError
@@ -42,6 +43,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     path: str
     name: str  # the checkpoint directory's name
+    chat_template: ChatTemplate | None = None  # rollout.engine.chat: renders chat prompts
 
 
 def _read_json(path: Path) -> dict:
@@ -275,4 +277,5 @@ def load_model(
         eos_token_ids=_eos_token_ids(root, raw_config, tokenizer),
         path=str(root),
         name=root.resolve().name,
+        chat_template=ChatTemplate.load(root) if tokenizer is not None else None,
     )

@@ -18,11 +18,12 @@ import math
 from dataclasses import dataclass, field
 
 from rollout.errors import InvalidArgument
-from rollout.masks import MASK_MODES
+from rollout.masks import MASK_MODES, TEMPERATURE_RANGE
 
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
-TEMPERATURE_RANGE = (1e-5, 1e5)  # besides 0 (greedy)
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+MAX_STOP_STRINGS = 16  # per request
+MAX_STOP_LENGTH = 256  # characters per stop string
 
 
 @dataclass
@@ -33,7 +34,9 @@ class SamplingParams:
 
     Ranges (`validate`): temperature 0 or [1e-5, 1e5]; top_p (0, 1]; min_p [0, 1];
     repetition_penalty [1e-3, 1e3]; frequency / presence penalties [-2, 2]; logit_bias values
-    [-100, 100]; nonzero floats at least float32's smallest normal number in magnitude."""
+    [-100, 100]; nonzero floats at least float32's smallest normal number in magnitude; `stop`
+    at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_LENGTH characters (a sample
+    finishes once its output text contains one: rollout.engine.stops)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -48,6 +51,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    stop: list[str] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +89,7 @@ class SamplingParams:
             _token_id("stop_token_ids", tok, vocab_size)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise InvalidArgument("seed", f"must be an integer in [0, 2^63), got {self.seed}")
+        _stop_strings(self.stop)
         return self
 
 
@@ -102,6 +107,15 @@ def validate_mask_request(mask: str | None, params: SamplingParams, max_mask_tok
             f"a mask request at temperature > 0 needs 1 <= top_k <= max_mask_tokens={max_mask_tokens}, "
             f"got {params.top_k}",
         )
+
+
+def _stop_strings(stop: list[str]) -> None:
+    if not isinstance(stop, list | tuple) or len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("stop", f"must be a list of at most {MAX_STOP_STRINGS} strings, got {stop!r:.80}")
+    for i, text in enumerate(stop):
+        if not isinstance(text, str) or not 1 <= len(text) <= MAX_STOP_LENGTH:
+            raise InvalidArgument(f"stop[{i}]", f"must be a string of 1 to {MAX_STOP_LENGTH} characters, "
+                                                f"got {text!r:.80}")
 
 
 def _temperature(value: float) -> None:

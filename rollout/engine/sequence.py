@@ -31,6 +31,10 @@ class Sequence:
     seed: int
     mask: str | None = None
     grammar: Any = None  # rollout.engine.grammar.GrammarState
+    grammar_kind: str | None = None
+    stop_matcher: Any = None  # rollout.engine.stops.StopMatcher when params.stop is set
+    stop_reason: str | None = None  # the stop string that finished the sample
+    return_text: bool = False  # decode the output into SampleOutput.text at the finish
     children: list[Sequence] = field(default_factory=list)  # samples forked once the prompt is computed
     started: bool = False  # admitted at least once (its tokens belong to policy_version)
     end_ids: tuple[int, ...] = ()  # EOS + stop_token_ids: banned by min_tokens, a grammar's ends

@@ -4,7 +4,9 @@
 numpy over the sample's flattened supports (no per-token Python loop), and returns a
 `CheckReport` whose violations name the sample (request_id, prompt_index, sample_index) and
 the output position. Token ids (prompt, output, support) are checked against the vocabulary
-size the schema metadata carries (`vocab_size`; without it only that they are >= 0).
+size the schema metadata carries (`vocab_size`; without it only that they are >= 0). Each row is
+checked against its own sampling settings (mask mode, temperature, top_k, min_p, ...:
+rollout.masks.check_settings).
 `main` is `rollout validate FILE`: it reads an Arrow IPC file or stream, prints a summary, and
 exits 0 when clean, 1 on any violation, 2 when the input cannot be checked (unreadable, not
 Arrow, corrupted buffers such as list offsets, or malformed schema metadata), with a one-line
@@ -22,6 +24,7 @@ import pyarrow as pa
 
 from rollout.errors import InvalidArgument
 from rollout.masks import MASK_MODES
+from rollout.masks.check_settings import RowSettings, check_settings, row_settings
 from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA, VOCAB_SIZE_KEY
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -106,9 +109,8 @@ class _Sample:
 
 @dataclass(frozen=True)
 class _Meta:
-    """What the schema metadata says about the rows."""
+    """What the schema metadata says about the rows (each row's mask mode is its own column)."""
 
-    mode: str  # "none", "selected" or "support"
     bound: int | None  # the support width bound
     vocab_size: int | None
 
@@ -131,10 +133,9 @@ def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None
     table.validate(full=True)  # offsets, lengths and UTF-8 before any buffer is indexed
     report.vocab_size = meta.vocab_size
     table = table.combine_chunks()
-    for r, sample in enumerate(_samples(table)):
+    for r, (sample, row) in enumerate(zip(_samples(table), row_settings(table))):
         ident = {k: table.column(k)[r].as_py() for k in ("request_id", "prompt_index", "sample_index")}
-        finish = table.column("finish_reason")[r].as_py()
-        problems = _check_sample(sample, finish, meta, tol)
+        problems = _check_sample(sample, row, meta, tol)
         for position, rule, message in problems:
             report.add(Violation(rule, message, position=position, **ident))
         _count(report, sample)
@@ -142,13 +143,14 @@ def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None
 
 
 def _read_metadata(meta: dict[bytes, bytes], max_width: int | None) -> _Meta:
-    """Parse the schema metadata the checks use; InvalidArgument names a malformed key."""
+    """Parse the schema metadata the checks use; InvalidArgument names a malformed key (a mask_mode
+    that is not one is malformed too)."""
     mode = _meta_text(meta, MASK_MODE_KEY) or "none"
     if mode not in MASK_MODES + NO_MASK_MODES:
         raise InvalidArgument("schema metadata mask_mode", f"must be one of {MASK_MODES + NO_MASK_MODES}, "
                                                            f"got {mode!r}")
     bounds = [b for b in (max_width, *(_meta_int(meta, k) for k in WIDTH_KEYS)) if b]
-    return _Meta(mode, min(bounds) if bounds else None, _meta_int(meta, VOCAB_SIZE_KEY.encode()))
+    return _Meta(min(bounds) if bounds else None, _meta_int(meta, VOCAB_SIZE_KEY.encode()))
 
 
 def _meta_text(meta: dict[bytes, bytes], key: bytes) -> str | None:
@@ -179,19 +181,20 @@ def _count(report: CheckReport, s: _Sample) -> None:
         report.max_support_width = max(report.max_support_width, int(s.widths.max()))
 
 
-def _check_sample(s: _Sample, finish: str, meta: _Meta, tol: float) -> list[tuple]:
+def _check_sample(s: _Sample, row: RowSettings, meta: _Meta, tol: float) -> list[tuple]:
     """All rule checks of one sample -> [(position | None, rule, message)]."""
     out: list[tuple] = []
     n = len(s.tokens)
-    if finish not in FINISH_REASONS:
-        out.append((None, "finish_reason", f"{finish!r} is not one of {FINISH_REASONS}"))
+    if row.finish_reason not in FINISH_REASONS:
+        out.append((None, "finish_reason", f"{row.finish_reason!r} is not one of {FINISH_REASONS}"))
     out += _check_vocabulary(s, meta.vocab_size)
     if len(s.token_logp) != n:
         out.append((None, "token_logprobs", f"{len(s.token_logp)} logprobs for {n} tokens"))
         return out
     for j in np.flatnonzero(~(np.isfinite(s.token_logp) & (s.token_logp <= tol))):
         out.append((int(j), "token_logprobs", f"logprob {s.token_logp[j]} is not a finite value <= 0"))
-    return out + _check_masks(s, meta.mode, meta.bound, tol)
+    out += check_settings(row, s.token_logp, s.widths, s.sup_logp, tol)
+    return out + _check_masks(s, row.mask_mode, row.width_bound(meta.bound), tol)
 
 
 def _check_vocabulary(s: _Sample, vocab_size: int | None) -> list[tuple]:
@@ -227,6 +230,8 @@ def _check_masks(s: _Sample, mode: str, bound: int | None, tol: float) -> list[t
         if s.lp_widths is not None:
             out.append((None, "support_logprobs", "support_logprobs present without support_ids"))
         return out
+    if mode not in MASK_MODES:
+        out.append((None, "mask_mode", f"mask_mode is {mode!r} but support_ids is set"))
     if len(s.widths) != n:
         out.append((None, "one mask per token", f"{len(s.widths)} masks for {n} tokens"))
         return out

@@ -8,7 +8,9 @@ vocabularies alike), times 3 when the tokenizer normalises (Unicode composition 
 at most that: three 3-byte Hangul jamo become one 3-byte syllable). So text of B bytes needs at
 least ceil(B / L) tokens. Text that may fit is tokenised here, on a worker thread (`encode_batch`
 releases the GIL), never on the engine's thread: a slow admission delays its own request, no step.
-The engine checks every prompt again, exactly (with max_tokens), once it is tokens.
+Chat messages are rendered with the model's chat template and tokenised on that thread too
+(rollout.engine.chat.prompt_token_ids), then measured. The engine checks every prompt again,
+exactly (with max_tokens), once it is tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from rollout.engine.chat import ChatPrompt, ChatTemplate, prompt_token_ids
 from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.convert import GenerateCall, parse_generate
@@ -29,17 +32,19 @@ def longest_token_bytes(tokenizer: Any) -> int:
     return longest * (NORMALIZATION_SHRINK if tokenizer.normalizer is not None else 1)
 
 
-def engine_prompt_setup(engine) -> tuple[Any, int]:
-    """(tokenizer or None, context in tokens): module-level, it may run in the engine's process."""
-    return engine.tokenizer, engine.max_model_len
+def engine_prompt_setup(engine) -> tuple[Any, int, ChatTemplate | None]:
+    """(tokenizer or None, context in tokens, chat template or None): module-level, it may run in
+    the engine's process."""
+    return engine.tokenizer, engine.max_model_len, engine.chat_template
 
 
 class Admission:
     """Turns a GenerateRequest into a GenerateCall whose prompts are all token ids."""
 
-    def __init__(self, tokenizer: Any, context: int):
+    def __init__(self, tokenizer: Any, context: int, chat_template: ChatTemplate | None = None):
         self.tokenizer = tokenizer
         self.context = context
+        self.chat_template = chat_template
         self.token_bytes = longest_token_bytes(tokenizer) if tokenizer is not None else 0
 
     def parse(self, request: pb.GenerateRequest) -> GenerateCall:
@@ -53,14 +58,23 @@ class Admission:
         return parse_generate(request)
 
     async def tokenize(self, call: GenerateCall) -> None:
-        """Replaces the call's text prompts by their token ids, on a worker thread."""
-        texts = [i for i, prompt in enumerate(call.prompts) if isinstance(prompt, str)]
-        if not texts:
+        """Replaces the call's text and chat prompts by their token ids, on a worker thread."""
+        pending = [i for i, prompt in enumerate(call.prompts) if isinstance(prompt, str | ChatPrompt)]
+        if not pending:
             return
-        encodings = await asyncio.to_thread(self.tokenizer.encode_batch, [call.prompts[i] for i in texts])
-        for i, encoding in zip(texts, encodings):
-            self._check_tokens(f"prompts[{i}].text", len(encoding.ids))
-            call.prompts[i] = encoding.ids
+        token_ids = await asyncio.to_thread(self._token_ids, [(i, call.prompts[i]) for i in pending])
+        for i, ids in zip(pending, token_ids):
+            kind = "text" if isinstance(call.prompts[i], str) else "messages"
+            self._check_tokens(f"prompts[{i}].{kind}", len(ids))
+            call.prompts[i] = ids
+
+    def _token_ids(self, prompts: list[tuple[int, str | ChatPrompt]]) -> list[list[int]]:
+        """Texts in one `encode_batch`; chats rendered with the template, one by one."""
+        texts = [prompt for _, prompt in prompts if isinstance(prompt, str)]
+        encoded = iter(self.tokenizer.encode_batch(texts) if texts else ())
+        return [next(encoded).ids if isinstance(prompt, str)
+                else prompt_token_ids(self.tokenizer, self.chat_template, i, prompt)
+                for i, prompt in prompts]  # fmt: skip
 
     def _check_tokens(self, field: str, count: int) -> None:
         if count > self.context:

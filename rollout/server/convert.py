@@ -1,7 +1,8 @@
 """Translation between wire messages and the engine's Python types.
 
-Requests: a `GenerateRequest` becomes a `GenerateCall` (prompts as token ids or text still to be
-tokenised by rollout.server.admission, `SamplingParams`, n, mask mode, grammar). Results: finished
+Requests: a `GenerateRequest` becomes a `GenerateCall` (prompts as token ids, or text and chat
+messages still to be tokenised by rollout.server.admission, `SamplingParams`, n, mask mode,
+grammar, return_text). Results: finished
 samples become one Arrow IPC message (schema with metadata + one record batch). Range checks
 are not repeated here: the engine validates every field when the request is added.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from rollout.engine.chat import ChatPrompt
 from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
@@ -38,15 +40,16 @@ _OPTIONAL_SAMPLING_FIELDS = (
 
 @dataclass
 class GenerateCall:
-    """One Generate request in engine terms. `prompts` holds token ids, or text until the
-    server's admission has tokenised it (rollout.server.admission)."""
+    """One Generate request in engine terms. `prompts` holds token ids, or text and chat messages
+    until the server's admission has tokenised them (rollout.server.admission)."""
 
     request_id: str
-    prompts: list[list[int] | str]
+    prompts: list[list[int] | str | ChatPrompt]
     params: SamplingParams
     n: int
     mask: str | None
     grammar: GrammarSpec | None
+    return_text: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -65,22 +68,26 @@ def parse_generate(request: pb.GenerateRequest) -> GenerateCall:
         n=request.n if request.HasField("n") else 1,
         mask=request.mask or None,
         grammar=grammar,
+        return_text=request.return_text,
     )
 
 
-def _prompt(index: int, prompt: pb.Prompt) -> list[int] | str:
+def _prompt(index: int, prompt: pb.Prompt) -> list[int] | str | ChatPrompt:
     kind = prompt.WhichOneof("kind")
     if kind == "token_ids":
         return list(prompt.token_ids.ids)
     if kind == "text":
         return prompt.text
-    raise InvalidArgument(f"prompts[{index}]", "must carry token_ids or text")
+    if kind == "messages":
+        return ChatPrompt([{"role": m.role, "content": m.content} for m in prompt.messages.messages])
+    raise InvalidArgument(f"prompts[{index}]", "must carry token_ids, text or messages")
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Only the fields the client set; the rest keep SamplingParams' defaults."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
-    return SamplingParams(logit_bias=dict(msg.logit_bias), stop_token_ids=list(msg.stop_token_ids), **kwargs)
+    return SamplingParams(logit_bias=dict(msg.logit_bias), stop_token_ids=list(msg.stop_token_ids),
+                          stop=list(msg.stop), **kwargs)
 
 
 # the IPC stream format's end-of-stream marker: continuation token, then a zero length

@@ -278,9 +278,8 @@ class EngineLoop:
     def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
         # the engine refuses an id it still runs (Aborted), so a route is never replaced; an id whose
         # abort was queued before this add is free again here (commands run in order)
-        engine.add_request(
-            call.request_id, call.prompts, call.params, n=call.n, mask=call.mask, grammar=call.grammar
-        )
+        engine.add_request(call.request_id, call.prompts, call.params, n=call.n, mask=call.mask,
+                           grammar=call.grammar, return_text=call.return_text)
         self._routes[call.request_id] = _Route(sink, call.num_samples, time.perf_counter())
         if self._busy_period is not None:
             self._busy_period.last_admitted = time.perf_counter()

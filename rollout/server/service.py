@@ -1,6 +1,6 @@
 """The `rollout.v1.Rollout` servicer: grpc.aio handlers on top of the engine loop.
 
-Generate parses and admits the request here (rollout.server.admission: size checks, then text
+Generate parses and admits the request here (rollout.server.admission: size checks, then text and chat prompts
 tokenised off the event loop), adds it on the engine, then streams finished samples as Arrow
 record batches, flushing when `FlushPolicy.rows` samples are pending or the oldest pending
 sample has waited `FlushPolicy.seconds`. If the client goes away (cancel, deadline) the handler

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/rollout.proto\x12\nrollout.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"K\n\x06Prompt\x12)\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.rollout.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\xd3\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).rollout.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x03H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x07\n\x05_seed\"&\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.rollout.v1.Prompt\x12\x0e\n\x01n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x0c\n\x04mask\x18\x05 \x01(\t\x12)\n\x07grammar\x18\x06 \x01(\x0b\x32\x13.rollout.v1.GrammarH\x01\x88\x01\x01\x42\x04\n\x02_nB\n\n\x08_grammar\"7\n\x10GenerateResponse\x12\x11\n\tarrow_ipc\x18\x01 \x01(\x0c\x12\x10\n\x08num_rows\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x13\n\x11ServerInfoRequest\"\xd8\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x13\n\x0bspec_method\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x32\n\x06limits\x18\x08 \x03(\x0b\x32\".rollout.v1.ServerInfo.LimitsEntry\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\n \x01(\x03\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x03\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x0fSafetensorsPart\x12\x0c\n\x04\x66ile\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x81\x01\n\x0bWeightChunk\x12\r\n\x05\x64raft\x18\x01 \x01(\x08\x12\x32\n\x0bsafetensors\x18\x02 \x01(\x0b\x32\x1b.rollout.v1.SafetensorsPartH\x00\x12$\n\x06tensor\x18\x03 \x01(\x0b\x32\x12.rollout.v1.TensorH\x00\x42\t\n\x07payload\"_\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x19\n\x11num_draft_tensors\x18\x03 \x01(\x05\x32\xa7\x02\n\x07Rollout\x12G\n\x08Generate\x12\x1b.rollout.v1.GenerateRequest\x1a\x1c.rollout.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponse\x12\x46\n\rGetServerInfo\x12\x1d.rollout.v1.ServerInfoRequest\x1a\x16.rollout.v1.ServerInfo\x12M\n\rUpdateWeights\x12\x17.rollout.v1.WeightChunk\x1a!.rollout.v1.UpdateWeightsResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/rollout.proto\x12\nrollout.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.rollout.v1.ChatMessage\"u\n\x06Prompt\x12)\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.rollout.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.rollout.v1.MessagesH\x00\x42\x06\n\x04kind\"\xe1\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).rollout.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x07\n\x05_seed\"&\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.rollout.v1.Prompt\x12\x0e\n\x01n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x0c\n\x04mask\x18\x05 \x01(\t\x12)\n\x07grammar\x18\x06 \x01(\x0b\x32\x13.rollout.v1.GrammarH\x01\x88\x01\x01\x12\x13\n\x0breturn_text\x18\x07 \x01(\x08\x42\x04\n\x02_nB\n\n\x08_grammar\"7\n\x10GenerateResponse\x12\x11\n\tarrow_ipc\x18\x01 \x01(\x0c\x12\x10\n\x08num_rows\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x13\n\x11ServerInfoRequest\"\xd8\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x13\n\x0bspec_method\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x32\n\x06limits\x18\x08 \x03(\x0b\x32\".rollout.v1.ServerInfo.LimitsEntry\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\n \x01(\x03\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x03\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x0fSafetensorsPart\x12\x0c\n\x04\x66ile\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x81\x01\n\x0bWeightChunk\x12\r\n\x05\x64raft\x18\x01 \x01(\x08\x12\x32\n\x0bsafetensors\x18\x02 \x01(\x0b\x32\x1b.rollout.v1.SafetensorsPartH\x00\x12$\n\x06tensor\x18\x03 \x01(\x0b\x32\x12.rollout.v1.TensorH\x00\x42\t\n\x07payload\"_\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x19\n\x11num_draft_tensors\x18\x03 \x01(\x05\x32\xa7\x02\n\x07Rollout\x12G\n\x08Generate\x12\x1b.rollout.v1.GenerateRequest\x1a\x1c.rollout.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponse\x12\x46\n\rGetServerInfo\x12\x1d.rollout.v1.ServerInfoRequest\x1a\x16.rollout.v1.ServerInfo\x12M\n\rUpdateWeights\x12\x17.rollout.v1.WeightChunk\x1a!.rollout.v1.UpdateWeightsResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,36 +37,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERINFO_LIMITSENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
-  _globals['_PROMPT']._serialized_start=65
-  _globals['_PROMPT']._serialized_end=140
-  _globals['_SAMPLINGPARAMS']._serialized_start=143
-  _globals['_SAMPLINGPARAMS']._serialized_end=738
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=524
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=572
-  _globals['_GRAMMAR']._serialized_start=740
-  _globals['_GRAMMAR']._serialized_end=778
-  _globals['_GENERATEREQUEST']._serialized_start=781
-  _globals['_GENERATEREQUEST']._serialized_end=992
-  _globals['_GENERATERESPONSE']._serialized_start=994
-  _globals['_GENERATERESPONSE']._serialized_end=1049
-  _globals['_ABORTREQUEST']._serialized_start=1051
-  _globals['_ABORTREQUEST']._serialized_end=1085
-  _globals['_ABORTRESPONSE']._serialized_start=1087
-  _globals['_ABORTRESPONSE']._serialized_end=1123
-  _globals['_SERVERINFOREQUEST']._serialized_start=1125
-  _globals['_SERVERINFOREQUEST']._serialized_end=1144
-  _globals['_SERVERINFO']._serialized_start=1147
-  _globals['_SERVERINFO']._serialized_end=1491
-  _globals['_SERVERINFO_LIMITSENTRY']._serialized_start=1446
-  _globals['_SERVERINFO_LIMITSENTRY']._serialized_end=1491
-  _globals['_TENSOR']._serialized_start=1493
-  _globals['_TENSOR']._serialized_end=1559
-  _globals['_SAFETENSORSPART']._serialized_start=1561
-  _globals['_SAFETENSORSPART']._serialized_end=1606
-  _globals['_WEIGHTCHUNK']._serialized_start=1609
-  _globals['_WEIGHTCHUNK']._serialized_end=1738
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1740
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1835
-  _globals['_ROLLOUT']._serialized_start=1838
-  _globals['_ROLLOUT']._serialized_end=2133
+  _globals['_CHATMESSAGE']._serialized_start=65
+  _globals['_CHATMESSAGE']._serialized_end=109
+  _globals['_MESSAGES']._serialized_start=111
+  _globals['_MESSAGES']._serialized_end=164
+  _globals['_PROMPT']._serialized_start=166
+  _globals['_PROMPT']._serialized_end=283
+  _globals['_SAMPLINGPARAMS']._serialized_start=286
+  _globals['_SAMPLINGPARAMS']._serialized_end=895
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=681
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=729
+  _globals['_GRAMMAR']._serialized_start=897
+  _globals['_GRAMMAR']._serialized_end=935
+  _globals['_GENERATEREQUEST']._serialized_start=938
+  _globals['_GENERATEREQUEST']._serialized_end=1170
+  _globals['_GENERATERESPONSE']._serialized_start=1172
+  _globals['_GENERATERESPONSE']._serialized_end=1227
+  _globals['_ABORTREQUEST']._serialized_start=1229
+  _globals['_ABORTREQUEST']._serialized_end=1263
+  _globals['_ABORTRESPONSE']._serialized_start=1265
+  _globals['_ABORTRESPONSE']._serialized_end=1301
+  _globals['_SERVERINFOREQUEST']._serialized_start=1303
+  _globals['_SERVERINFOREQUEST']._serialized_end=1322
+  _globals['_SERVERINFO']._serialized_start=1325
+  _globals['_SERVERINFO']._serialized_end=1669
+  _globals['_SERVERINFO_LIMITSENTRY']._serialized_start=1624
+  _globals['_SERVERINFO_LIMITSENTRY']._serialized_end=1669
+  _globals['_TENSOR']._serialized_start=1671
+  _globals['_TENSOR']._serialized_end=1737
+  _globals['_SAFETENSORSPART']._serialized_start=1739
+  _globals['_SAFETENSORSPART']._serialized_end=1784
+  _globals['_WEIGHTCHUNK']._serialized_start=1787
+  _globals['_WEIGHTCHUNK']._serialized_end=1916
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1918
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2013
+  _globals['_ROLLOUT']._serialized_start=2016
+  _globals['_ROLLOUT']._serialized_end=2311
 # @@protoc_insertion_point(module_scope)
