@@ -115,3 +115,24 @@ def test_history_config_is_checked_where_it_enters(tiny_random_qwen3):
     with pytest.raises(InvalidArgument) as err:
         _engine(tiny_random_qwen3).update_weights({}, {"fc.weight": torch.zeros(1)})
     assert err.value.field == "draft_weights"
+
+
+def test_acceptance_by_proposer_and_policy_version_reaches_metrics_and_the_stats_line(tiny_random_qwen3):
+    from rollout.server.engine_stats import EngineStats
+    from rollout.server.metrics import EngineCollector, Metrics
+    from rollout.server.stats_log import headline
+
+    eng, stats = _engine(tiny_random_qwen3), EngineStats()
+    _run(eng, "a", PROMPTS[:2], GREEDY)
+    first = stats.snapshot(eng)
+    _run(eng, "b", PROMPTS[:2], GREEDY)
+    now = stats.snapshot(eng)
+    proposed, accepted = now.drafts[("history", 0)]
+    assert accepted > 0 and proposed >= accepted and first.drafts == {}  # nothing to draft from at first
+    assert headline(first, now, 0)["draft_acceptance"] == {"history": round(accepted / proposed, 3)}
+    metrics = Metrics(lambda: 0)
+    metrics.update(now)
+    family = next(f for f in EngineCollector(metrics).collect() if f.name == "rollout_draft_tokens")
+    assert {(s.labels["proposer"], s.labels["policy_version"], s.labels["outcome"]): s.value
+            for s in family.samples} == {("history", "0", "proposed"): proposed,
+                                         ("history", "0", "accepted"): accepted}

@@ -63,6 +63,7 @@ def test_a_match_never_spans_two_samples_and_an_unknown_token_matches_nothing():
     sam = _automaton([1, 2], [3, 4])
     assert sam.match([2, 3])[1] == 1  # "2 3" crosses the boundary: only "3" matches
     assert sam.match([42]) == (0, 0)
+    assert sam.continuation(0, 3) == ([], [])  # no match: nothing proposed
     state, _ = sam.match([START, 1, 2])
     assert sam.continuation(state, 4) == ([], [])  # the sample ended: nothing to propose
 

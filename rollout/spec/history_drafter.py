@@ -19,6 +19,7 @@ changed. Preemption keeps a sample's tokens, so its match stays valid.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,8 @@ from rollout.engine.sequence import Sequence
 from rollout.engine.transfer import upload
 from rollout.spec.history import History, PromptHistory, prompt_key
 from rollout.spec.suffix import START
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK = 8  # tokens per verify step (7 drafts) when --spec-block-size is not given
 MATCH_WINDOW = 256  # a fresh match reads at most this many of the output's last tokens
@@ -104,7 +107,11 @@ class HistoryDrafter(Drafter):
             self.history.add(key, seq.seed, seq.output_token_ids, self.history.version)
 
     def policy_updated(self, version: int) -> None:
-        self.history.policy_updated(version)
+        history = self.history
+        prompts, tokens = len(history.prompts), history.num_tokens
+        history.policy_updated(version)
+        log.info("history drafter: policy version %d; %d of %d prompts (%d of %d tokens) kept", version,
+                 len(history.prompts), prompts, history.num_tokens, tokens)
 
     def _draft(self, seq: Sequence, limit: int) -> list[int]:
         """Up to `limit` drafts following `seq`'s output, from its prompt's history."""

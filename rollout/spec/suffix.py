@@ -63,9 +63,9 @@ class SuffixAutomaton:
     def continuation(self, state: int, limit: int) -> tuple[list[int], list[float]]:
         """Up to `limit` tokens following the strings of `state`, each the most counted transition
         (ties to the lowest id), and each one's confidence count(next) / count(here). Stops at the
-        end of the stored samples."""
+        end of the stored samples, and proposes nothing from the root (no match)."""
         tokens, confidence = [], []
-        while len(tokens) < limit:
+        while state and len(tokens) < limit:
             best, best_count = -1, 0
             for token, target in self.next[state].items():
                 c = self.count[target]
@@ -86,28 +86,30 @@ class SuffixAutomaton:
         return len(self.length) - 1
 
     def _append(self, token: int) -> None:
-        """The online construction's extension by one token, then its new end position counted."""
-        cur = self._new_state(self.length[self._last] + 1, 0, {})
+        """The online construction's extension by one token, then its new end position counted
+        (the hot loop of storing a sample: the lists are bound to locals)."""
+        nxt, link, length, count = self.next, self.link, self.length, self.count
+        cur = self._new_state(length[self._last] + 1, 0, {})
         p = self._last
-        while p != -1 and token not in self.next[p]:
-            self.next[p][token] = cur
-            p = self.link[p]
+        while p != -1 and token not in nxt[p]:
+            nxt[p][token] = cur
+            p = link[p]
         if p == -1:
-            self.link[cur] = 0
+            link[cur] = 0
         else:
-            q = self.next[p][token]
-            if self.length[p] + 1 == self.length[q]:
-                self.link[cur] = q
+            q = nxt[p][token]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
             else:
-                clone = self._new_state(self.length[p] + 1, self.count[q], dict(self.next[q]))
-                self.link[clone] = self.link[q]
-                while p != -1 and self.next[p].get(token) == q:
-                    self.next[p][token] = clone
-                    p = self.link[p]
-                self.link[q] = self.link[cur] = clone
+                clone = self._new_state(length[p] + 1, count[q], dict(nxt[q]))
+                link[clone] = link[q]
+                while p != -1 and nxt[p].get(token) == q:
+                    nxt[p][token] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
         self._last = cur
         self.text_length += 1
         state = cur
         while state > 0:
-            self.count[state] += 1
-            state = self.link[state]
+            count[state] += 1
+            state = link[state]
