@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_spec_sampled_drafts import NUM_SAMPLES, PARAMS, PROMPT_IDS, _chi2, exact_joint  # noqa: F401
+from test_spec_sampled_drafts import NUM_SAMPLES, PARAMS, PROMPT_IDS, _chi2, exact_joint_law
 
 import rollout.engine.verify as verify_mod
 from rollout import build_engine
@@ -31,6 +31,11 @@ from rollout.engine.verify import Proposal
 from rollout.spec.history_drafter import HistoryDrafter
 
 BLOCK = 3
+
+
+@pytest.fixture(scope="module")
+def exact_joint() -> dict[tuple[int, int, int], float]:
+    return exact_joint_law()
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ counters: per step its duration; per finished sample its finish reason, tokens, 
 mean tokens per verify step and mask bytes (O(1) per sample: no walk over its tokens). Every
 `SHIP_INTERVAL_S` while busy, once when it goes idle and once when it starts, it takes a
 `StatsSnapshot` (those cumulative counters plus the engine's gauges: queue, running sequences, KV
-blocks, policy version, preemptions, drafts proposed and accepted) and hands it to the server's side with the messages it sends
-anyway (rollout.server.loop's outbox; an engine process pickles it with its deliveries). The
-server's side only keeps the latest snapshot (rollout.server.metrics).
+blocks, policy version, preemptions; and its draft tokens proposed and accepted by proposer and
+policy version) and hands it to the server's side with the messages it sends anyway
+(rollout.server.loop's outbox; an engine process pickles it with its deliveries). The server's side
+only keeps the latest snapshot (rollout.server.metrics).
 
 Why this way rather than prometheus_client in the engine process (its multiprocess mode writes
 every increment to an mmap'd file, and scrapes merge the files): a step then pays a few integer
