@@ -46,7 +46,7 @@ class EngineConfig:
                                       "(about 0.5 KB of host memory each); the least recently used prompts are "
                                       "evicted first", default_text="1,048,576")
     spec_history_keep_versions: bool = option(False, "--spec history: keep the samples of earlier policy versions "
-                                              "after a weight update (default: dropped, since the new policy "
+                                              "after a weight update (otherwise they are dropped: the new policy "
                                               "samples differently)", default_text="dropped")
     device: str = option("cpu", "where the engine runs", choices=("cpu", "cuda"))
     block_size: int = option(16, "KV cache block size in tokens (a power of two)")
@@ -86,7 +86,7 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument("device", f"must be cpu or cuda, got {self.device!r}")
         if self.draft is not None and self.spec not in DRAFTER_CHECKPOINTS:
-            raise InvalidArgument("draft", f"a drafter checkpoint needs --spec dflash or --spec dspark (its kind), "
+            raise InvalidArgument("draft", f"a drafter needs --spec dflash or --spec dspark (its kind), "
                                            f"got --spec {self.spec}")
         if self.spec_history_tokens < 1:
             raise InvalidArgument("spec_history_tokens", f"must be >= 1, got {self.spec_history_tokens}")
