@@ -1,7 +1,8 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    schedule -> draft -> forward -> policy -> verify -> capture -> (last step's masks) -> sync
-    -> advance (scheduler) -> commit/emit (committer) -> truncate drafts (scheduler)
+    (a drained weight update) -> schedule -> draft -> forward -> policy -> verify -> capture
+    -> (last step's masks) -> sync -> count drafts -> advance (scheduler) -> commit/emit
+    (committer) -> truncate drafts (scheduler)
 
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
 blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
