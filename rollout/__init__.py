@@ -17,16 +17,21 @@ __version__ = "0.1.0"
 
 def build_engine(config, drafter_factory=None, load_progress=None):
     """An `LLMEngine` for `config` (a rollout.engine.config.EngineConfig) whose drafter, when
-    `config.spec` names one, is rollout.spec's DFlash / DSpark drafter; `drafter_factory(config,
-    target)` replaces it (a custom drafter, a test double). `load_progress` shows the checkpoint
-    reads, the target's and rollout.spec's drafter's (rollout.engine.loader.LoadProgress).
+    `config.spec` names one, is rollout.spec's DFlash / DSpark drafter or its rollout-history
+    drafter; `drafter_factory(config, target)` replaces it (a custom drafter, a test double).
+    `load_progress` shows the checkpoint reads, the target's and rollout.spec's drafter's
+    (rollout.engine.loader.LoadProgress).
     Module-level, so that `functools.partial(build_engine, config)` pickles (the engine may be
     built in its own process)."""
     import functools
 
     from rollout.engine.engine import LLMEngine
 
-    if drafter_factory is None and config.spec != "none":
+    if drafter_factory is None and config.spec == "history":
+        from rollout.spec.history_drafter import build_history_drafter
+
+        drafter_factory = build_history_drafter
+    elif drafter_factory is None and config.spec != "none":
         from rollout.spec.proposer import build_drafter
 
         drafter_factory = functools.partial(build_drafter, progress=load_progress)

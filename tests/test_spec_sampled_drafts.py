@@ -46,7 +46,12 @@ def engine(request) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def exact_joint() -> dict[tuple[int, int, int], float]:
-    """p(t1, t2, t3) = p_1(t1) p_2(t2 | t1) p_3(t3 | t1, t2) from transformers' logits."""
+    return exact_joint_law()
+
+
+def exact_joint_law() -> dict[tuple[int, int, int], float]:
+    """p(t1, t2, t3) = p_1(t1) p_2(t2 | t1) p_3(t3 | t1, t2) from transformers' logits (also the
+    reference of tests/test_history_sampled_drafts.py)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()

@@ -52,14 +52,17 @@ class Committer:
     """Appends each entry's committed tokens up to its finish, hands masks over and emits finished
     samples. `scheduler` frees a finished sample's blocks, `intake` forgets it; `policy_version()`
     stamps it; `max_model_len` bounds a sample's context; `decode` (token ids -> output text) fills
-    the `text` of samples that asked for it."""
+    the `text` of samples that asked for it; `on_finish(seq)` hears of every finished sample (the
+    drafter's `sample_finished`)."""
 
     def __init__(self, scheduler: Scheduler, intake: Intake, max_model_len: int, policy_version: Callable[[], int],
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None,
+                 on_finish: Callable[[Sequence], None] | None = None):
         self.scheduler, self.intake = scheduler, intake
         self.max_model_len = max_model_len
         self.policy_version = policy_version
         self.decode = decode
+        self.on_finish = on_finish
         self.pending: StepMasks | None = None  # the last step's masks, not yet handed to its samples
 
     def commit(self, rows: SampleRows, host: HostStep | None, captured) -> list[SampleOutput]:
@@ -144,6 +147,8 @@ class Committer:
         self.scheduler.finish(seq)
         self.intake.done(seq)
         seq.finish_reason = reason
+        if self.on_finish is not None:
+            self.on_finish(seq)
         return SampleOutput(
             request_id=seq.request_id, prompt_index=seq.prompt_index, sample_index=seq.sample_index,
             prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,

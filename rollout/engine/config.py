@@ -11,7 +11,8 @@ from rollout.options import option
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny-qwen3"
 DEFAULT_DRAFTS = {"dflash": ASSETS / "tiny-qwen3-dflash", "dspark": ASSETS / "tiny-qwen3-dspark"}
-SPEC_METHODS = ("none", "dflash", "dspark")
+SPEC_METHODS = ("none", "dflash", "dspark", "history")
+DRAFTER_CHECKPOINTS = ("dflash", "dspark")  # the --spec kinds that load a drafter model
 # "random": only config.json is read and the weights are drawn at random on the device
 # (benchmarks of model shapes without a checkpoint, like other engines' `--load-format dummy`).
 LOAD_FORMATS = ("safetensors", "random")
@@ -31,13 +32,22 @@ class EngineConfig:
     load_format: str = option("safetensors", "how the target's weights are read; random: seeded random weights "
                               "from config.json alone (benchmarks of a model's shape)", choices=LOAD_FORMATS)
     draft: str | None = option(None, "drafter checkpoint directory (DFlash or DSpark, matching --spec); refused "
-                               "with --spec none", metavar="DIR", default_text="the embedded drafter of --spec")
-    spec: str = option("none", "speculative decoding: none, or the drafter kind; drafts are verified against "
-                       "the target, so the samples' distribution does not change", choices=SPEC_METHODS)
+                               "with --spec none or history", metavar="DIR",
+                               default_text="the embedded drafter of --spec")
+    spec: str = option("none", "speculative decoding: none, or the drafter kind (history: drafts from the samples "
+                       "generated for the same prompt in recent rollouts); drafts are verified against the target, "
+                       "so the samples' distribution does not change", choices=SPEC_METHODS)
     spec_block_size: int | None = option(None, "draft block: tokens per verify step (the drafts plus one), in "
-                                         "[2, 64]", default_text="the drafter checkpoint's")
-    spec_confidence_threshold: float = option(0.0, "DSpark: cut a draft block at the first position the drafter "
-                                              "predicts below this confidence; 0 = full blocks")
+                                         "[2, 64]", default_text="the drafter checkpoint's; 8 for history")
+    spec_confidence_threshold: float = option(0.0, "DSpark, history: cut a draft block at the first position the "
+                                              "drafter predicts below this confidence (history: the fraction of "
+                                              "stored samples continuing that way); 0 = full blocks")
+    spec_history_tokens: int = option(1 << 20, "--spec history: most tokens the history stores over all prompts "
+                                      "(about 0.5 KB of host memory each); the least recently used prompts are "
+                                      "evicted first", default_text="1,048,576")
+    spec_history_keep_versions: bool = option(False, "--spec history: keep the samples of earlier policy versions "
+                                              "after a weight update (otherwise they are dropped: the new policy "
+                                              "samples differently)", default_text="dropped")
     device: str = option("cpu", "where the engine runs", choices=("cpu", "cuda"))
     block_size: int = option(16, "KV cache block size in tokens (a power of two)")
     num_kv_blocks: int | None = option(None, "KV cache blocks", default_text="what fits once the largest step is "
@@ -75,9 +85,11 @@ class EngineConfig:
                                   f"got {self.kernel_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument("device", f"must be cpu or cuda, got {self.device!r}")
-        if self.draft is not None and self.spec == "none":
-            raise InvalidArgument("draft", "a drafter needs --spec dflash or --spec dspark (its kind), "
-                                           "got --spec none")
+        if self.draft is not None and self.spec not in DRAFTER_CHECKPOINTS:
+            raise InvalidArgument("draft", f"a drafter needs --spec dflash or --spec dspark (its kind), "
+                                           f"got --spec {self.spec}")
+        if self.spec_history_tokens < 1:
+            raise InvalidArgument("spec_history_tokens", f"must be >= 1, got {self.spec_history_tokens}")
         if self.spec_block_size is not None and not 2 <= self.spec_block_size <= 64:
             raise InvalidArgument("spec_block_size", f"must be in [2, 64], got {self.spec_block_size}")
         if not 0.0 <= self.spec_confidence_threshold < 1.0:
@@ -98,7 +110,7 @@ class EngineConfig:
 
     @property
     def draft_path(self) -> Path | None:
-        if self.spec == "none":
+        if self.spec not in DRAFTER_CHECKPOINTS:
             return None
         return Path(self.draft) if self.draft else DEFAULT_DRAFTS[self.spec]
 

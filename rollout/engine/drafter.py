@@ -3,7 +3,8 @@
 A `Drafter` proposes, in one batched call, a draft block for every sample in a decode step
 (anchor = its last committed token, context = what the target already processed) together
 with the distributions `q` the drafts were drawn from (None = deterministic, one-hot q), and
-keeps its own context state up to date from the target's hidden states after each step.
+keeps its own context state up to date from the target's hidden states after each step. It may
+also learn from finished samples (`sample_finished`) and hear of weight updates (`policy_updated`).
 
 The engine owns this interface and never imports a drafter: it receives a factory
 (`LLMEngine(config, drafter_factory=...)`; `rollout.build_engine` passes the DFlash / DSpark one
@@ -22,6 +23,7 @@ import torch
 
 from rollout.engine.attention import AttentionMetadata
 from rollout.engine.scheduler import ScheduledSeq
+from rollout.engine.sequence import Sequence
 from rollout.engine.verify import Proposal
 
 
@@ -61,8 +63,31 @@ class Drafter(ABC):
     @abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
+    def sample_finished(self, seq: Sequence) -> None:
+        """A sample has finished (`seq.finish_reason` says how: stop, length, abort, error); called
+        once per sample, before the engine forgets it. Optional."""
+        return None
+
+    def policy_updated(self, version: int) -> None:
+        """A weight update has applied between two steps: policy `version` samples from now on.
+        Optional."""
+        return None
+
     def use_graphs(self, max_batch: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
                    capture: bool) -> None:
         """Replay the drafter's forward as CUDA graphs (`capture=False`: the same static-buffer
         path eagerly, for tests). Optional: a drafter may ignore it."""
         return None
+
+
+class DraftCounts:
+    """Draft tokens proposed and accepted, by proposer and policy version: what the server's
+    metrics and stats log show of a drafter (rollout.server.engine_stats)."""
+
+    def __init__(self):
+        self.by_key: dict[tuple[str, int], tuple[int, int]] = {}  # (proposer, version) -> (proposed, accepted)
+
+    def record(self, proposer: str, version: int, proposed: int, accepted: int) -> None:
+        if proposed:
+            before = self.by_key.get((proposer, version), (0, 0))
+            self.by_key[(proposer, version)] = (before[0] + proposed, before[1] + accepted)

@@ -1,7 +1,8 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    schedule -> draft -> forward -> policy -> verify -> capture -> (last step's masks) -> sync
-    -> advance (scheduler) -> commit/emit (committer) -> truncate drafts (scheduler)
+    (a drained weight update) -> schedule -> draft -> forward -> policy -> verify -> capture
+    -> (last step's masks) -> sync -> count drafts -> advance (scheduler) -> commit/emit
+    (committer) -> truncate drafts (scheduler)
 
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
 blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
@@ -26,7 +27,7 @@ from rollout.engine.block_manager import BlockManager
 from rollout.engine.capture import MaskCapture
 from rollout.engine.commit import Committer, HostStep
 from rollout.engine.config import EngineConfig
-from rollout.engine.drafter import Drafter, Drafts
+from rollout.engine.drafter import DraftCounts, Drafter, Drafts
 from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake, Limits
 from rollout.engine.kv import allocate_kv, bytes_per_block, copy_blocks
@@ -94,7 +95,8 @@ class LLMEngine:
         self.weights = WeightUpdater(self.model, getattr(self.drafter, "model", None), self.scheduler,
                                      self.block_manager)
         self.committer = Committer(self.scheduler, self.intake, self.max_model_len, lambda: self.weights.version,
-                                   decode)
+                                   decode, self.drafter.sample_finished if self.drafter else None)
+        self.draft_counts = DraftCounts()  # drafts proposed and accepted, by proposer and policy version
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = self.make_step_graphs(capture=True)
 
@@ -173,7 +175,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SampleOutput]:
-        self.weights.apply_if_drained()
+        self._apply_weights()
         plan = self.scheduler.schedule()
         if not plan:
             self.committer.hand_over_masks()
@@ -186,11 +188,22 @@ class LLMEngine:
         masks = None if captured is None else self.capture.to_host(captured)
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
         host = _to_host(result, masks)
+        self._count_drafts(drafts, host)
         copies = self.scheduler.advance(plan, step.accepted_per_item(None if host is None else host.num_accepted))
         self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
         outputs = self.committer.commit(step.rows, host, captured)
         self.scheduler.truncate_drafts(plan)
         return outputs
+
+    def _apply_weights(self) -> None:
+        """A drained weight update applies between steps; the drafter hears of the new version."""
+        if self.weights.apply_if_drained() and self.drafter is not None:
+            self.drafter.policy_updated(self.weights.version)
+
+    def _count_drafts(self, drafts: Drafts, host: HostStep | None) -> None:
+        if host is not None and self.drafter is not None:
+            self.draft_counts.record(self.drafter_name, self.weights.version, sum(drafts.num_per_item),
+                                     sum(host.num_accepted))
 
     def _draft(self, plan, table) -> Drafts:
         if self.drafter is None:

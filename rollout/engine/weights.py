@@ -58,7 +58,8 @@ class WeightUpdater:
             validate_state(self.model, state, "weights")
         if draft_state:
             if self.draft_model is None:
-                raise InvalidArgument("draft_weights", "this server runs no loadable drafter (--spec none)")
+                raise InvalidArgument("draft_weights", "this server runs no drafter with weights "
+                                                       "(--spec none or history)")
             validate_state(self.draft_model, draft_state, "draft_weights")
         if self._pending is not None:
             raise FailedPrecondition("another weight update is still draining; retry when it has applied")

@@ -5,9 +5,10 @@ counters: per step its duration; per finished sample its finish reason, tokens, 
 mean tokens per verify step and mask bytes (O(1) per sample: no walk over its tokens). Every
 `SHIP_INTERVAL_S` while busy, once when it goes idle and once when it starts, it takes a
 `StatsSnapshot` (those cumulative counters plus the engine's gauges: queue, running sequences, KV
-blocks, policy version, preemptions) and hands it to the server's side with the messages it sends
-anyway (rollout.server.loop's outbox; an engine process pickles it with its deliveries). The
-server's side only keeps the latest snapshot (rollout.server.metrics).
+blocks, policy version, preemptions; and its draft tokens proposed and accepted by proposer and
+policy version) and hands it to the server's side with the messages it sends anyway
+(rollout.server.loop's outbox; an engine process pickles it with its deliveries). The server's side
+only keeps the latest snapshot (rollout.server.metrics).
 
 Why this way rather than prometheus_client in the engine process (its multiprocess mode writes
 every increment to an mmap'd file, and scrapes merge the files): a step then pays a few integer
@@ -52,6 +53,8 @@ class StatsSnapshot:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     policy_version: int = 0
+    # draft tokens (proposed, accepted) by (proposer, policy version): the engine's DraftCounts
+    drafts: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -64,6 +67,7 @@ class StatsSnapshot:
 
 
 _NO_SCHEDULER = SimpleNamespace(num_preemptions=0, waiting=(), running=())
+_NO_DRAFTS = SimpleNamespace(by_key={})
 
 
 class EngineStats:
@@ -112,4 +116,5 @@ class EngineStats:
                                  for seq in queue),
             waiting=len(scheduler.waiting), running=len(scheduler.running),
             kv_blocks_free=free, kv_blocks_total=total, policy_version=engine.policy_version,
+            drafts=dict(getattr(engine, "draft_counts", _NO_DRAFTS).by_key),
         )  # fmt: skip

@@ -80,6 +80,7 @@ class EngineCollector(Collector):
         yield _histogram("rollout_tokens_per_verify_step", "Finished samples by their mean tokens committed per "
                          "verify step (1 without speculative decoding)", ACCEPT_BUCKETS, s.acceptance,
                          s.acceptance_sum)
+        yield _draft_tokens(s)
         yield CounterMetricFamily("rollout_mask_bytes", "Bytes of sampling masks of finished samples",
                                   value=s.mask_bytes)
         yield CounterMetricFamily("rollout_weight_updates", "Weight updates applied", value=s.policy_version)
@@ -87,6 +88,16 @@ class EngineCollector(Collector):
                                 value=s.policy_version)
         yield CounterMetricFamily("rollout_preemptions", "Sequences preempted for KV blocks (recomputed later)",
                                   value=s.preemptions)
+
+
+def _draft_tokens(s: StatsSnapshot) -> CounterMetricFamily:
+    """Draft tokens by proposer, policy version and outcome (accepted / proposed = acceptance)."""
+    family = CounterMetricFamily("rollout_draft_tokens", "Draft tokens verified, by proposer, policy version and "
+                                 "outcome (proposed, accepted)", labels=["proposer", "policy_version", "outcome"])
+    for (proposer, version), (proposed, accepted) in sorted(s.drafts.items()):
+        family.add_metric([proposer, str(version), "proposed"], proposed)
+        family.add_metric([proposer, str(version), "accepted"], accepted)
+    return family
 
 
 def _histogram(name: str, documentation: str, bounds: tuple, counts: list[int], total: float):

@@ -41,7 +41,19 @@ def headline(last: StatsSnapshot, now: StatsSnapshot, running_requests: int) -> 
         tokens_per_verify_step=round((now.generated_tokens - last.generated_tokens) / verify_steps, 2)
         if verify_steps else None,
         preemptions=now.preemptions - last.preemptions, policy_version=now.policy_version,
+        draft_acceptance=_draft_acceptance(last, now),
     )  # fmt: skip
+
+
+def _draft_acceptance(last: StatsSnapshot, now: StatsSnapshot) -> dict[str, float] | None:
+    """Per proposer, the fraction of its drafts accepted in the interval (None: no drafts)."""
+    moved: dict[str, list[int]] = {}
+    for key, (proposed, accepted) in now.drafts.items():
+        before = last.drafts.get(key, (0, 0))
+        total = moved.setdefault(key[0], [0, 0])
+        total[0] += proposed - before[0]
+        total[1] += accepted - before[1]
+    return {name: round(a / p, 3) for name, (p, a) in moved.items() if p} or None
 
 
 def _moved(last: StatsSnapshot, now: StatsSnapshot) -> bool:

@@ -1,0 +1,120 @@
+"""The rollout-history drafter (issue 23), the "Epochs" case: RL revisits its prompts, so the
+samples of earlier epochs predict the next ones. 64 prompts x n=8 for 4 epochs at temperature 1
+on the embedded pair (tiny Qwen3 target, its DFlash drafter), rollout time per epoch with no
+speculation, DFlash alone and `--spec history` alone, in one run.
+
+Prompts: the first `--prompt-len` bytes of held-out stdlib files (scripts/corpus.py); each epoch is
+one rollout of all 64 prompts (one request each, n=8, EOS ends a sample, `--output-len` at most),
+seeded per epoch (1000 + epoch) alike for every arm. The arms are stepped in turn, one step each
+(common.run_interleaved), so a machine whose speed drifts slows them alike. Before epoch 1 every
+engine warms up on other prompts (CUDA graphs, Triton kernels); the history keeps those too.
+
+Reported per arm and epoch: seconds, output tokens, tokens/s, steps, committed tokens per verify
+step, the fraction of drafts accepted, and the epoch time relative to none and to DFlash (the
+issue's goal: epochs 2-4 at least 25% faster with history and DFlash together than with DFlash
+alone; this script measures each proposer alone, as combining them is not built yet).
+
+    python benchmarks/bench_history.py --device cuda            # ~2 min on an H200
+    python benchmarks/bench_history.py --device cpu --quick     # a small run: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import embedded_draft, environment, heldout_prompts, print_table, run_interleaved, write_json
+
+import rollout
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.params import SamplingParams
+
+ARMS = ("none", "dflash", "history")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="4 prompts x n=2, 2 epochs, 24 tokens (CPU check)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--block", type=int, default=8, help="draft block of DFlash and history")
+    p.add_argument("--out", default="benchmarks/results/bench_history.json")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.n, args.epochs, args.prompt_len, args.output_len = 4, 2, 2, 32, 24
+    return args
+
+
+def build(arm: str, args: argparse.Namespace) -> LLMEngine:
+    samples = args.prompts * args.n
+    per_seq = -(-(args.prompt_len + args.output_len + args.block + 1) // 16) + 1
+    return rollout.build_engine(EngineConfig(
+        spec=arm, draft=embedded_draft("dflash") if arm == "dflash" else None,
+        spec_block_size=None if arm == "none" else args.block, device=args.device,
+        num_kv_blocks=samples * per_seq + 16, max_num_seqs=samples,
+        max_num_batched_tokens=max(2048, samples * (args.block + 1)),
+    ))  # fmt: skip
+
+
+def epoch_requests(prompts: list[list[int]], args: argparse.Namespace, seed: int) -> list:
+    params = SamplingParams(temperature=1.0, max_tokens=args.output_len, seed=seed)
+    return [(prompt, params, dict(n=args.n)) for prompt in prompts]
+
+
+def draft_totals(engine: LLMEngine) -> tuple[int, int]:
+    """Draft tokens (proposed, accepted) over every policy version so far."""
+    counts = engine.draft_counts.by_key.values()
+    return sum(p for p, _ in counts), sum(a for _, a in counts)
+
+
+def row_of(arm: str, epoch: int, run, before: tuple[int, int], after: tuple[int, int]) -> dict:
+    steps = [n for o in run.outputs for n in o.accept_lengths[1:]]
+    proposed, accepted = after[0] - before[0], after[1] - before[1]
+    return dict(arm=arm, epoch=epoch, seconds=run.seconds, tokens=run.tokens, tokens_per_s=run.tokens_per_s,
+                steps=run.steps, tokens_per_verify_step=sum(steps) / max(len(steps), 1),
+                draft_acceptance=accepted / proposed if proposed else None)
+
+
+def run_epochs(engines: dict[str, LLMEngine], prompts: list[list[int]], args, result: dict) -> None:
+    for epoch in range(1, args.epochs + 1):
+        before = {arm: draft_totals(e) for arm, e in engines.items()}
+        requests = {arm: epoch_requests(prompts, args, 1000 + epoch) for arm in engines}
+        runs = run_interleaved(engines, requests, f"epoch{epoch}", args.device)
+        rows = {arm: row_of(arm, epoch, runs[arm], before[arm], draft_totals(engines[arm])) for arm in engines}
+        for row in rows.values():
+            row["time_vs_none"] = row["seconds"] / rows["none"]["seconds"]
+            if "dflash" in rows:
+                row["time_vs_dflash"] = row["seconds"] / rows["dflash"]["seconds"]
+            result["epochs"].append(row)
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        write_json(args.out, result)
+
+
+def main() -> None:
+    args = parse_args()
+    result = dict(args=vars(args), env=environment(args.device), epochs=[])
+    arms = [arm for arm in ARMS if arm != "dflash" or embedded_draft("dflash")]
+    engines = {arm: build(arm, args) for arm in arms}
+    warm = heldout_prompts(args.prompts + 8, args.prompt_len)[args.prompts:]
+    run_interleaved(engines, {arm: epoch_requests(warm, args, 7) for arm in engines}, "warmup", args.device)
+    run_epochs(engines, heldout_prompts(args.prompts, args.prompt_len), args, result)
+    result["history"] = dict(stored_tokens=engines["history"].drafter.history.num_tokens,
+                             prompts=len(engines["history"].drafter.history.prompts))
+    print_table(
+        f"epochs: {args.prompts} prompts x n={args.n}, temperature 1, up to {args.output_len} tokens, block "
+        f"{args.block}, {args.device}", result["epochs"],
+        ["arm", "epoch", "seconds", "tokens", "tokens_per_s", "steps", "tokens_per_verify_step", "draft_acceptance",
+         "time_vs_none", "time_vs_dflash"],
+    )
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    main()

@@ -1,0 +1,92 @@
+"""History drafts of sampled requests follow the exact law (docs/verification.md), with the
+Contract-1 joint-law harness of tests/test_spec_sampled_drafts.py: the embedded target at
+temperature 1, top-k 4, 1,500 samples of one prompt to four tokens, block size 3 (two drafts:
+the second and third tokens).
+
+A first rollout (seed 3) fills the prompt's history; the next ones (other seeds) are drafted from
+it: a one-hot q at the continuation most stored samples agree on, kept with probability p(d). The
+joint law of their first three tokens must equal the exact law (chi-square, fixed seeds).
+
+Negative controls, which must fail by at least twice the critical value: the drafter reporting a
+uniform q for its deterministic drafts (a drafter that lies about q), and the acceptance test of
+one-hot drafts ignoring p (a draft kept whenever the policy allows it at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+import torch
+from test_spec_sampled_drafts import NUM_SAMPLES, PARAMS, PROMPT_IDS, _chi2, exact_joint_law
+
+import rollout.engine.verify as verify_mod
+from rollout import build_engine
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.sampler import PURPOSE_ACCEPT
+from rollout.engine.verify import Proposal
+from rollout.spec.history_drafter import HistoryDrafter
+
+BLOCK = 3
+
+
+@pytest.fixture(scope="module")
+def exact_joint() -> dict[tuple[int, int, int], float]:
+    return exact_joint_law()
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    eng = build_engine(EngineConfig(spec="history", spec_block_size=BLOCK, block_size=4,
+                                    num_kv_blocks=3 * NUM_SAMPLES, max_num_seqs=NUM_SAMPLES,
+                                    max_num_batched_tokens=BLOCK * NUM_SAMPLES))
+    _run(eng, seed=3)  # the history the later rollouts draft from
+    return eng
+
+
+def _run(engine: LLMEngine, seed: int):
+    """The first three tokens of every sample of one rollout, and the fraction of drafts accepted."""
+    counts = engine.draft_counts.by_key.get(("history", 0), (0, 0))
+    engine.add_request(f"r{seed}", [PROMPT_IDS], dataclasses.replace(PARAMS, seed=seed), n=NUM_SAMPLES)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    proposed, accepted = (a - b for a, b in zip(engine.draft_counts.by_key.get(("history", 0), (0, 0)), counts))
+    return Counter(tuple(o.token_ids[:3]) for o in outs), accepted / max(proposed, 1)
+
+
+def test_history_drafts_of_sampled_requests_follow_the_exact_law(engine, exact_joint):
+    counts, acceptance = _run(engine, seed=5)
+    assert acceptance > 0.6, f"only {acceptance:.0%} of the history drafts were accepted"
+    stat, crit = _chi2(counts, exact_joint)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}"
+
+
+def _uniform_q(monkeypatch):
+    real = HistoryDrafter.propose
+
+    def propose(self, items, block_table):
+        drafts = real(self, items, block_table)
+        z = torch.zeros(len(drafts.tokens), 264)  # [D, V]: q reported as uniform
+        drafts.q = Proposal(z, torch.full((len(drafts.tokens),), math.log(264)),
+                            torch.zeros(len(drafts.tokens), dtype=torch.bool), drafts.tokens)
+        return drafts
+
+    monkeypatch.setattr(HistoryDrafter, "propose", propose)
+
+
+def _acceptance_ignores_p(monkeypatch):
+    real = verify_mod.uniform_of_keys
+    monkeypatch.setattr(verify_mod, "uniform_of_keys",
+                        lambda keys, purpose: real(keys, purpose) * (purpose != PURPOSE_ACCEPT))
+
+
+@pytest.mark.parametrize("mutation, seed", [(_uniform_q, 6), (_acceptance_ignores_p, 7)],
+                         ids=["uniform-q-reported", "one-hot-acceptance-ignores-p"])
+def test_wrong_history_verification_fails_the_law(engine, exact_joint, mutation, seed, monkeypatch):
+    mutation(monkeypatch)
+    stat, crit = _chi2(_run(engine, seed)[0], exact_joint)
+    assert stat > 2 * crit, f"the mutation passes: chi2 {stat:.1f}, critical value {crit:.1f}"
