@@ -40,6 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="do not reuse KV blocks of identical prompt prefixes across requests")
     p.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
                    help="random: seeded random weights from config.json alone (benchmarks)")
+    p.add_argument("--weight-staging", choices=("auto", "device", "host"), default="auto",
+                   help="where weight updates wait for their swap: spare device memory or host memory")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -69,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(args.gil_switch_ms / 1e3)
     flush = FlushPolicy(rows=args.flush_rows, seconds=args.flush_ms / 1e3)
     config = ServeConfig(host=args.host, port=args.port, drain_seconds=args.drain_seconds, flush=flush,
-                         engine_process=not args.engine_thread)
+                         engine_process=not args.engine_thread, keep_weight_buffers=args.keep_weight_buffers)
     return asyncio.run(serve(engine_factory(args), config))
 
 
@@ -160,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-thread", action="store_true",
         help="run the engine on a thread of the server's process instead of in its own process "
              "(which keeps the gRPC front end off the engine's GIL)",
+    )
+    serve.add_argument(
+        "--keep-weight-buffers", action="store_true",
+        help="keep the host memory weight uploads land in between updates (at most the model's size) "
+             "instead of giving it back after each: faster updates",
     )
 
     gen = sub.add_parser("generate", help="prompts -> Arrow IPC file through a running server")

@@ -25,8 +25,8 @@ from trainer_client.client import (
     decode_batch,
     info_to_dict,
     to_table,
-    weight_chunks,
 )
+from trainer_client.weights import weight_pieces
 
 
 class AsyncBatchStream(CancellingCall):
@@ -96,12 +96,12 @@ class AsyncRolloutClient(ClientBase):
         draft: bool = False,
         *,
         draft_weights: Weights | None = None,
+        update_id: str | None = None,
         timeout: float | None = None,
     ) -> int:
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
-        chunks = weight_chunks(weights, draft, draft_weights)
-        reply = await self._stub.UpdateWeights(chunks, timeout=self._deadline(timeout))
-        return reply.policy_version
+        pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
+        return self._reply(await self._update_weights(pieces, timeout=self._deadline(timeout)))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -3,7 +3,8 @@
 `RolloutClient(address)` sends prompts (text or token ids) with sampling parameters and gets the
 finished samples back as a `pyarrow.Table` (`generate`) or as record batches while they finish
 (`stream`; leaving the iterator early cancels the call, and the server aborts the request and
-frees its KV blocks). `update_weights` pushes a state dict or safetensors files. Server-side
+frees its KV blocks). `update_weights` pushes a state dict or safetensors files (the stream is
+built in trainer_client.weights). Server-side
 failures raise `grpc.RpcError` carrying the status code; arguments that cannot even be put on
 the wire (an unknown sampling key) raise `rollout.errors.InvalidArgument` locally. The request
 building and decoding helpers here are shared with the asyncio twin in `trainer_client.aio`.
@@ -11,27 +12,25 @@ building and decoding helpers here are shared with the asyncio twin in `trainer_
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from functools import partial
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 import pyarrow as pa
-import torch
 
 from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import ROLLOUT_SCHEMA
+from rollout.weight_wire import encode_piece
+from trainer_client.weights import Weights, weight_pieces
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-WEIGHT_PIECE_BYTES = 8 << 20
+UPDATE_WEIGHTS = "/rollout.v1.Rollout/UpdateWeights"
 SORT_KEYS = [("prompt_index", "ascending"), ("sample_index", "ascending")]
 
 Prompt = str | Sequence[int]
-Weights = Mapping[str, torch.Tensor] | str | Path
+__all__ = ["Weights"]  # (re-exported for trainer_client.fleet)
 
 
 def build_request(
@@ -102,49 +101,6 @@ def info_to_dict(info: pb.ServerInfo) -> dict[str, Any]:
     return out
 
 
-def weight_chunks(
-    weights: Weights | None, draft: bool = False, draft_weights: Weights | None = None
-) -> Iterator[pb.WeightChunk]:
-    """The UpdateWeights stream: `weights` for the target (or the drafter if `draft`), then
-    `draft_weights` for the drafter. Paths are checked now (InvalidArgument); tensors and
-    files are read lazily and cut into pieces of at most WEIGHT_PIECE_BYTES."""
-    pieces: list[Callable[[], Iterator[pb.WeightChunk]]] = []
-    for source, to_draft in ((weights, draft), (draft_weights, True)):
-        if isinstance(source, str | Path):
-            files = enumerate(_safetensors_files(Path(source)))
-            pieces += [partial(_file_chunks, index, file, to_draft) for index, file in files]
-        elif source is not None:
-            pieces += [partial(_tensor_chunks, name, tensor, to_draft) for name, tensor in source.items()]
-    return itertools.chain.from_iterable(piece() for piece in pieces)
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise InvalidArgument(
-            "weights", f"{path} is neither a .safetensors file nor a directory holding some"
-        )
-    return files
-
-
-def _file_chunks(index: int, file: Path, draft: bool) -> Iterator[pb.WeightChunk]:
-    data = file.read_bytes()
-    for start in range(0, max(len(data), 1), WEIGHT_PIECE_BYTES):
-        part = pb.SafetensorsPart(file=index, data=data[start : start + WEIGHT_PIECE_BYTES])
-        yield pb.WeightChunk(draft=draft, safetensors=part)
-
-
-def _tensor_chunks(name: str, tensor: torch.Tensor, draft: bool) -> Iterator[pb.WeightChunk]:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    for start in range(0, max(len(raw), 1), WEIGHT_PIECE_BYTES):
-        piece = pb.Tensor(
-            name=name, dtype=dtype, shape=list(tensor.shape), data=raw[start : start + WEIGHT_PIECE_BYTES]
-        )
-        yield pb.WeightChunk(draft=draft, tensor=piece)
-
-
 class CancellingCall:
     """Base of the sync and async streams: closing (explicitly, on leaving a `with` block, or
     when dropped unfinished) cancels the gRPC call."""
@@ -191,9 +147,17 @@ class ClientBase:
         self.timeout = timeout
         self._channel = self._open_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+        self._update_weights = self._channel.stream_unary(  # pieces serialised without protobuf objects
+            UPDATE_WEIGHTS, request_serializer=encode_piece, response_deserializer=pb.UpdateWeightsResponse.FromString
+        )
+        self.last_update: dict[str, Any] = {}  # the last UpdateWeights reply (stage and pause seconds, ...)
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    def _reply(self, reply: pb.UpdateWeightsResponse) -> int:
+        self.last_update = {f.name: getattr(reply, f.name) for f in pb.UpdateWeightsResponse.DESCRIPTOR.fields}
+        return reply.policy_version
 
 
 class RolloutClient(ClientBase):
@@ -242,13 +206,16 @@ class RolloutClient(ClientBase):
         draft: bool = False,
         *,
         draft_weights: Weights | None = None,
+        update_id: str | None = None,
         timeout: float | None = None,
     ) -> int:
         """Pushes a state dict or safetensors file(s) to the target (or, with draft=True, to the
         drafter); `draft_weights` replaces the drafter in the same call. Returns the new
-        policy_version, once the server applied it."""
-        chunks = weight_chunks(weights, draft, draft_weights)
-        return self._stub.UpdateWeights(chunks, timeout=self._deadline(timeout)).policy_version
+        policy_version, once the server applied it. If the call fails or times out before the
+        update applied, the server withdraws it; pass the same `update_id` when retrying to make
+        sure it applies once even if the reply, not the update, was lost."""
+        pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
+        return self._reply(self._update_weights(pieces, timeout=self._deadline(timeout)))
 
     def close(self) -> None:
         self._channel.close()

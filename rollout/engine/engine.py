@@ -108,8 +108,9 @@ class LLMEngine:
         return dict(graphs=graphs, kernels=triton_ops.compiled_variants())
 
     def update_weights(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
-        """Validate now; apply once running samples drained (see WeightUpdater)."""
-        self.weights.submit(state, draft_state)
+        """Stage and check now (InvalidArgument naming the tensor); apply once running samples drained.
+        The server stages off the engine thread through `self.weights` (see WeightUpdater)."""
+        self.weights.submit(self.weights.stage_state(state, draft_state))
 
     def weight_update_pending(self) -> bool:
         return self.weights.pending

@@ -26,6 +26,7 @@ from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import EngineLoop
 from rollout.server.service import FlushPolicy, Identity, RolloutService
+from rollout.server.weight_service import weight_method_handlers
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 MAX_MESSAGE_BYTES = 1 << 30
@@ -42,6 +43,9 @@ class ServeConfig:
     # the engine in a child process (EngineProcess; the factory must then be picklable) rather than
     # a thread of this one (EngineLoop): `rollout serve` does, see rollout.server.engine_process
     engine_process: bool = False
+    # keep the weight arena's pages between updates (faster uploads; it stays bounded by the model's
+    # size) instead of giving them back after each (rollout.server.arena)
+    keep_weight_buffers: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -78,9 +82,10 @@ async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -
     identity = await engine_loop.call(engine_identity)
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", -1)]
     server = grpc.aio.server(options=options)
-    rollout_pb2_grpc.add_RolloutServicer_to_server(
-        RolloutService(engine_loop, identity, config.flush), server
-    )
+    service = RolloutService(engine_loop, identity, config.flush)
+    service.weights.give_back = not config.keep_weight_buffers
+    rollout_pb2_grpc.add_RolloutServicer_to_server(service, server)
+    server.add_registered_method_handlers(SERVICE_NAME, weight_method_handlers(service))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if isinstance(engine_loop, EngineProcess):  # an engine process that dies: NOT_SERVING from then on

@@ -9,11 +9,13 @@ engine keeps a GIL to itself; the server's process only parses, encodes and send
 
 The child runs the same `EngineLoop` (the engine on its main thread, an asyncio loop on a second)
 on its side of one duplex pipe. The parent sends commands (`add`, `abort`, `call`, `weights`,
-`stop`), each with an id; the child answers each with a result or an error, and sends every
+`withdraw`, `aside`, `stop`), each with an id; the child answers each with a result or an error, and sends every
 request's deliveries in the order its event loop produced them, batched per loop iteration.
 Commands and results are pickled: `call` takes a picklable function of the engine (a
 module-level function or a `functools.partial`, not a lambda), and the engine factory must be
-picklable too. A child that dies (a crash, a kill) fails every pending command and running
+picklable too. Weight bytes do not go through the pipe: the parent writes them into the weight
+arena (rollout.server.arena), whose memory file the child gets at spawn, and sends a small job
+(rollout.server.weight_jobs). A child that dies (a crash, a kill) fails every pending command and running
 request with `Unavailable` (gRPC UNAVAILABLE) naming its exit code, and so does every later
 call: the server answers instead of hanging.
 """
@@ -33,9 +35,11 @@ from typing import Any
 
 from rollout.errors import InvalidArgument, Unavailable
 from rollout.server import logs
+from rollout.server.arena import HostArena
 from rollout.server.convert import GenerateCall
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop, Sink
+from rollout.server.weight_jobs import EngineSide, WeightsApplied
 
 _READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
@@ -58,6 +62,7 @@ class EngineProcess:
         self._stopping = False
         self._conn = None
         self._proc = None
+        self.weight_arena = HostArena()  # shared with the child (see the module docstring)
         self.on_death: Callable[[], None] | None = None  # called on the event loop if the child dies
 
     async def start(self) -> None:
@@ -66,7 +71,8 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, name="rollout-engine", daemon=True,
-                                 args=(self._factory, child_conn, self._log_level, sys.getswitchinterval()))
+                                 args=(self._factory, child_conn, self._log_level, sys.getswitchinterval(),
+                                       self.weight_arena))
         ready = self._pending[_READY] = self._loop.create_future()
         self._proc.start()
         child_conn.close()
@@ -115,30 +121,32 @@ class EngineProcess:
             return fut
         return self._command("abort", request_id, reason)
 
-    async def update_weights(self, state: dict, draft_state: dict | None) -> int:
-        """Validates in the child, resolves with the new policy_version once applied there."""
-        return await self._command("weights", state, draft_state, send_in_thread=True)
+    async def update_weights(self, job) -> WeightsApplied:
+        """Stages `job` in the child, resolves once it is applied there (EngineLoop.update_weights)."""
+        return await self._command("weights", job)
+
+    def withdraw_weights(self, token: str) -> asyncio.Future:
+        return self._command("withdraw", token)
+
+    async def aside(self, fn: Callable[[Any, EngineSide], Any]) -> Any:
+        """fn(engine, side) on a worker thread of the child; fn must be picklable."""
+        return await self._command("aside", fn)
 
     def num_requests(self) -> int:
         return len(self._sinks)
 
     # -- parent side ---------------------------------------------------------------------------
 
-    def _command(self, op: str, *args, send_in_thread: bool = False) -> asyncio.Future:
+    def _command(self, op: str, *args) -> asyncio.Future:
         fut = self._loop.create_future()
         if self._dead is not None:
             fut.set_exception(self._dead)
             return fut
         cmd_id = next(self._ids)
         self._pending[cmd_id] = fut
-        message = (op, cmd_id, *args)
-        if send_in_thread:  # a large message (weights) must not hold the event loop while it is written
-            task = self._loop.create_task(asyncio.to_thread(self._send, [message]))
-            task.add_done_callback(lambda t: self._settle(cmd_id, None, _send_error(t)) if _send_error(t) else None)
-        else:  # one pickle and one write per event-loop iteration (a burst of Generate calls)
-            if not self._batch:
-                self._loop.call_soon(self._flush)
-            self._batch.append(message)
+        if not self._batch:  # one pickle and one write per event-loop iteration (a burst of Generate calls)
+            self._loop.call_soon(self._flush)
+        self._batch.append((op, cmd_id, *args))
         return fut
 
     def _flush(self) -> None:
@@ -216,7 +224,8 @@ class EngineProcess:
 # -- child side --------------------------------------------------------------------------------
 
 
-def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval: float) -> None:
+def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval: float,
+                arena: HostArena) -> None:
     """The child's entry point: the engine loop runs on this, the main thread, and the asyncio side
     (commands in, results and deliveries out) on a second one. The main thread matters: glibc
     gives other threads their own malloc arenas, which return memory to the system and take it
@@ -228,7 +237,7 @@ def _child_main(factory: Callable[[], Any], conn, log_level: str, switch_interva
     sys.setswitchinterval(switch_interval)
     logs.configure(log_level)
     loop = asyncio.new_event_loop()
-    engine_loop = EngineLoop(factory, loop, thread=False)
+    engine_loop = EngineLoop(factory, loop, thread=False, side=EngineSide(arena))
     front = threading.Thread(target=loop.run_until_complete, args=(_serve_engine(engine_loop, conn),),
                              name="rollout-engine-front", daemon=True)
     front.start()
@@ -333,19 +342,16 @@ async def _execute(engine_loop: EngineLoop, message: tuple, out: _Outbox) -> Non
             result = await engine_loop.call(args[0])
         elif op == "weights":
             result = await engine_loop.update_weights(*args)
+        elif op == "withdraw":
+            result = await engine_loop.withdraw_weights(*args)
+        elif op == "aside":
+            result = await engine_loop.aside(*args)
         else:
             raise ValueError(f"unknown engine command {op!r}")
     except Exception as exc:
         out.post("result", cmd_id, error=exc)
         return
     out.post("result", cmd_id, result)
-
-
-def _send_error(task: asyncio.Task) -> BaseException | None:
-    """Why a threaded send failed (None if it did not)."""
-    if task.cancelled():
-        return asyncio.CancelledError()
-    return task.exception()
 
 
 def _picklable(error: BaseException | None) -> BaseException | None:

@@ -28,7 +28,7 @@ from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop
 from rollout.server.status import to_status
-from rollout.server.weights import assemble
+from rollout.server.weight_service import WeightService
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.engine_loop = engine_loop
         self.identity = identity
         self.flush = flush
+        self.weights = WeightService(engine_loop)
         self._encoders: dict[tuple[str, int | None], StreamEncoder] = {}
 
     def schema(self, call: GenerateCall):
@@ -174,12 +175,6 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             return server_info_message(info, kv_blocks, self.identity.drafter)
 
     async def UpdateWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
+        """Its chunks arrive as rollout.weight_wire.WirePiece (see rollout.server.weight_service)."""
         async with status_on_error(context, "UpdateWeights"):
-            chunks = [chunk async for chunk in request_iterator]
-            state, draft_state = await asyncio.to_thread(assemble, chunks)
-            log_event("weights_received", tensors=len(state), draft_tensors=len(draft_state or {}))
-            version = await self.engine_loop.update_weights(state, draft_state)
-            log_event("weights_applied", policy_version=version)
-            return pb.UpdateWeightsResponse(
-                policy_version=version, num_tensors=len(state), num_draft_tensors=len(draft_state or {})
-            )
+            return await self.weights.update(request_iterator)
