@@ -11,6 +11,16 @@ Per path: seconds from the call to the new version serving, GB/s (update bytes /
 server's staging seconds (after the transfer, checks included) and its pause (no step ran).
 The state dict lives on --source-device (a trainer's tensors: cuda on the GPU run).
 
+The pause while a rollout runs (--rollout-samples samples of --rollout-tokens tokens): the
+update is sent once the rollout has started; the engine drains it on the old weights, then swaps.
+
+  sequential       no overlap: the rollout finishes, then the update is sent (the engine idles
+                   for the whole update: pause = its seconds)
+  staged_host      sent during the rollout, staged in host memory: the pause is one host-to-device
+                   copy per tensor (--weight-staging host)
+  staged_device    sent during the rollout, staged in spare device memory: the pause is a device
+                   copy (--weight-staging device; on CPU the same as host)
+
     python benchmarks/bench_weights.py --quick                                   # CPU check (tiny shape)
     python benchmarks/bench_weights.py --shape qwen3-0.6b --repeats 3            # CPU, ~1.2 GB update
     python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b
@@ -22,6 +32,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +47,8 @@ from rollout.server.process import ServerProcess  # noqa: E402
 from trainer_client import RolloutClient  # noqa: E402
 
 COLUMNS = ["path", "buffers", "gb", "seconds", "gb_per_s", "stage_s", "pause_s", "version"]
+ROLLOUT_MODES = ("sequential", "staged_host", "staged_device")
+ROLLOUT_COLUMNS = ["mode", "rollout_s", "update_s", "pause_s", "stage_s", "old_version_samples", "samples"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,11 +58,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="tiny shape, one repeat: a CPU check of the script")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rollout-samples", type=int, default=256)
+    p.add_argument("--rollout-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--server-args", default="", help="more `rollout serve` arguments")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_weights_<device>.json)")
     args = p.parse_args()
     if args.quick:
-        args.shape, args.repeats = "tiny", 1
+        args.shape, args.repeats, args.rollout_samples, args.rollout_tokens = "tiny", 1, 16, 32
     args.out = args.out or str(Path(__file__).parent / "results" / f"bench_weights_{args.device}.json")
     return args
 
@@ -83,8 +99,7 @@ def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers
 def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Path, keep: bool) -> list[dict]:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     buffers = "kept" if keep else "given back"
-    serve = ["--model", str(model_dir), "--load-format", "random", "--device", args.device, "--num-kv-blocks", "64"]
-    serve += (["--keep-weight-buffers"] if keep else []) + args.server_args.split()
+    serve = serve_args(args, model_dir, *(["--keep-weight-buffers"] if keep else []))
     rows = []
     with ServerProcess(serve, startup_timeout=900) as server, RolloutClient(server.address, timeout=3600) as client:
         for r in range(args.repeats):
@@ -92,6 +107,53 @@ def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Pat
             rows.append(timed_update(client, files, nbytes, "grpc_safetensors", buffers))
             print_table(f"repeat {r}", rows[-2:], COLUMNS)
     return rows
+
+
+def serve_args(args: argparse.Namespace, model_dir: Path, *extra: str) -> list[str]:
+    blocks = args.rollout_samples * (-(-(args.prompt_len + args.rollout_tokens) // 16) + 1) + 64
+    out = ["--model", str(model_dir), "--load-format", "random", "--device", args.device]
+    return out + ["--num-kv-blocks", str(blocks), *extra, *args.server_args.split()]
+
+
+def start_rollout(client: RolloutClient, args: argparse.Namespace, vocab: int) -> tuple[threading.Thread, dict]:
+    """The rollout on a thread; returns once its samples are running (KV blocks taken)."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, vocab, (args.rollout_samples, args.prompt_len), generator=gen).tolist()
+    sampling = dict(temperature=1.0, max_tokens=args.rollout_tokens, ignore_eos=True, seed=0)
+    out: dict = {}
+
+    def run() -> None:
+        start = time.perf_counter()
+        out["table"] = client.generate(prompts, sampling=sampling)
+        out["seconds"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    total = client.server_info()["kv_blocks_total"]
+    while client.server_info()["kv_blocks_free"] > total - args.rollout_samples and thread.is_alive():
+        time.sleep(0.01)
+    return thread, out
+
+
+def rollout_row(args: argparse.Namespace, model_dir: Path, state: dict, mode: str) -> dict:
+    staging = {"staged_host": "host", "staged_device": "device"}.get(mode, "auto")
+    vocab = SHAPES[args.shape]["vocab_size"]
+    with ServerProcess(serve_args(args, model_dir, "--weight-staging", staging), startup_timeout=900) as server:
+        with RolloutClient(server.address, timeout=3600) as client:
+            client.update_weights(state)  # warm: first-use costs are not the pause
+            version = client.server_info()["policy_version"]
+            thread, rollout = start_rollout(client, args, vocab)
+            if mode == "sequential":
+                thread.join()
+            start = time.perf_counter()
+            client.update_weights(state)
+            update_s = time.perf_counter() - start
+            thread.join()
+    reply = client.last_update
+    pause = update_s if mode == "sequential" else reply["pause_seconds"]
+    versions = rollout["table"].column("policy_version").to_pylist()
+    return dict(mode=mode, rollout_s=rollout["seconds"], update_s=update_s, pause_s=pause,
+                stage_s=reply["stage_seconds"], old_version_samples=versions.count(version), samples=len(versions))
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -120,9 +182,13 @@ def main() -> None:
         save_file({k: v.cpu() for k, v in state.items() if k == "model.embed_tokens.weight" or v is not embed},
                   files / "model.safetensors")
         rows = grpc_rows(args, model_dir, state, files, keep=False) + grpc_rows(args, model_dir, state, files, True)
-    result = dict(args=vars(args), env=environment(args.device), rows=rows, summary=summary(rows))
+        result = dict(args=vars(args), env=environment(args.device), rows=rows, summary=summary(rows))
+        write_json(args.out, result)
+        result["rollout"] = [rollout_row(args, model_dir, state, mode) for mode in ROLLOUT_MODES]
     print_table(f"weight sync, {args.shape} bf16, server on {args.device} (median of {args.repeats})",
                 result["summary"], COLUMNS)
+    print_table(f"pause while a rollout of {args.rollout_samples} x {args.rollout_tokens} tokens runs",
+                result["rollout"], ROLLOUT_COLUMNS)
     write_json(args.out, result)
     print(f"\nwrote {args.out}")
 

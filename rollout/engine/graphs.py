@@ -123,6 +123,8 @@ def capture_graph(run: Callable, capture: bool, pool=None):
         run()  # warm-up: lazily built tables (RoPE) and Triton compilations happen before capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: a weight update staging on another thread (copies, allocations) must not break
+    # a capture in progress (the default "global" mode makes such calls fail the capture)
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = run()
     return graph.replay, outputs, graph.pool()

@@ -29,11 +29,15 @@ def field_of(draft: bool) -> str:
 
 class WeightStage:
     """Staged tensors of one update, by (drafter?, key). `current(draft, key)` is a parameter's
-    value now (to check a tied alias that comes without the tensor it shares)."""
+    value now (to check a tied alias that comes without the tensor it shares). `pin`: host memory
+    staged for a CUDA engine is page-locked (`pin_region`) so that the swap copies at full speed;
+    `close` unlocks it once the stage is applied or dropped."""
 
-    def __init__(self, location: torch.device, current: Callable[[bool, str], torch.Tensor]):
+    def __init__(self, location: torch.device, current: Callable[[bool, str], torch.Tensor], pin: bool = False):
         self.location = location
         self._current = current
+        self._pin = pin
+        self._closers: list[Callable[[], None]] = []
         self._stream = torch.cuda.Stream(location) if location.type == "cuda" else None
         self.tensors: dict[Key, torch.Tensor] = {}
         self.specs: dict[Key, TensorSpec] = {}
@@ -61,6 +65,22 @@ class WeightStage:
             tensor = torch.empty(spec.shape, dtype=FLOAT_DTYPES[dtype], device=self.location)
         self.tensors[(draft, key)] = tensor
         return tensor
+
+    def pin_region(self, region: torch.Tensor) -> None:
+        """Page-locks the host memory of `region` (a uint8 view the staged tensors live in) until
+        `close`, when this stage is host memory for a CUDA engine; a refusal by the driver leaves it
+        pageable (slower swap, same result)."""
+        if not self._pin or region.numel() == 0:
+            return
+        cudart, address = torch.cuda.cudart(), region.data_ptr()
+        if int(cudart.cudaHostRegister(address, region.numel(), 0)) == 0:
+            self._closers.append(lambda: cudart.cudaHostUnregister(address))
+
+    def close(self) -> None:
+        """Releases what `pin_region` locked (idempotent); the staged tensors are not used after."""
+        closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()

@@ -120,7 +120,10 @@ class EngineLoop:
         summary = WeightsApplied(0, stage.count(False), stage.count(True), time.perf_counter() - start)
         fut = self._loop.create_future()
         self._commands.put((lambda engine: self._update(engine, stage, job, summary, fut), None))
-        return await fut
+        try:
+            return await fut
+        finally:
+            stage.close()  # applied, refused or withdrawn: nothing reads the stage any more
 
     def withdraw_weights(self, token: str) -> asyncio.Future:
         """Drops the update staged with `token` unless it has applied (its caller went away)."""

@@ -10,6 +10,7 @@ torch.distributed groups joined.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +64,23 @@ class UploadJob:
         side.arena.map(self.arena_size)
         specs = engine.weights.specs()
         tables = {False: specs.target, True: specs.draft}
+        end = max(t.offset + tables[t.draft][t.key].nbytes for t in self.tensors)
         stage = engine.weights.new_stage(sum(tables[t.draft][t.key].nbytes for t in self.tensors))
-        for t in self.tensors:
-            spec = tables[t.draft][t.key]
-            view = side.arena.view(t.offset, spec.nbytes).view(FLOAT_DTYPES[t.dtype]).view(spec.shape)
-            stage.adopt(t.draft, t.key, t.name, spec, view)
-        stage.check()
+        with closed_on_error(stage):
+            stage.pin_region(side.arena.view(0, end))
+            for t in self.tensors:
+                spec = tables[t.draft][t.key]
+                view = side.arena.view(t.offset, spec.nbytes).view(FLOAT_DTYPES[t.dtype]).view(spec.shape)
+                stage.adopt(t.draft, t.key, t.name, spec, view)
+            stage.check()
         return stage
+
+
+@contextlib.contextmanager
+def closed_on_error(stage: WeightStage):
+    """Closes `stage` if the block raises (a job that fails to stage leaves nothing locked)."""
+    try:
+        yield stage
+    except BaseException:
+        stage.close()
+        raise
