@@ -5,6 +5,8 @@ server that holds random weights of the same shape (`--load-format random`, noth
 
   grpc_state_dict   client.update_weights(state_dict): UpdateWeights over loopback gRPC
   grpc_safetensors  client.update_weights(directory): the same state dict as safetensors files
+  same_host         client.update_weights_shared(state_dict): CUDA IPC handles (a cuda state dict)
+                    or one /dev/shm file (a CPU one), nothing through gRPC but the handles
   (with --keep-weight-buffers too: the server keeps the upload's host memory between updates)
 
 Per path: seconds from the call to the new version serving, GB/s (update bytes / seconds), the
@@ -89,7 +91,7 @@ def random_state(shape: dict, device: str) -> dict[str, torch.Tensor]:
 
 def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers: str) -> dict:
     start = time.perf_counter()
-    version = client.update_weights(weights)
+    version = (client.update_weights_shared if path == "same_host" else client.update_weights)(weights)
     seconds = time.perf_counter() - start
     reply = client.last_update
     return dict(path=path, buffers=buffers, gb=nbytes / 1e9, seconds=seconds, gb_per_s=nbytes / 1e9 / seconds,
@@ -105,7 +107,9 @@ def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Pat
         for r in range(args.repeats):
             rows.append(timed_update(client, state, nbytes, "grpc_state_dict", buffers))
             rows.append(timed_update(client, files, nbytes, "grpc_safetensors", buffers))
-            print_table(f"repeat {r}", rows[-2:], COLUMNS)
+            if keep:  # (no upload buffers on this path)
+                rows.append(timed_update(client, state, nbytes, "same_host", "-"))
+            print_table(f"repeat {r}", rows[-3:], COLUMNS)
     return rows
 
 

@@ -135,7 +135,7 @@ class FakeWeights:
         return WeightSpecs(tensor_specs(self.engine.params))
 
     def new_stage(self, nbytes: int) -> WeightStage:
-        return WeightStage(torch.device("cpu"), lambda draft, key: self.engine.params[key])
+        return WeightStage(torch.device("cpu"), True, lambda draft, key: self.engine.params[key])
 
     def submit(self, stage: WeightStage, token: str = "", update_id: str = "") -> None:
         self.engine._check_thread()

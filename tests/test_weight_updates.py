@@ -2,12 +2,14 @@
 process, as `rollout serve` runs it): refusals at a tensor's first piece with the upload's memory
 given back, values that are not finite and a tied lm_head refused by name, undecodable bytes as
 INVALID_ARGUMENT, an update whose caller gave up withdrawn, a repeated update id applied once, and
-requests admitted and finished on the old weights while an upload is still streaming."""
+requests admitted and finished on the old weights while an upload is still streaming; and the
+same-host handover through shared memory (UpdateWeightsShared)."""
 
 from __future__ import annotations
 
 import functools
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,8 +18,10 @@ from safetensors.torch import load_file
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
+from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.app import BackgroundServer, ServeConfig
 from trainer_client import RolloutClient
+from trainer_client.shared import SharedUpdate
 from trainer_client.weights import weight_pieces
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -139,3 +143,34 @@ def _wait_for_running(client, timeout: float = 30.0) -> None:
     while client.server_info()["kv_blocks_free"] == client.server_info()["kv_blocks_total"]:
         assert time.monotonic() < end, "the request did not start"
         time.sleep(0.01)
+
+
+def test_same_host_update_through_shared_memory_equals_the_grpc_path(client, original):
+    """The state dict handed over as a /dev/shm file (mapped by the engine's process) gives the
+    same model as the same state dict sent over gRPC; the file is gone afterwards."""
+    v0 = client.server_info()["policy_version"]
+    perturbed = {k: (v * 1.25).to(torch.bfloat16) for k, v in original.items()}  # cast on the way too
+    assert client.update_weights(perturbed) == v0 + 1
+    reference = client.generate([[4, 5, 6]], n=2, sampling=GREEDY).column("token_ids").to_pylist()
+    client.update_weights(original)
+    assert client.update_weights_shared(perturbed) == v0 + 3
+    after = client.generate([[4, 5, 6]], n=2, sampling=GREEDY)
+    assert after.column("token_ids").to_pylist() == reference and after.column("policy_version")[0].as_py() == v0 + 3
+    assert not list(Path("/dev/shm").glob("rollout-weights-*"))
+
+
+def test_same_host_update_refuses_bad_names_and_places(client, tmp_path):
+    v0 = client.server_info()["policy_version"]
+    with pytest.raises(grpc.RpcError) as err:
+        client.update_weights_shared({"model.bogus": torch.zeros(2)})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown tensor 'model.bogus'" in err.value.details()
+    with SharedUpdate({"model.norm.weight": torch.ones(64)}) as shared:
+        outside = pb.SharedWeights.FromString(shared.request.SerializeToString())
+        outside.tensors[0].file.path = str(tmp_path / "elsewhere")
+        beyond = pb.SharedWeights.FromString(shared.request.SerializeToString())
+        beyond.tensors[0].file.offset = 1 << 20
+        for request, message in ((outside, "is not a file in /dev/shm"), (beyond, "not float32 elements inside")):
+            with pytest.raises(grpc.RpcError) as err:
+                client._stub.UpdateWeightsShared(request, timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert client.server_info()["policy_version"] == v0

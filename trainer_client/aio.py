@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pyarrow as pa
+import torch
 
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from trainer_client.client import (
@@ -26,6 +27,7 @@ from trainer_client.client import (
     info_to_dict,
     to_table,
 )
+from trainer_client.shared import SharedUpdate
 from trainer_client.weights import weight_pieces
 
 
@@ -102,6 +104,20 @@ class AsyncRolloutClient(ClientBase):
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
         pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
         return self._reply(await self._update_weights(pieces, timeout=self._deadline(timeout)))
+
+    async def update_weights_shared(
+        self,
+        weights: Mapping[str, torch.Tensor] | None,
+        draft: bool = False,
+        *,
+        draft_weights: Mapping[str, torch.Tensor] | None = None,
+        update_id: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """See `RolloutClient.update_weights_shared`."""
+        with SharedUpdate(weights, draft, draft_weights, update_id or "") as shared:
+            reply = await self._stub.UpdateWeightsShared(shared.request, timeout=self._deadline(timeout))
+            return self._reply(reply)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -4,7 +4,8 @@
 finished samples back as a `pyarrow.Table` (`generate`) or as record batches while they finish
 (`stream`; leaving the iterator early cancels the call, and the server aborts the request and
 frees its KV blocks). `update_weights` pushes a state dict or safetensors files (the stream is
-built in trainer_client.weights). Server-side
+built in trainer_client.weights); `update_weights_shared` hands a state dict to a server on the
+same host as CUDA IPC handles or shared memory (trainer_client.shared). Server-side
 failures raise `grpc.RpcError` carrying the status code; arguments that cannot even be put on
 the wire (an unknown sampling key) raise `rollout.errors.InvalidArgument` locally. The request
 building and decoding helpers here are shared with the asyncio twin in `trainer_client.aio`.
@@ -17,12 +18,14 @@ from typing import Any
 
 import grpc
 import pyarrow as pa
+import torch
 
 from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.weight_wire import encode_piece
+from trainer_client.shared import SharedUpdate
 from trainer_client.weights import Weights, weight_pieces
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
@@ -216,6 +219,21 @@ class RolloutClient(ClientBase):
         sure it applies once even if the reply, not the update, was lost."""
         pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
         return self._reply(self._update_weights(pieces, timeout=self._deadline(timeout)))
+
+    def update_weights_shared(
+        self,
+        weights: Mapping[str, torch.Tensor] | None,
+        draft: bool = False,
+        *,
+        draft_weights: Mapping[str, torch.Tensor] | None = None,
+        update_id: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """`update_weights` for a server on this host, without sending the bytes: CUDA tensors go
+        as CUDA IPC handles, CPU tensors through one /dev/shm file (trainer_client.shared). Keep the
+        tensors unchanged until it returns (once the update is applied)."""
+        with SharedUpdate(weights, draft, draft_weights, update_id or "") as shared:
+            return self._reply(self._stub.UpdateWeightsShared(shared.request, timeout=self._deadline(timeout)))
 
     def close(self) -> None:
         self._channel.close()

@@ -28,17 +28,19 @@ def field_of(draft: bool) -> str:
 
 
 class WeightStage:
-    """Staged tensors of one update, by (drafter?, key). `current(draft, key)` is a parameter's
-    value now (to check a tied alias that comes without the tensor it shares). `pin`: host memory
-    staged for a CUDA engine is page-locked (`pin_region`) so that the swap copies at full speed;
-    `close` unlocks it once the stage is applied or dropped."""
+    """Staged tensors of one update, by (drafter?, key), for an engine on `device`: staged in
+    device memory (`on_device`) or in host memory. `current(draft, key)` is a parameter's value now
+    (to check a tied alias that comes without the tensor it shares). Host memory staged for a CUDA
+    engine is page-locked (`pin_region`) so that the swap copies at full speed; `close` unlocks it
+    and drops what the stage holds once it is applied or dropped."""
 
-    def __init__(self, location: torch.device, current: Callable[[bool, str], torch.Tensor], pin: bool = False):
-        self.location = location
+    def __init__(self, device: torch.device, on_device: bool, current: Callable[[bool, str], torch.Tensor]):
+        self.device = device
+        self.location = device if on_device else torch.device("cpu")
         self._current = current
-        self._pin = pin
+        self._pin = device.type == "cuda" and not on_device
         self._closers: list[Callable[[], None]] = []
-        self._stream = torch.cuda.Stream(location) if location.type == "cuda" else None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.tensors: dict[Key, torch.Tensor] = {}
         self.specs: dict[Key, TensorSpec] = {}
         self.names: dict[Key, str] = {}
@@ -51,9 +53,10 @@ class WeightStage:
 
     def adopt(self, draft: bool, key: str, name: str, spec: TensorSpec, tensor: torch.Tensor) -> None:
         """Stages `tensor` (the spec's shape, a floating dtype, any device): copied to the staging
-        location unless it is there already."""
+        location unless it is there already or on the engine's device (a CUDA IPC tensor: the swap
+        reads it where it is)."""
         self._claim(draft, key, name, spec)
-        if tensor.device != self.location:
+        if tensor.device not in (self.location, self.device):
             with self._on_stream():
                 tensor = tensor.to(self.location, non_blocking=True)
         self.tensors[(draft, key)] = tensor
@@ -77,10 +80,13 @@ class WeightStage:
             self._closers.append(lambda: cudart.cudaHostUnregister(address))
 
     def close(self) -> None:
-        """Releases what `pin_region` locked (idempotent); the staged tensors are not used after."""
+        """Releases what `pin_region` locked and what `keep` holds (idempotent); the staged
+        tensors are not used after."""
         closers, self._closers = self._closers, []
         for close in closers:
             close()
+        self.tensors.clear()
+        self.keep.clear()
 
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()

@@ -60,8 +60,7 @@ class WeightUpdater:
         on_device = device.type == "cuda" and mode != "host"
         if on_device and mode == "auto":
             on_device = torch.cuda.mem_get_info(device)[0] >= nbytes + STAGING_HEADROOM
-        location = device if on_device or device.type == "cpu" else torch.device("cpu")
-        return WeightStage(location, self._current, pin=device.type == "cuda" and location.type == "cpu")
+        return WeightStage(device, on_device or device.type == "cpu", self._current)
 
     def _current(self, draft: bool, key: str) -> torch.Tensor:
         param, rows = param_slots(self._models(draft))[0][key]

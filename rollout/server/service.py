@@ -178,3 +178,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         """Its chunks arrive as rollout.weight_wire.WirePiece (see rollout.server.weight_service)."""
         async with status_on_error(context, "UpdateWeights"):
             return await self.weights.update(request_iterator)
+
+    async def UpdateWeightsShared(self, request: pb.SharedWeights, context) -> pb.UpdateWeightsResponse:
+        async with status_on_error(context, "UpdateWeightsShared"):
+            return await self.weights.update_shared(request)

@@ -25,6 +25,7 @@ from rollout.engine.weight_specs import WeightSpecs
 from rollout.errors import FailedPrecondition
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.logs import log_event
+from rollout.server.shared_weights import shared_job
 from rollout.server.weight_jobs import WeightsApplied
 from rollout.server.weights import WeightUpload
 from rollout.weight_wire import WirePiece, decode_chunk
@@ -98,6 +99,21 @@ class WeightService:
             if engine_call is None:
                 self._release(arena)
 
+    async def update_shared(self, request: pb.SharedWeights) -> pb.UpdateWeightsResponse:
+        """UpdateWeightsShared: checked here, mapped and staged by the engine (rollout.server.shared_weights)."""
+        job = shared_job(request, await self.specs(), uuid.uuid4().hex)
+        return response(await self._run(job))
+
+    async def _run(self, job) -> WeightsApplied:
+        """A job other than an upload (no arena): a repeat of an applied id answers at once."""
+        if job.update_id:
+            version = await self.engine_loop.call(functools.partial(applied_version, job.update_id))
+            if version is not None:
+                return WeightsApplied(version, repeated=True)
+        engine_call = asyncio.ensure_future(self.engine_loop.update_weights(job))
+        engine_call.add_done_callback(_retrieved)
+        return await self._applied(engine_call, job.token)
+
     async def _receive(self, pieces: AsyncIterator[WirePiece], upload: WeightUpload) -> WeightsApplied | None:
         """Writes the stream into the arena (on the writer thread, while the next pieces are read);
         a repeat of an applied update id: its answer, at the first chunk that names it."""
@@ -130,12 +146,17 @@ class WeightService:
     def _engine_done(self, arena, engine_call: asyncio.Future) -> None:
         """The engine is done with the arena (applied, refused or withdrawn)."""
         self._release(arena)
-        if not engine_call.cancelled():
-            engine_call.exception()  # (retrieved: a withdrawn update's error has no one awaiting it)
+        _retrieved(engine_call)
 
     def _release(self, arena) -> None:
         arena.release(give_back=self.give_back)
         self._arena_busy = False
+
+
+def _retrieved(engine_call: asyncio.Future) -> None:
+    """Marks the engine's error as seen: a withdrawn update's error has no one awaiting it."""
+    if not engine_call.cancelled():
+        engine_call.exception()
 
 
 class _Pipeline:
