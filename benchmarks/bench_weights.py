@@ -7,11 +7,18 @@ server that holds random weights of the same shape (`--load-format random`, noth
   grpc_safetensors  client.update_weights(directory): the same state dict as safetensors files
   same_host         client.update_weights_shared(state_dict): CUDA IPC handles (a cuda state dict)
                     or one /dev/shm file (a CPU one), nothing through gRPC but the handles
+  broadcast         BroadcastGroup([server]).update_weights(state_dict): this process is rank 0 of a
+                    weight group with the server; --broadcast gloo (through host memory), or nccl
+                    (needs 2 GPUs: the server gets the first, this process uses cuda:1)
   (with --keep-weight-buffers too: the server keeps the upload's host memory between updates)
 
 Per path: seconds from the call to the new version serving, GB/s (update bytes / seconds), the
 server's staging seconds (after the transfer, checks included) and its pause (no step ran).
 The state dict lives on --source-device (a trainer's tensors: cuda on the GPU run).
+
+Release / resume (`client.release_memory(weights=True)`, `resume_memory()`): the device memory the
+server held that it gave back (mem_get_info seen from here; on CPU the server's KV bytes), the
+seconds of each, and from the resume call to the first token of a one-token request.
 
 The pause while a rollout runs (--rollout-samples samples of --rollout-tokens tokens): the
 update is sent once the rollout has started; the engine drains it on the old weights, then swaps.
@@ -31,6 +38,7 @@ update is sent once the rollout has started; the engine drains it on the old wei
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -47,9 +55,11 @@ from rollout.engine.model import ModelConfig, TransformerLM  # noqa: E402
 from rollout.engine.weight_specs import model_specs  # noqa: E402
 from rollout.server.process import ServerProcess  # noqa: E402
 from trainer_client import RolloutClient  # noqa: E402
+from trainer_client.broadcast import BroadcastGroup  # noqa: E402
 
 COLUMNS = ["path", "buffers", "gb", "seconds", "gb_per_s", "stage_s", "pause_s", "version"]
 ROLLOUT_MODES = ("sequential", "staged_host", "staged_device")
+MEMORY_COLUMNS = ["weights", "held_gb", "freed_gb", "free_fraction", "release_s", "resume_s", "resume_to_first_token_s"]
 ROLLOUT_COLUMNS = ["mode", "rollout_s", "update_s", "pause_s", "stage_s", "old_version_samples", "samples"]
 
 
@@ -60,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="tiny shape, one repeat: a CPU check of the script")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--broadcast", default="gloo", choices=("gloo", "nccl", "none"))
     p.add_argument("--rollout-samples", type=int, default=256)
     p.add_argument("--rollout-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -103,14 +114,66 @@ def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Pat
     buffers = "kept" if keep else "given back"
     serve = serve_args(args, model_dir, *(["--keep-weight-buffers"] if keep else []))
     rows = []
-    with ServerProcess(serve, startup_timeout=900) as server, RolloutClient(server.address, timeout=3600) as client:
+    with server_process(args, serve) as server, RolloutClient(server.address, timeout=3600) as client:
         for r in range(args.repeats):
             rows.append(timed_update(client, state, nbytes, "grpc_state_dict", buffers))
             rows.append(timed_update(client, files, nbytes, "grpc_safetensors", buffers))
-            if keep:  # (no upload buffers on this path)
+            if keep:  # (no upload buffers on these paths)
                 rows.append(timed_update(client, state, nbytes, "same_host", "-"))
-            print_table(f"repeat {r}", rows[-3:], COLUMNS)
+                rows += [broadcast_row(args, server.address, state, nbytes)] if args.broadcast != "none" else []
+            print_table(f"repeat {r}", rows[-4:], COLUMNS)
     return rows
+
+
+def broadcast_row(args: argparse.Namespace, address: str, state: dict, nbytes: int) -> dict:
+    device = torch.device("cuda", 1) if args.broadcast == "nccl" else None
+    sources = {k: v.to(device) for k, v in state.items()} if device is not None else state
+    with BroadcastGroup([address], backend=args.broadcast, device=device) as group:
+        start = time.perf_counter()
+        (version,) = group.update_weights(sources)
+        seconds = time.perf_counter() - start
+    return dict(path="broadcast", buffers=args.broadcast, gb=nbytes / 1e9, seconds=seconds,
+                gb_per_s=nbytes / 1e9 / seconds, version=version)
+
+
+def device_free(device: str) -> int:
+    return torch.cuda.mem_get_info()[0] if device == "cuda" else 0
+
+
+def memory_rows(args: argparse.Namespace, model_dir: Path) -> list[dict]:
+    """Release (without and with the weights) and resume, each followed by a one-token request."""
+    rows, free_before = [], device_free(args.device)
+    with server_process(args, serve_args(args, model_dir)) as server:
+        with RolloutClient(server.address, timeout=3600) as client:
+            client.generate([[1, 2, 3]], sampling=dict(max_tokens=4))  # warm (graphs captured)
+            free_serving = device_free(args.device)
+            for weights in (False, True):
+                released = client.release_memory(weights=weights)
+                free_released = device_free(args.device)
+                start = time.perf_counter()
+                resumed = client.resume_memory()
+                client.generate([[1, 2, 3]], sampling=dict(max_tokens=1))
+                held = free_before - free_serving
+                rows.append(dict(weights=weights, held_gb=held / 1e9, freed_gb=released["bytes"] / 1e9,
+                                 free_fraction=(free_released - free_serving) / held if held else None,
+                                 release_s=released["seconds"], resume_s=resumed["seconds"],
+                                 resume_to_first_token_s=time.perf_counter() - start))
+    return rows
+
+
+def server_process(args: argparse.Namespace, serve: list[str]) -> ServerProcess:
+    """A started `rollout serve`; with --broadcast nccl it sees the first GPU only (this process
+    takes cuda:1: NCCL needs the two ranks on different GPUs)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.broadcast == "nccl":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    try:
+        return ServerProcess(serve, startup_timeout=900).start()
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def serve_args(args: argparse.Namespace, model_dir: Path, *extra: str) -> list[str]:
@@ -142,7 +205,7 @@ def start_rollout(client: RolloutClient, args: argparse.Namespace, vocab: int) -
 def rollout_row(args: argparse.Namespace, model_dir: Path, state: dict, mode: str) -> dict:
     staging = {"staged_host": "host", "staged_device": "device"}.get(mode, "auto")
     vocab = SHAPES[args.shape]["vocab_size"]
-    with ServerProcess(serve_args(args, model_dir, "--weight-staging", staging), startup_timeout=900) as server:
+    with server_process(args, serve_args(args, model_dir, "--weight-staging", staging)) as server:
         with RolloutClient(server.address, timeout=3600) as client:
             client.update_weights(state)  # warm: first-use costs are not the pause
             version = client.server_info()["policy_version"]
@@ -189,10 +252,14 @@ def main() -> None:
         result = dict(args=vars(args), env=environment(args.device), rows=rows, summary=summary(rows))
         write_json(args.out, result)
         result["rollout"] = [rollout_row(args, model_dir, state, mode) for mode in ROLLOUT_MODES]
+        write_json(args.out, result)
+        result["memory"] = memory_rows(args, model_dir)
     print_table(f"weight sync, {args.shape} bf16, server on {args.device} (median of {args.repeats})",
                 result["summary"], COLUMNS)
     print_table(f"pause while a rollout of {args.rollout_samples} x {args.rollout_tokens} tokens runs",
                 result["rollout"], ROLLOUT_COLUMNS)
+    print_table("release / resume (free_fraction: of what the server held, seen by mem_get_info)",
+                result["memory"], MEMORY_COLUMNS)
     write_json(args.out, result)
     print(f"\nwrote {args.out}")
 

@@ -1,7 +1,8 @@
 """trainer_client pieces: request building, the weight-piece stream received by the server's
 receiver (state dicts of every floating dtype, pieces of large tensors cut anywhere, casts,
-safetensors files and directories, refusals at a tensor's first piece), table assembly; and, against a real server, the trainer-side replay:
-`masked_logprobs` on the model's own logits reproduces the returned `token_logprobs`."""
+safetensors files and directories, refusals at a tensor's first piece), table assembly; and,
+against a real server, the trainer-side replay: `masked_logprobs` on the model's own logits
+reproduces the returned `token_logprobs`."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from safetensors.torch import save_file
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
+from rollout.engine.weight_specs import WeightSpecs, tensor_specs
 from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
-from rollout.engine.weight_specs import WeightSpecs, tensor_specs
 from rollout.server.arena import HostArena
 from rollout.server.weights import WeightUpload
 from rollout.weight_wire import decode_chunk, encode_piece

@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save_file
 
 from rollout.engine.outputs import SampleOutput
+from rollout.engine.params import validate_mask_request
 from rollout.engine.weight_specs import WeightSpecs, tensor_specs
 from rollout.engine.weight_stage import WeightStage
-from rollout.engine.params import validate_mask_request
 from rollout.errors import InvalidArgument, ResourceExhausted
 from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig

@@ -163,7 +163,8 @@ def test_same_host_update_refuses_bad_names_and_places(client, tmp_path):
     v0 = client.server_info()["policy_version"]
     with pytest.raises(grpc.RpcError) as err:
         client.update_weights_shared({"model.bogus": torch.zeros(2)})
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown tensor 'model.bogus'" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown tensor 'model.bogus'" in err.value.details()
     with SharedUpdate({"model.norm.weight": torch.ones(64)}) as shared:
         outside = pb.SharedWeights.FromString(shared.request.SerializeToString())
         outside.tensors[0].file.path = str(tmp_path / "elsewhere")

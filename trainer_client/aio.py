@@ -25,6 +25,7 @@ from trainer_client.client import (
     build_request,
     decode_batch,
     info_to_dict,
+    memory_to_dict,
     to_table,
 )
 from trainer_client.shared import SharedUpdate
@@ -118,6 +119,16 @@ class AsyncRolloutClient(ClientBase):
         with SharedUpdate(weights, draft, draft_weights, update_id or "") as shared:
             reply = await self._stub.UpdateWeightsShared(shared.request, timeout=self._deadline(timeout))
             return self._reply(reply)
+
+    async def release_memory(self, weights: bool = False, hold_requests: bool = False,
+                             timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+        """See `RolloutClient.release_memory`."""
+        request = pb.ReleaseMemoryRequest(weights=weights, hold_requests=hold_requests)
+        return memory_to_dict(await self._stub.ReleaseMemory(request, timeout=self._deadline(timeout)))
+
+    async def resume_memory(self, timeout: float | None = None) -> dict[str, Any]:
+        reply = await self._stub.ResumeMemory(pb.ResumeMemoryRequest(), timeout=self._deadline(timeout))
+        return memory_to_dict(reply)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -96,6 +96,10 @@ def to_table(batches: Sequence[pa.RecordBatch]) -> pa.Table:
     return pa.Table.from_batches(batches, schema=batches[0].schema).sort_by(SORT_KEYS)
 
 
+def memory_to_dict(state: pb.MemoryState) -> dict[str, Any]:
+    return {f.name: getattr(state, f.name) for f in pb.MemoryState.DESCRIPTOR.fields}
+
+
 def info_to_dict(info: pb.ServerInfo) -> dict[str, Any]:
     """ServerInfo -> plain dict (ints stay ints)."""
     out = {f.name: getattr(info, f.name) for f in pb.ServerInfo.DESCRIPTOR.fields}
@@ -234,6 +238,19 @@ class RolloutClient(ClientBase):
         tensors unchanged until it returns (once the update is applied)."""
         with SharedUpdate(weights, draft, draft_weights, update_id or "") as shared:
             return self._reply(self._stub.UpdateWeightsShared(shared.request, timeout=self._deadline(timeout)))
+
+    def release_memory(self, weights: bool = False, hold_requests: bool = False,
+                       timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+        """Between rollouts, for a trainer on the same GPU: the server frees its KV cache and CUDA
+        graphs (and with `weights`, moves the weights to host memory). Requests fail with
+        UNAVAILABLE until `resume_memory` (or wait for it, with `hold_requests`). Returns the
+        MemoryState: bytes freed, the device's free bytes, seconds."""
+        request = pb.ReleaseMemoryRequest(weights=weights, hold_requests=hold_requests)
+        return memory_to_dict(self._stub.ReleaseMemory(request, timeout=self._deadline(timeout)))
+
+    def resume_memory(self, timeout: float | None = None) -> dict[str, Any]:
+        """Takes the memory back (weights, KV cache); returns the MemoryState."""
+        return memory_to_dict(self._stub.ResumeMemory(pb.ResumeMemoryRequest(), timeout=self._deadline(timeout)))
 
     def close(self) -> None:
         self._channel.close()

@@ -23,6 +23,7 @@ from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake
 from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
 from rollout.engine.loader import load_model
+from rollout.engine.memory import DeviceMemory
 from rollout.engine.outputs import SampleOutput
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
@@ -69,6 +70,7 @@ class LLMEngine:
         self.intake = Intake(self, random.Random())
         self.capture = MaskCapture()
         self.weights = WeightUpdater(self)
+        self.memory = DeviceMemory(self)  # release / resume for a colocated trainer
         self.committer = Committer(self)
         self.pending_copies: list[tuple[int, int]] = []
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
@@ -85,7 +87,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompts: list[list[int]], params, n: int = 1,
                     mask: str | None = None, grammar=None) -> None:
         """Validate everything, then queue n samples of every prompt. Raises InvalidArgument
-        (naming the field) or ResourceExhausted before any work is done."""
+        (naming the field) or ResourceExhausted before any work is done, and Unavailable while the
+        device memory is released (rollout.engine.memory)."""
+        self.memory.check_admission()
         self.intake.add(request_id, prompts, params, n, mask, grammar)
 
     def abort(self, request_id: str) -> list[SampleOutput]:
@@ -94,7 +98,8 @@ class LLMEngine:
         return [self.committer.finish(s, "abort") for s in self.intake.pop_unfinished(request_id)]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.weights.pending
+        """Work a step would do (requests held while the memory is released wait for resume)."""
+        return (self.scheduler.has_unfinished() and not self.memory.released) or self.weights.pending
 
     def kv_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_free_blocks, self.block_manager.num_blocks
@@ -123,12 +128,15 @@ class LLMEngine:
                     max_model_len=self.max_model_len, max_mask_tokens=self.config.max_mask_tokens,
                     max_queued_samples=self.config.max_queued_samples,
                     max_num_seqs=self.config.max_num_seqs, policy_version=self.policy_version,
-                    kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size)
+                    kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size,
+                    memory_released=self.memory.released)
 
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SampleOutput]:
         self.weights.apply_if_drained()
+        if self.memory.released:
+            return []
         plan = self.scheduler.schedule()
         if not plan:
             self.committer.hand_over_masks()

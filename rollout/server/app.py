@@ -10,6 +10,7 @@ runs the same server on a private event loop in a thread, for benchmarks, notebo
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import threading
 from collections.abc import Callable
@@ -88,6 +89,7 @@ async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -
     server.add_registered_method_handlers(SERVICE_NAME, weight_method_handlers(service))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service.memory.on_change = functools.partial(_memory_health, health_servicer)
     if isinstance(engine_loop, EngineProcess):  # an engine process that dies: NOT_SERVING from then on
         engine_loop.on_death = lambda: asyncio.ensure_future(_not_serving(health_servicer))
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -113,6 +115,12 @@ async def serve(engine_factory: Callable[[], Any], config: ServeConfig) -> int:
     await running.stop(config.drain_seconds)
     log_event("server_stopped")
     return 0
+
+
+async def _memory_health(health_servicer: health.aio.HealthServicer, released: bool) -> None:
+    """The Rollout service is NOT_SERVING while its device memory is released (the server is up)."""
+    status = health_pb2.HealthCheckResponse.NOT_SERVING if released else health_pb2.HealthCheckResponse.SERVING
+    await health_servicer.set(SERVICE_NAME, status)
 
 
 async def _not_serving(health_servicer: health.aio.HealthServicer) -> None:

@@ -124,4 +124,5 @@ def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str) ->
         policy_version=int(info["policy_version"]),
         kv_blocks_free=free,
         kv_blocks_total=total,
+        memory_released=bool(info.get("memory_released", False)),
     )

@@ -27,6 +27,7 @@ from rollout.server.convert import GenerateCall, StreamEncoder, parse_generate, 
 from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop
+from rollout.server.memory_service import MemoryService
 from rollout.server.status import to_status
 from rollout.server.weight_service import WeightService
 
@@ -87,6 +88,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.identity = identity
         self.flush = flush
         self.weights = WeightService(engine_loop)
+        self.memory = MemoryService(engine_loop)
         self._encoders: dict[tuple[str, int | None], StreamEncoder] = {}
 
     def schema(self, call: GenerateCall):
@@ -182,3 +184,25 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def UpdateWeightsShared(self, request: pb.SharedWeights, context) -> pb.UpdateWeightsResponse:
         async with status_on_error(context, "UpdateWeightsShared"):
             return await self.weights.update_shared(request)
+
+    async def JoinWeightGroup(self, request: pb.JoinWeightGroupRequest, context) -> pb.JoinWeightGroupResponse:
+        async with status_on_error(context, "JoinWeightGroup"):
+            await self.weights.join_group(request)
+            return pb.JoinWeightGroupResponse()
+
+    async def LeaveWeightGroup(self, request: pb.LeaveWeightGroupRequest, context) -> pb.LeaveWeightGroupResponse:
+        async with status_on_error(context, "LeaveWeightGroup"):
+            await self.weights.leave_group(request)
+            return pb.LeaveWeightGroupResponse()
+
+    async def UpdateWeightsBroadcast(self, request: pb.BroadcastWeights, context) -> pb.UpdateWeightsResponse:
+        async with status_on_error(context, "UpdateWeightsBroadcast"):
+            return await self.weights.update_broadcast(request)
+
+    async def ReleaseMemory(self, request: pb.ReleaseMemoryRequest, context) -> pb.MemoryState:
+        async with status_on_error(context, "ReleaseMemory"):
+            return await self.memory.release(request)
+
+    async def ResumeMemory(self, request: pb.ResumeMemoryRequest, context) -> pb.MemoryState:
+        async with status_on_error(context, "ResumeMemory"):
+            return await self.memory.resume()

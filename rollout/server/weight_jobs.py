@@ -3,7 +3,8 @@ its tensors (`stage(engine, side) -> WeightStage`, on a worker thread of the pro
 the engine, while the engine keeps stepping) before the engine loop submits the stage.
 
 `UploadJob` is an UpdateWeights stream already written into the weight arena; the jobs of the
-same-host and broadcast paths live in rollout.server.shared_weights and rollout.server.weight_group.
+same-host and broadcast paths live in rollout.server.shared_weights and
+rollout.server.broadcast_weights.
 `EngineSide` is what such work needs besides the engine: the arena mapping and the
 torch.distributed groups joined.
 """

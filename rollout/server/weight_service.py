@@ -24,6 +24,7 @@ import grpc
 from rollout.engine.weight_specs import WeightSpecs
 from rollout.errors import FailedPrecondition
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
+from rollout.server.broadcast_weights import BroadcastJob, BroadcastMeta, JoinGroup, LeaveGroup
 from rollout.server.logs import log_event
 from rollout.server.shared_weights import shared_job
 from rollout.server.weight_jobs import WeightsApplied
@@ -103,6 +104,23 @@ class WeightService:
         """UpdateWeightsShared: checked here, mapped and staged by the engine (rollout.server.shared_weights)."""
         job = shared_job(request, await self.specs(), uuid.uuid4().hex)
         return response(await self._run(job))
+
+    async def join_group(self, request: pb.JoinWeightGroupRequest) -> None:
+        """JoinWeightGroup: returns once every member has joined (rollout.server.broadcast_weights)."""
+        await self.engine_loop.aside(JoinGroup(request.group, request.init_method, request.world_size, request.rank,
+                                               request.backend or "gloo", request.timeout_s or 300.0))
+
+    async def leave_group(self, request: pb.LeaveWeightGroupRequest) -> None:
+        await self.engine_loop.aside(LeaveGroup(request.group))
+
+    async def update_broadcast(self, request: pb.BroadcastWeights) -> pb.UpdateWeightsResponse:
+        """UpdateWeightsBroadcast. No early answer for a repeated id: the member must take part in
+        the group's vote and broadcasts like the others (the engine then applies nothing)."""
+        metas = [BroadcastMeta(m.draft, m.name, m.dtype, tuple(m.shape)) for m in request.tensors]
+        job = BroadcastJob(uuid.uuid4().hex, request.update_id, request.group, metas, request.bucket_bytes)
+        engine_call = asyncio.ensure_future(self.engine_loop.update_weights(job))
+        engine_call.add_done_callback(_retrieved)
+        return response(await self._applied(engine_call, job.token))
 
     async def _run(self, job) -> WeightsApplied:
         """A job other than an upload (no arena): a repeat of an applied id answers at once."""
