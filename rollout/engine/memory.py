@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.kv import allocate_kv
+from rollout.engine.weight_specs import ALIGN
+from rollout.engine.weight_stage import page_lock
 from rollout.errors import FailedPrecondition, Unavailable
 
 
@@ -41,6 +43,7 @@ class DeviceMemory:
         self.released = False
         self.hold = False
         self._host_weights: dict[int, torch.Tensor] = {}  # id(parameter) -> its host copy while released
+        self._unlock = None  # unlocks the host copies' page-locked memory
 
     def check_admission(self) -> None:
         """Raises Unavailable for a request arriving while released (unless released with `hold`)."""
@@ -94,17 +97,28 @@ class DeviceMemory:
         return list(unique.values())
 
     def _offload(self) -> None:
-        for param in self._parameters():
-            host = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+        """Every parameter into one page-locked host buffer (one registration of exactly the bytes
+        needed: torch's pinned allocator would round each tensor up to a power of two)."""
+        params = self._parameters()
+        sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        self._unlock = page_lock(buffer)
+        offset = 0
+        for param, size in zip(params, sizes):
+            host = buffer[offset : offset + param.numel() * param.element_size()].view(param.dtype).view(param.shape)
             host.copy_(param.data)
             self._host_weights[id(param)] = host
             param.data = host
+            offset += size
 
     def _restore(self) -> None:
         for param in self._parameters():
             if id(param) in self._host_weights:
                 param.data = self._host_weights[id(param)].to(self.engine.device, non_blocking=True)
         _synchronize(self.engine.device)
+        if self._unlock is not None:  # (before the host copies, and with them their memory, go)
+            self._unlock()
+            self._unlock = None
         self._host_weights = {}
 
     def _held(self) -> int:

@@ -57,27 +57,24 @@ class WeightStage:
         reads it where it is)."""
         self._claim(draft, key, name, spec)
         if tensor.device not in (self.location, self.device):
-            with self._on_stream():
+            with self.on_stream():
                 tensor = tensor.to(self.location, non_blocking=True)
         self.tensors[(draft, key)] = tensor
 
     def slot(self, draft: bool, key: str, name: str, spec: TensorSpec, dtype: str) -> torch.Tensor:
         """An empty staging tensor of the spec's shape in `dtype`, for the caller to fill."""
         self._claim(draft, key, name, spec)
-        with self._on_stream():
+        with self.on_stream():
             tensor = torch.empty(spec.shape, dtype=FLOAT_DTYPES[dtype], device=self.location)
         self.tensors[(draft, key)] = tensor
         return tensor
 
     def pin_region(self, region: torch.Tensor) -> None:
         """Page-locks the host memory of `region` (a uint8 view the staged tensors live in) until
-        `close`, when this stage is host memory for a CUDA engine; a refusal by the driver leaves it
-        pageable (slower swap, same result)."""
-        if not self._pin or region.numel() == 0:
-            return
-        cudart, address = torch.cuda.cudart(), region.data_ptr()
-        if int(cudart.cudaHostRegister(address, region.numel(), 0)) == 0:
-            self._closers.append(lambda: cudart.cudaHostUnregister(address))
+        `close`, when this stage is host memory for a CUDA engine."""
+        unlock = page_lock(region) if self._pin else None
+        if unlock is not None:
+            self._closers.append(unlock)
 
     def close(self) -> None:
         """Releases what `pin_region` locked and what `keep` holds (idempotent); the staged
@@ -88,7 +85,9 @@ class WeightStage:
         self.tensors.clear()
         self.keep.clear()
 
-    def _on_stream(self):
+    def on_stream(self):
+        """The stage's CUDA stream as the current one (a context); nothing off CUDA. Work that fills
+        staged tensors runs in it, so that `check` sees it done."""
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     @property
@@ -103,7 +102,9 @@ class WeightStage:
         differs from the tensor it shares; one synchronisation for the whole update."""
         flags: list[torch.Tensor] = []
         failures: list[tuple[bool, str]] = []
-        with self._on_stream():
+        if self._stream is not None:  # (and whatever the caller's stream did: e.g. an IPC tensor's event)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self.on_stream():
             for (draft, key), tensor in self.tensors.items():
                 name = self.names[(draft, key)]
                 flags.append(_finite(tensor))
@@ -144,3 +145,15 @@ def _to_host(flags: list[torch.Tensor]) -> list[bool]:
         host = torch.stack([flags[i] for i in index]).tolist()
         values.update(zip(index, host))
     return [values[i] for i in range(len(flags))]
+
+
+def page_lock(region: torch.Tensor) -> Callable[[], None] | None:
+    """Page-locks (pins) the host memory of `region` for fast, asynchronous copies to the GPU; returns
+    the call that unlocks it, or None when the driver refuses (the memory stays pageable: slower
+    copies, same results)."""
+    if region.numel() == 0:
+        return None
+    cudart, address = torch.cuda.cudart(), region.data_ptr()
+    if int(cudart.cudaHostRegister(address, region.numel() * region.element_size(), 0)) != 0:
+        return None
+    return lambda: cudart.cudaHostUnregister(address)

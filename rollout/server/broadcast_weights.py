@@ -111,6 +111,7 @@ class BroadcastJob:
         with closed_on_error(stage):
             dests = [flat_bytes(stage.slot(meta.draft, key, meta.name, spec, meta.dtype))
                      for meta, key, spec in checked]  # fmt: skip
-            receive(group, dests, self.bucket_bytes)
+            with stage.on_stream():
+                receive(group, dests, self.bucket_bytes)
             stage.check()
         return stage
