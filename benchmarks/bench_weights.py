@@ -68,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the server's device")
     p.add_argument("--source-device", default="cpu", choices=("cpu", "cuda"), help="where the state dict lives")
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="override the shape's number of layers (smaller runs)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="of the state dict (a CPU server holds float32 weights: bfloat16 is cast on the way)")
     p.add_argument("--quick", action="store_true", help="tiny shape, one repeat: a CPU check of the script")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--broadcast", default="gloo", choices=("gloo", "nccl", "none"))
@@ -79,12 +82,13 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.quick:
         args.shape, args.repeats, args.rollout_samples, args.rollout_tokens = "tiny", 1, 16, 32
+    args.model_shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
     args.out = args.out or str(Path(__file__).parent / "results" / f"bench_weights_{args.device}.json")
     return args
 
 
-def random_state(shape: dict, device: str) -> dict[str, torch.Tensor]:
-    """A bfloat16 state dict with the shape's checkpoint names and shapes (a tied lm_head equal to
+def random_state(shape: dict, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A random state dict with the shape's checkpoint names and shapes (a tied lm_head equal to
     the embedding, as a tied model's state_dict() has it)."""
     with torch.device("meta"):
         specs = model_specs(TransformerLM(ModelConfig.from_hf(shape)))
@@ -93,7 +97,7 @@ def random_state(shape: dict, device: str) -> dict[str, torch.Tensor]:
     for key, spec in specs.items():
         name = key if key.startswith("lm_head.") else f"model.{key}"
         if spec.alias_of is None:
-            state[name] = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+            state[name] = torch.randn(spec.shape, generator=gen, device=device, dtype=dtype) * 0.02
     for key, spec in specs.items():
         if spec.alias_of is not None:
             state[key] = state[f"model.{spec.alias_of}"]
@@ -116,12 +120,13 @@ def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Pat
     rows = []
     with server_process(args, serve) as server, RolloutClient(server.address, timeout=3600) as client:
         for r in range(args.repeats):
+            first = len(rows)
             rows.append(timed_update(client, state, nbytes, "grpc_state_dict", buffers))
             rows.append(timed_update(client, files, nbytes, "grpc_safetensors", buffers))
             if keep:  # (no upload buffers on these paths)
                 rows.append(timed_update(client, state, nbytes, "same_host", "-"))
                 rows += [broadcast_row(args, server.address, state, nbytes)] if args.broadcast != "none" else []
-            print_table(f"repeat {r}", rows[-4:], COLUMNS)
+            print_table(f"repeat {r}", rows[first:], COLUMNS)
     return rows
 
 
@@ -241,8 +246,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = write_config_dir(SHAPES[args.shape], root / "model")
-        state = random_state(SHAPES[args.shape], args.source_device)
+        model_dir = write_config_dir(args.model_shape, root / "model")
+        state = random_state(args.model_shape, args.source_device, getattr(torch, args.dtype))
         files = root / "safetensors"
         files.mkdir()
         embed = state["model.embed_tokens.weight"]  # (a tied lm_head is left out of files, as HF saves them)
@@ -254,7 +259,7 @@ def main() -> None:
         result["rollout"] = [rollout_row(args, model_dir, state, mode) for mode in ROLLOUT_MODES]
         write_json(args.out, result)
         result["memory"] = memory_rows(args, model_dir)
-    print_table(f"weight sync, {args.shape} bf16, server on {args.device} (median of {args.repeats})",
+    print_table(f"weight sync, {args.shape} {args.dtype}, server on {args.device} (median of {args.repeats})",
                 result["summary"], COLUMNS)
     print_table(f"pause while a rollout of {args.rollout_samples} x {args.rollout_tokens} tokens runs",
                 result["rollout"], ROLLOUT_COLUMNS)

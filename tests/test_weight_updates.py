@@ -3,10 +3,12 @@ process, as `rollout serve` runs it): refusals at a tensor's first piece with th
 given back, values that are not finite and a tied lm_head refused by name, undecodable bytes as
 INVALID_ARGUMENT, an update whose caller gave up withdrawn, a repeated update id applied once, and
 requests admitted and finished on the old weights while an upload is still streaming; and the
-same-host handover through shared memory (UpdateWeightsShared)."""
+same-host handover through shared memory (UpdateWeightsShared); the asyncio client's weight and
+memory calls."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from pathlib import Path
@@ -20,7 +22,7 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.app import BackgroundServer, ServeConfig
-from trainer_client import RolloutClient
+from trainer_client import AsyncRolloutClient, RolloutClient
 from trainer_client.shared import SharedUpdate
 from trainer_client.weights import weight_pieces
 
@@ -175,3 +177,16 @@ def test_same_host_update_refuses_bad_names_and_places(client, tmp_path):
                 client._stub.UpdateWeightsShared(request, timeout=60)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
     assert client.server_info()["policy_version"] == v0
+
+
+def test_async_client_weight_and_memory_calls(server, original):
+    async def main():
+        async with AsyncRolloutClient(server.address, timeout=120) as aclient:
+            v0 = (await aclient.server_info())["policy_version"]
+            assert await aclient.update_weights(original, update_id="async-1") == v0 + 1
+            assert await aclient.update_weights(original, update_id="async-1") == v0 + 1
+            assert await aclient.update_weights_shared(original) == v0 + 2
+            assert (await aclient.release_memory(hold_requests=True))["released"]
+            assert not (await aclient.resume_memory())["released"]
+
+    asyncio.run(main())

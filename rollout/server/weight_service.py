@@ -80,7 +80,7 @@ class WeightService:
             raise FailedPrecondition("weights: another weight upload is in progress; retry when it has applied")
         arena = self.engine_loop.weight_arena
         self._arena_busy = True
-        engine_call = None
+        handed_over = False
         try:
             specs = await self.specs()
             arena.reserve(specs.budget())
@@ -93,17 +93,16 @@ class WeightService:
             seconds = time.perf_counter() - start
             log_event("weights_received", tensors=len(job.tensors), bytes=upload.bytes, seconds=round(seconds, 3),
                       gb_per_s=round(upload.bytes / max(seconds, 1e-9) / 1e9, 3))
-            engine_call = asyncio.ensure_future(self.engine_loop.update_weights(job))
-            engine_call.add_done_callback(functools.partial(self._engine_done, arena))
-            return response(await self._applied(engine_call, job.token))
+            handed_over = True  # the arena is released once the engine is done with it
+            return response(await self._run(job, lambda _: self._release(arena)))
         finally:
-            if engine_call is None:
+            if not handed_over:
                 self._release(arena)
 
     async def update_shared(self, request: pb.SharedWeights) -> pb.UpdateWeightsResponse:
         """UpdateWeightsShared: checked here, mapped and staged by the engine (rollout.server.shared_weights)."""
         job = shared_job(request, await self.specs(), uuid.uuid4().hex)
-        return response(await self._run(job))
+        return response(await self._repeat(job.update_id) or await self._run(job))
 
     async def join_group(self, request: pb.JoinWeightGroupRequest) -> None:
         """JoinWeightGroup: returns once every member has joined (rollout.server.broadcast_weights)."""
@@ -118,19 +117,29 @@ class WeightService:
         the group's vote and broadcasts like the others (the engine then applies nothing)."""
         metas = [BroadcastMeta(m.draft, m.name, m.dtype, tuple(m.shape)) for m in request.tensors]
         job = BroadcastJob(uuid.uuid4().hex, request.update_id, request.group, metas, request.bucket_bytes)
-        engine_call = asyncio.ensure_future(self.engine_loop.update_weights(job))
-        engine_call.add_done_callback(_retrieved)
-        return response(await self._applied(engine_call, job.token))
+        return response(await self._run(job))
 
-    async def _run(self, job) -> WeightsApplied:
-        """A job other than an upload (no arena): a repeat of an applied id answers at once."""
-        if job.update_id:
-            version = await self.engine_loop.call(functools.partial(applied_version, job.update_id))
-            if version is not None:
-                return WeightsApplied(version, repeated=True)
+    async def _repeat(self, update_id: str) -> WeightsApplied | None:
+        """The answer to a repeat of an applied update id, or None."""
+        version = await self.engine_loop.call(functools.partial(applied_version, update_id)) if update_id else None
+        return None if version is None else WeightsApplied(version, repeated=True)
+
+    async def _run(self, job, done=None) -> WeightsApplied:
+        """The engine's answer to `job` (`done(call)` runs once the engine is done with it); if this
+        handler is cancelled first (the caller went away), the update is withdrawn unless it has
+        applied."""
         engine_call = asyncio.ensure_future(self.engine_loop.update_weights(job))
-        engine_call.add_done_callback(_retrieved)
-        return await self._applied(engine_call, job.token)
+        for callback in (done, _retrieved):
+            if callback is not None:
+                engine_call.add_done_callback(callback)
+        try:
+            applied = await asyncio.shield(engine_call)
+        except asyncio.CancelledError:
+            self.engine_loop.withdraw_weights(job.token)
+            raise
+        log_event("weights_applied", policy_version=applied.policy_version, repeated=applied.repeated,
+                  stage_s=round(applied.stage_seconds, 3), pause_s=round(applied.pause_seconds, 4))
+        return applied
 
     async def _receive(self, pieces: AsyncIterator[WirePiece], upload: WeightUpload) -> WeightsApplied | None:
         """Writes the stream into the arena (on the writer thread, while the next pieces are read);
@@ -139,32 +148,15 @@ class WeightService:
         try:
             async for piece in pieces:
                 if piece.update_id and not upload.update_id:
-                    version = await self.engine_loop.call(functools.partial(applied_version, piece.update_id))
-                    if version is not None:
-                        return WeightsApplied(version, repeated=True)
+                    repeated = await self._repeat(piece.update_id)
+                    if repeated is not None:
+                        return repeated
                     upload.update_id = piece.update_id
                 await writes.put(upload.add, piece)
             await writes.drain()
         finally:
             await writes.settle()  # nothing writes into the arena once this returns
         return None
-
-    async def _applied(self, engine_call: asyncio.Future, token: str) -> WeightsApplied:
-        """The engine's answer; if this handler is cancelled first (the caller went away), the
-        update is withdrawn unless it has applied."""
-        try:
-            applied = await asyncio.shield(engine_call)
-        except asyncio.CancelledError:
-            self.engine_loop.withdraw_weights(token)
-            raise
-        log_event("weights_applied", policy_version=applied.policy_version, repeated=applied.repeated,
-                  stage_s=round(applied.stage_seconds, 3), pause_s=round(applied.pause_seconds, 4))
-        return applied
-
-    def _engine_done(self, arena, engine_call: asyncio.Future) -> None:
-        """The engine is done with the arena (applied, refused or withdrawn)."""
-        self._release(arena)
-        _retrieved(engine_call)
 
     def _release(self, arena) -> None:
         arena.release(give_back=self.give_back)
