@@ -310,7 +310,8 @@ def test_caller_rows_and_prompt_seeds():
 
 
 @pytest.mark.parametrize(
-    "field, value", [("num_replicas", 0), ("device", "tpu"), ("max_attempts", 0), ("detached", True)]
+    "field, value",
+    [("num_replicas", 0), ("device", "tpu"), ("max_attempts", 0), ("detached", True), ("broadcast_backend", "mpi")],
 )
 def test_fleet_config_names_the_bad_field(field, value):
     with pytest.raises(InvalidArgument, match=f"^{field}: must be"):

@@ -52,7 +52,8 @@ class FleetConfig:
     `--device cuda`) when the cluster has any; `name` makes the actors named (`{name}-{i}`), and
     `detached` lets them outlive this process. `max_outstanding_samples` caps each replica's
     in-flight samples from this fleet; `max_attempts` bounds how often one prompt is resubmitted. A
-    replica whose health check gets no SERVING answer within `health_timeout` s leaves the routing."""
+    replica whose health check gets no SERVING answer within `health_timeout` s leaves the routing.
+    `broadcast_backend` is the weight group's for `update_weights(broadcast=True)`."""
 
     num_replicas: int
     serve_args: tuple[str, ...] = ()
@@ -70,6 +71,7 @@ class FleetConfig:
     name: str | None = None
     namespace: str | None = None
     detached: bool = False
+    broadcast_backend: str = "auto"  # update_weights(broadcast=True): "nccl" if this process has a GPU, else "gloo"
 
     def __post_init__(self):
         checks = {  # field: (valid, what is allowed)
@@ -85,6 +87,7 @@ class FleetConfig:
             "health_interval": (self.health_interval > 0, "> 0 seconds"),
             "health_timeout": (self.health_timeout > 0, "> 0 seconds"),
             "detached": (self.name is not None or not self.detached, "False unless a name is given"),
+            "broadcast_backend": (self.broadcast_backend in ("auto", "gloo", "nccl"), "auto, gloo or nccl"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:

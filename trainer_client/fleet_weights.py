@@ -4,9 +4,10 @@ server's device memory between rollouts.
 
 `update_weights(..., broadcast=False)`: each actor pushes the payload it reads from the object
 store to its server over gRPC, all replicas at the same time. With `broadcast=True` the trainer
-(this process, rank 0) and every routed server form a weight group (NCCL where the fleet runs on
-GPUs and this process has one, gloo otherwise; made on first use and again when the replica set
-changes) and the bytes go by broadcast (trainer_client.broadcast). Either way the payload is also
+(this process, rank 0) and every routed server form a weight group (`FleetConfig.broadcast_backend`:
+by default NCCL where the fleet runs on GPUs and this process has one, which must not be one of the
+servers' GPUs, gloo otherwise; made on first use and again when the replica set changes) and the
+bytes go by broadcast (trainer_client.broadcast). Either way the payload is also
 put in the object store once: a restarted replica replays it (see `RolloutFleet`).
 """
 
@@ -82,7 +83,9 @@ class FleetWeights:
         if self._weight_group is not None and self._weight_group[0] != members:
             self._close_group()
         if self._weight_group is None:
-            backend = "nccl" if self.config.device != "cpu" and torch.cuda.is_available() else "gloo"
+            backend = self.config.broadcast_backend
+            if backend == "auto":
+                backend = "nccl" if self.config.device != "cpu" and torch.cuda.is_available() else "gloo"
             group = BroadcastGroup([r.address for r in targets], backend=backend, host=ray.util.get_node_ip_address(),
                                    timeout=self.config.startup_timeout)  # fmt: skip
             self._weight_group = (members, group)
