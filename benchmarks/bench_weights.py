@@ -1,6 +1,6 @@
 """Weight sync benchmark (issue 15): how fast a trainer's new policy reaches a `rollout serve`.
 
-A random bfloat16 state dict of a model shape (HF names, the shape's tensors) is pushed to a
+A random state dict (bfloat16 by default) of a model shape (HF names, the shape's tensors) is pushed to a
 server that holds random weights of the same shape (`--load-format random`, nothing downloaded):
 
   grpc_state_dict   client.update_weights(state_dict): UpdateWeights over loopback gRPC
@@ -31,14 +31,16 @@ update is sent once the rollout has started; the engine drains it on the old wei
                    copy (--weight-staging device; on CPU the same as host)
 
     python benchmarks/bench_weights.py --quick                                   # CPU check (tiny shape)
-    python benchmarks/bench_weights.py --shape qwen3-0.6b --repeats 3            # CPU, ~1.2 GB update
-    python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b
+    python benchmarks/bench_weights.py --shape qwen3-0.6b --layers 8 --rollout-samples 16 \
+        --rollout-tokens 32                                                      # CPU, 0.87 GB update
+    python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b   # one H200
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="of the state dict (a CPU server holds float32 weights: bfloat16 is cast on the way)")
     p.add_argument("--quick", action="store_true", help="tiny shape, one repeat: a CPU check of the script")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--broadcast", default="gloo", choices=("gloo", "nccl", "none"))
     p.add_argument("--rollout-samples", type=int, default=256)
     p.add_argument("--rollout-tokens", type=int, default=256)
@@ -102,6 +104,15 @@ def random_state(shape: dict, device: str, dtype: torch.dtype) -> dict[str, torc
         if spec.alias_of is not None:
             state[key] = state[f"model.{spec.alias_of}"]
     return state
+
+
+def scratch_dir(args: argparse.Namespace) -> str | None:
+    """Where the safetensors copy of the state dict goes: /dev/shm when it has room (memory, like a
+    trainer's fresh checkpoint in the page cache), else the system's temporary directory."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in TransformerLM(ModelConfig.from_hf(args.model_shape)).parameters())
+    room = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    return "/dev/shm" if room > 3 * params * torch.finfo(getattr(torch, args.dtype)).bits // 8 else None
 
 
 def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers: str) -> dict:
@@ -244,7 +255,7 @@ def main() -> None:
     args = parse_args()
     from safetensors.torch import save_file
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch_dir(args)) as tmp:
         root = Path(tmp)
         model_dir = write_config_dir(args.model_shape, root / "model")
         state = random_state(args.model_shape, args.source_device, getattr(torch, args.dtype))

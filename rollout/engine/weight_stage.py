@@ -35,6 +35,8 @@ class WeightStage:
     and drops what the stage holds once it is applied or dropped."""
 
     def __init__(self, device: torch.device, on_device: bool, current: Callable[[bool, str], torch.Tensor]):
+        if device.type == "cuda" and device.index is None:  # ("cuda" != "cuda:0" when devices are compared)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.location = device if on_device else torch.device("cpu")
         self._current = current
