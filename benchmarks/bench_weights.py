@@ -39,6 +39,7 @@ update is sent once the rollout has started; the engine drains it on the old wei
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -177,19 +178,24 @@ def memory_rows(args: argparse.Namespace, model_dir: Path) -> list[dict]:
     return rows
 
 
-def server_process(args: argparse.Namespace, serve: list[str]) -> ServerProcess:
-    """A started `rollout serve`; with --broadcast nccl it sees the first GPU only (this process
-    takes cuda:1: NCCL needs the two ranks on different GPUs)."""
+@contextlib.contextmanager
+def server_process(args: argparse.Namespace, serve: list[str]):
+    """A running `rollout serve`, stopped on leaving; with --broadcast nccl it sees the first GPU
+    only (this process takes cuda:1: NCCL needs the two ranks on different GPUs)."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if args.broadcast == "nccl":
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     try:
-        return ServerProcess(serve, startup_timeout=900).start()
+        server = ServerProcess(serve, startup_timeout=900).start()
     finally:
         if saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def serve_args(args: argparse.Namespace, model_dir: Path, *extra: str) -> list[str]:
