@@ -1,8 +1,9 @@
 """Dependencies run one way (README.md, "Layout"): `server -> engine <- spec`, and the data layer
 (rollout.masks, rollout.schema, rollout.outputs, rollout.errors, the generated stubs, and
 rollout.options, which turns config dataclasses into flags) imports nothing of engine/, spec/ or
-server/. Every module's imports, at any depth (function-level and TYPE_CHECKING ones included),
-are read with `ast` and checked against the allowed edges below. `rollout.build_engine`
+server/; neither do the weight wire modules both ends share (rollout.weight_wire,
+rollout.weight_group). Every module's imports, at any depth (function-level and TYPE_CHECKING ones
+included), are read with `ast` and checked against the allowed edges below. `rollout.build_engine`
 (rollout/__init__.py) and the CLI (cli.py, cli_generate.py) are where the packages meet."""
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ ALLOWED: dict[str, set[str] | None] = {
     "schema": {"errors", "masks", "outputs"},
     "outputs": {"masks"},
     "options": set(),
+    "weight_wire": {"proto"},  # UpdateWeights' chunks, encoded and decoded without copies
+    "weight_group": {"errors"},  # the broadcast group's bucketed byte stream (trainer and servers)
     "engine": DATA - {"proto", "schema"},
     "spec": {"engine"} | DATA - {"proto", "schema"},
-    "server": {"engine"} | DATA,
+    "server": {"engine", "weight_wire", "weight_group"} | DATA,
     "cli": None,
     "cli_generate": None,
     "root": None,
 }
-# trainer_client speaks the wire; two named modules besides: the server's readiness line (fleet
-# replicas start `rollout serve`) and the per-sample seed derivation (fleet routing reseeds prompts)
-CLIENT_ALLOWED = {"errors", "proto", "schema"}
-CLIENT_MODULES = {"rollout.server.process", "rollout.engine.intake"}
+# trainer_client speaks the wire (weight pieces and broadcast streams included); three named modules
+# besides: the server's readiness line (fleet replicas start `rollout serve`), the per-sample seed
+# derivation (fleet routing reseeds prompts) and the weight dtype names and page alignment (the
+# same-host and broadcast paths lay tensors out as the server stages them)
+CLIENT_ALLOWED = {"errors", "proto", "schema", "weight_wire", "weight_group"}
+CLIENT_MODULES = {"rollout.server.process", "rollout.engine.intake", "rollout.engine.weight_specs"}
 
 
 def part_of(module: str) -> str:
