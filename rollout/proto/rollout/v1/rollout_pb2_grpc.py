@@ -161,6 +161,8 @@ class RolloutServicer:
         """Between rollouts: frees the KV cache and CUDA graphs (and, with `weights`, moves the weights
         to host memory) for a colocated trainer; ResumeMemory brings them back. While released,
         Generate fails with UNAVAILABLE, or waits for ResumeMemory if released with hold_requests.
+        ResumeMemory without room on the device (the trainer still holds it) is RESOURCE_EXHAUSTED
+        and leaves the memory released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
