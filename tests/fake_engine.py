@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer
 
 from rollout.engine.params import validate_mask_request
+from rollout.engine.weight_specs import WeightSpecs, tensor_specs
+from rollout.engine.weight_stage import WeightStage
 from rollout.errors import Aborted, InvalidArgument, ResourceExhausted
 from rollout.outputs import SampleOutput
 
@@ -32,7 +34,7 @@ class FakeEngine:
 
     def __init__(self, step_s: float = 0.002):
         self.tokenizer = Tokenizer.from_file(str(BYTE_TOKENIZER))  # id i = byte i, like the fake's vocabulary
-        self.policy_version, self.weights, self.pending = 0, {"w": torch.zeros(4, 4)}, None
+        self.policy_version, self.params, self.weights = 0, {"w": torch.zeros(4, 4)}, FakeWeights(self)
         self.running: dict[tuple[str, int, int], dict] = {}
         self.step_s, self.thread = step_s, None
 
@@ -68,12 +70,12 @@ class FakeEngine:
     def step(self) -> list[SampleOutput]:
         self._check_thread()
         time.sleep(self.step_s)
-        if self.pending is not None and not self.running:
-            self.weights.update(self.pending)
-            self.pending, self.policy_version = None, self.policy_version + 1
+        if self.weights.pending is not None and not self.running:
+            self.params.update(self.weights.pending)
+            self.weights.pending, self.policy_version = None, self.policy_version + 1
         finished = []
         for key, st in list(self.running.items()):
-            shift = int(self.weights["w"].sum().item())
+            shift = int(self.params["w"].sum().item())
             st["tokens"].append((sum(st["prompt"]) + key[2] + len(st["tokens"]) + shift) % 200)
             if FAIL_TOKEN in st["params"].logit_bias or len(st["tokens"]) >= st["params"].max_tokens:
                 finished.append(self._output(key, self.running.pop(key), "length"))
@@ -110,15 +112,32 @@ class FakeEngine:
         return dict(model="fake", vocab_size=VOCAB, eos_token_ids=[EOS], spec_method="none", block_size=16,
                     limits=limits, policy_version=self.policy_version, kv=self.kv_blocks())  # fmt: skip
 
-    def update_weights(self, state, draft_state=None) -> None:
-        self._check_thread()
-        for name, t in state.items():
-            if name not in self.weights or t.shape != self.weights[name].shape:
-                raise InvalidArgument(f"tensor {name}", f"unknown or wrong shape {list(t.shape)}")
-        self.pending = dict(state)
-
     def weight_update_pending(self) -> bool:
-        return self.pending is not None
+        return self.weights.pending is not None
 
     def compiled(self) -> dict[str, int]:
         return dict(graphs=0, kernels=0)
+
+
+class FakeWeights:
+    """The engine's weight-update interface (rollout.engine.weights.WeightUpdater) over a dict of
+    tensors: staged and checked by the real WeightStage, applied by the fake's step."""
+
+    def __init__(self, engine: FakeEngine):
+        self.engine, self.pending, self.pause_seconds = engine, None, 0.0
+
+    def specs(self) -> WeightSpecs:
+        return WeightSpecs(tensor_specs(self.engine.params))
+
+    def new_stage(self, nbytes: int) -> WeightStage:
+        return WeightStage(torch.device("cpu"), True, lambda draft, key: self.engine.params[key])
+
+    def submit(self, stage: WeightStage, token: str = "", update_id: str = "") -> None:
+        self.engine._check_thread()
+        self.pending = {key: t.clone() for (_, key), t in stage.tensors.items()}
+
+    def withdraw(self, token: str) -> bool:
+        return False
+
+    def applied_version(self, update_id: str) -> None:
+        return None

@@ -1,12 +1,15 @@
-"""trainer_client pieces: request building, the weight-chunk stream reassembled by the server's
-assembler (state dicts of every dtype, pieces of large tensors, safetensors files and
-directories), table assembly; and, against a real server, the trainer-side replay: the batch's
-model inputs through transformers' model, its output logits and `masked_logprobs` reproduce the
-returned `token_logprobs` (sampled with masks, temperature 1 without, greedy)."""
+"""trainer_client pieces: request building, the weight-piece stream received by the server's
+receiver (state dicts of every floating dtype, pieces of large tensors cut anywhere, casts,
+safetensors files and directories, refusals at a tensor's first piece), table assembly; and,
+against a real server, the trainer-side replay: the batch's model inputs through transformers'
+model, its output logits and `masked_logprobs` reproduce the returned `token_logprobs` (sampled
+with masks, temperature 1 without, greedy)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pyarrow as pa
 import pytest
@@ -16,13 +19,17 @@ from safetensors.torch import save_file
 from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.grammar import GrammarSpec
+from rollout.engine.weight_specs import WeightSpecs, tensor_specs
 from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
-from rollout.server.weights import assemble
+from rollout.server.arena import HostArena
+from rollout.server.weights import WeightUpload
+from rollout.weight_wire import decode_chunk, encode_piece
 from trainer_client import RolloutClient, masked_logprobs, to_torch
 from trainer_client import client as client_module
-from trainer_client.client import build_request, to_table, weight_chunks
+from trainer_client.client import build_request, to_table
+from trainer_client.weights import weight_pieces
 
 
 def test_build_request_prompts_sampling_and_grammar():
@@ -134,51 +141,84 @@ def test_to_table_orders_the_streamed_rows_by_prompt_then_sample():
     assert table.schema.metadata == schema.metadata
 
 
-def test_weight_chunks_round_trip_through_the_server_assembler(monkeypatch):
-    monkeypatch.setattr(client_module, "WEIGHT_PIECE_BYTES", 1000)
+def _receive(pieces, specs: WeightSpecs) -> dict[tuple[bool, str], torch.Tensor]:
+    """The server's side of an UpdateWeights stream: each piece serialised, decoded and written into
+    an arena; the tensors read back from it, by (drafter?, name)."""
+    arena = HostArena()
+    arena.reserve(specs.budget())
+    upload = WeightUpload(specs, arena, "token")
+    for piece in pieces:
+        upload.add(decode_chunk(encode_piece(piece)))
+    tables = {False: specs.target, True: specs.draft}
+    out = {}
+    for t in upload.finish().tensors:
+        spec = tables[t.draft][t.key]
+        out[(t.draft, t.name)] = arena.view(t.offset, spec.nbytes).view(getattr(torch, t.dtype)).view(spec.shape)
+    return out
+
+
+def test_weight_pieces_round_trip_through_the_server_receiver():
     torch.manual_seed(0)
     state = {
         "big": torch.randn(40, 30),
         "half": torch.randn(7, 3).to(torch.bfloat16),
         "scalar": torch.tensor(2.5, dtype=torch.float16),
-        "flags": torch.tensor([True, False, True]),
         "strided": torch.randn(6, 5).t(),
         "empty": torch.zeros(0, 4),
+        "cast": torch.randn(9, 7, dtype=torch.float64),  # lands as the spec's bfloat16, pieces cut mid-element
     }
-    draft = {"d": torch.arange(12, dtype=torch.int64).reshape(3, 4)}
-    chunks = list(weight_chunks(state, draft_weights=draft))
-    assert sum(c.tensor.name == "big" for c in chunks) == 5  # 4800 bytes in pieces of 1000
-    got, got_draft = assemble(chunks)
-    assert set(got) == set(state) and set(got_draft) == {"d"}
-    for name, tensor in {**state, **draft}.items():
-        back = {**got, **got_draft}[name]
-        assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+    draft = {"d": torch.randn(3, 4)}
+    specs = WeightSpecs(tensor_specs({**state, "cast": state["cast"].bfloat16()}), tensor_specs(draft))
+    pieces = list(weight_pieces(state, draft_weights=draft, piece_bytes=1001))
+    assert sum(b"\x0a\x03big" in p.head for p in pieces) == 5  # 4800 bytes in pieces of 1001
+    got = _receive(pieces, specs)
+    assert set(got) == {(False, n) for n in state} | {(True, "d")}
+    for (is_draft, name), back in got.items():
+        want = (draft if is_draft else state)[name]
+        want = want.bfloat16() if name == "cast" else want
+        assert back.dtype == want.dtype and back.shape == want.shape and torch.equal(back, want)
 
 
-def test_weight_chunks_from_safetensors_file_and_directory(tmp_path, monkeypatch):
-    monkeypatch.setattr(client_module, "WEIGHT_PIECE_BYTES", 64)
-    a, b = {"a": torch.randn(5, 5)}, {"b": torch.randn(3).to(torch.bfloat16)}
+def test_weight_pieces_from_safetensors_file_and_directory(tmp_path):
+    a, b = {"a": torch.randn(5, 5), "z": torch.zeros(0)}, {"b": torch.randn(3).to(torch.bfloat16)}
     save_file(a, tmp_path / "model-00001.safetensors")
     save_file(b, tmp_path / "model-00002.safetensors")
-    state, draft = assemble(weight_chunks(tmp_path))
-    assert draft is None and torch.equal(state["a"], a["a"]) and torch.equal(state["b"], b["b"])
-    state, draft = assemble(weight_chunks(tmp_path / "model-00001.safetensors", draft=True))
-    assert state == {} and torch.equal(draft["a"], a["a"])
+    specs = WeightSpecs(tensor_specs({**a, **b}), tensor_specs(a))
+    got = _receive(weight_pieces(tmp_path, piece_bytes=7), specs)
+    assert torch.equal(got[(False, "a")], a["a"]) and torch.equal(got[(False, "b")], b["b"])
+    got = _receive(weight_pieces(tmp_path / "model-00001.safetensors", draft=True, piece_bytes=64), specs)
+    assert set(got) == {(True, "a"), (True, "z")} and torch.equal(got[(True, "a")], a["a"])
     with pytest.raises(InvalidArgument, match="weights"):
-        weight_chunks(tmp_path / "missing.safetensors")
+        weight_pieces(tmp_path / "missing.safetensors")
 
 
-def test_assembler_refuses_malformed_pieces():
-    chunks = list(weight_chunks({"w": torch.zeros(2, 2)}))
-    chunks[0].tensor.shape[:] = [3, 2]
-    with pytest.raises(InvalidArgument, match="tensor w"):
-        assemble(chunks)
-    with pytest.raises(InvalidArgument, match="weights"):
-        assemble([])
-    chunks = list(weight_chunks({"w": torch.zeros(2)}))
-    chunks[0].tensor.dtype = "complex32"
-    with pytest.raises(InvalidArgument, match="dtype"):
-        assemble(chunks)
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: dataclasses.replace(p, head=p.head.replace(b"\x1a\x02\x02\x02", b"\x1a\x02\x03\x02")),
+     "has shape (3, 2), expected (2, 2)"),
+    (lambda p: dataclasses.replace(p, head=p.head.replace(b"float32", b"int32\x00\x00")), "must be a floating"),
+    (lambda p: dataclasses.replace(p, head=p.head.replace(b"\x0a\x01w", b"\x0a\x01v")), "unknown tensor 'v'"),
+])
+def test_receiver_refuses_a_tensor_at_its_first_piece(edit, message):
+    specs = WeightSpecs(tensor_specs({"w": torch.zeros(2, 2)}))
+    pieces = list(weight_pieces({"w": torch.zeros(2, 2)}, piece_bytes=4))
+    arena = HostArena()
+    arena.reserve(specs.budget())
+    upload = WeightUpload(specs, arena, "token")
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        upload.add(decode_chunk(encode_piece(edit(pieces[0]))))
+    assert arena.used == 0  # refused before any space was taken for it
+
+
+def test_receiver_refuses_incomplete_duplicate_and_empty_updates():
+    specs = WeightSpecs(tensor_specs({"w": torch.zeros(2, 2), "v": torch.zeros(3)}))
+    with pytest.raises(InvalidArgument, match="do not fill"):
+        _receive(list(weight_pieces({"w": torch.zeros(2, 2)}, piece_bytes=4))[:-1], specs)
+    with pytest.raises(InvalidArgument, match="sent twice"):
+        _receive(weight_pieces({"w": torch.zeros(2, 2), "model.w": torch.zeros(2, 2)}), specs)
+    with pytest.raises(InvalidArgument, match="more than the 16 bytes"):
+        _receive([*weight_pieces({"w": torch.zeros(2, 2)})] * 2, specs)
+    with pytest.raises(InvalidArgument, match="no tensors"):
+        _receive([], specs)
 
 
 @pytest.mark.parametrize("sampling, mask", [

@@ -1,13 +1,14 @@
 """RolloutFleet on a local Ray cluster (CPU, node address 127.0.0.1), two replicas of the embedded
 tiny model: prompts spread over both replicas come back exactly once in the caller's order with
-valid masks; chat prompts, stop strings and text work through it; a weight broadcast reaches
-every replica and changes greedy outputs; a replica killed mid-generation loses no sample, is
-restarted with the current weights and serves again, and so is one whose server process crashes;
-one whose engine is stopped leaves the routing until it runs again; each replica is reported as it
-comes up; a replica that cannot start is reported with its own log (no Ray stack dump); a replica
-stopped elsewhere is said so once; shutdown leaves no server process behind. The routing
-bookkeeping and the launcher's message when there is no cluster are also tested on their own,
-without Ray."""
+valid masks; chat prompts, stop strings and text work through it; a weight update reaches every
+replica and changes greedy outputs (pushed through the object store, or broadcast from the trainer
+in a gloo group), memory release and resume reach every replica; a replica killed mid-generation
+loses no sample, is restarted with the current weights and serves again, and so is one whose
+server process crashes; one whose engine is stopped leaves the routing until it runs again; each
+replica is reported as it comes up; a replica that cannot start is reported with its own log (no
+Ray stack dump); a replica stopped elsewhere is said so once; shutdown leaves no server process
+behind. The routing bookkeeping and the launcher's message when there is no cluster are also
+tested on their own, without Ray."""
 
 from __future__ import annotations
 
@@ -157,6 +158,27 @@ def test_weight_broadcast_reaches_every_replica(fleet):
     assert fleet.update_weights(ASSET) == version + 1  # a safetensors path: the original weights again
     restored = fleet.generate(PROBES, sampling=GREEDY)
     assert restored.column("token_ids").to_pylist() == before.column("token_ids").to_pylist()
+
+
+def test_broadcast_update_and_memory_release_reach_every_replica_at_once(fleet):
+    """update_weights(broadcast=True): the fleet (rank 0) and both servers in one gloo group; then
+    release_memory / resume_memory on both."""
+    before = fleet.generate(PROBES, sampling=GREEDY)
+    version = fleet.update_weights(_perturbed("", 0.2, seed=3), broadcast=True)
+    assert {info["policy_version"] for info in fleet.server_info()} == {version - r.offset for r in fleet.replicas}
+    after = fleet.generate(PROBES, sampling=GREEDY)
+    assert set(after.column("policy_version").to_pylist()) == {version}
+    assert after.column("token_ids").to_pylist() != before.column("token_ids").to_pylist()
+    with pytest.raises(grpc.RpcError) as err:  # refused on both: nothing changes
+        fleet.update_weights({"model.norm.weight": torch.zeros(3)}, broadcast=True)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fleet.policy_version == version
+    assert fleet.update_weights(ASSET, broadcast=True) == version + 1  # the same group again
+    assert fleet.generate(PROBES, sampling=GREEDY).column("token_ids") == before.column("token_ids")
+    states = fleet.release_memory(hold_requests=True)
+    assert len(states) == 2 and all(s["released"] and s["bytes"] > 0 for s in states)
+    assert all(info["memory_released"] for info in fleet.server_info())
+    assert not any(s["released"] for s in fleet.resume_memory())
+    assert fleet.generate(PROBES, sampling=GREEDY).column("token_ids") == before.column("token_ids")
 
 
 def test_killed_replica_loses_no_sample_and_rejoins_with_current_weights(fleet):
@@ -406,7 +428,8 @@ def test_launcher_without_a_cluster_says_what_to_do(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
-    "field, value", [("num_replicas", 0), ("device", "tpu"), ("max_attempts", 0), ("detached", True)]
+    "field, value",
+    [("num_replicas", 0), ("device", "tpu"), ("max_attempts", 0), ("detached", True), ("broadcast_backend", "mpi")],
 )
 def test_fleet_config_names_the_bad_field(field, value):
     with pytest.raises(InvalidArgument, match=f"^{field}: must be"):

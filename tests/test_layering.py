@@ -1,8 +1,9 @@
 """Dependencies run one way (README.md, "Layout"): `server -> engine <- spec`, and the data layer
 (rollout.masks, rollout.schema, rollout.outputs, rollout.errors, the generated stubs, and
 rollout.options, which turns config dataclasses into flags) imports nothing of engine/, spec/ or
-server/. Every module's imports, at any depth (function-level and TYPE_CHECKING ones included),
-are read with `ast` and checked against the allowed edges below. `rollout.build_engine`
+server/; neither do the weight wire modules both ends share (rollout.weight_wire,
+rollout.weight_group). Every module's imports, at any depth (function-level and TYPE_CHECKING ones
+included), are read with `ast` and checked against the allowed edges below. `rollout.build_engine`
 (rollout/__init__.py) and the CLI (cli.py, cli_generate.py) are where the packages meet;
 `rollout show` (show.py, show_html.py) reads a rollout file with the engine's incremental decoder."""
 
@@ -24,20 +25,25 @@ ALLOWED: dict[str, set[str] | None] = {
     "schema": {"errors", "masks", "outputs"},
     "outputs": {"masks"},
     "options": set(),
+    "weight_wire": {"proto"},  # UpdateWeights' chunks, encoded and decoded without copies
+    "weight_group": {"errors"},  # the broadcast group's bucketed byte stream (trainer and servers)
     "engine": DATA - {"proto", "schema"},
     "spec": {"engine"} | DATA - {"proto", "schema"},
-    "server": {"engine"} | DATA,
+    "server": {"engine", "weight_wire", "weight_group"} | DATA,
     "cli": None,
     "cli_generate": None,
     "show": {"engine", "errors", "masks", "schema", "show_html"},
     "show_html": {"show"},
     "root": None,
 }
-# trainer_client speaks the wire; three named modules besides: the server's readiness line (fleet
-# replicas start `rollout serve`), the per-sample seed derivation (fleet routing reseeds prompts) and
-# the grammar forms a caller may give (GrammarSpec.from_input, checked before a request is sent)
-CLIENT_ALLOWED = {"errors", "proto", "schema"}
-CLIENT_MODULES = {"rollout.server.process", "rollout.engine.intake", "rollout.engine.grammar"}
+# trainer_client speaks the wire (weight pieces and broadcast streams included); four named modules
+# besides: the server's readiness line (fleet replicas start `rollout serve`), the per-sample seed
+# derivation (fleet routing reseeds prompts), the grammar forms a caller may give
+# (GrammarSpec.from_input, checked before a request is sent) and the weight dtype names and page
+# alignment (the same-host and broadcast paths lay tensors out as the server stages them)
+CLIENT_ALLOWED = {"errors", "proto", "schema", "weight_wire", "weight_group"}
+CLIENT_MODULES = {"rollout.server.process", "rollout.engine.intake", "rollout.engine.grammar",
+                  "rollout.engine.weight_specs"}
 
 
 def part_of(module: str) -> str:

@@ -1,7 +1,8 @@
 """The liveness watchdog and the health state on their own, with a scripted engine and clock: no
 progress while requests are in flight for longer than the bound turns health NOT_SERVING, progress
-turns it SERVING again, an idle engine is never stalled, and a dead engine stays NOT_SERVING. (A
-real stopped engine process: tests/test_server_process.py.)"""
+turns it SERVING again, an idle engine is never stalled, a dead engine stays NOT_SERVING, and
+released memory takes the Rollout service alone out. (A real stopped engine process:
+tests/test_server_process.py.)"""
 
 from __future__ import annotations
 
@@ -99,5 +100,28 @@ def test_the_watchdog_sets_health_from_its_loop():
                 break
         assert servicer.status[""] == SERVING
         task.cancel()
+
+    asyncio.run(main())
+
+
+def test_released_memory_takes_the_rollout_service_alone_out_and_held_requests_are_no_stall():
+    """ReleaseMemory: the Rollout service NOT_SERVING, the server SERVING; requests held for the
+    resume do not make the idle engine a stalled one; a stall still shows after the resume."""
+
+    async def main():
+        engine, clock, servicer = Engine(), Clock(), Servicer()
+        health = Health(servicer)
+        watchdog = Watchdog(engine, health, bound_s=5.0, clock=clock)
+        await health.memory_released(True)
+        assert servicer.status == {"": SERVING, "rollout.v1.Rollout": NOT_SERVING}
+        engine.requests = 2  # held until the resume; the engine loop waits idle
+        clock.now += 60
+        assert watchdog.check() is None
+        await health.serving(True)  # (the watchdog's recovery does not put it back in)
+        assert servicer.status["rollout.v1.Rollout"] == NOT_SERVING
+        await health.memory_released(False)
+        assert servicer.status == {"": SERVING, "rollout.v1.Rollout": SERVING}
+        clock.now += 6
+        assert watchdog.check() is False
 
     asyncio.run(main())

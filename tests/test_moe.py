@@ -2,13 +2,16 @@
 generation through the engine equal to transformers' Qwen3MoeForCausalLM token for token, with
 and without a DFlash drafter and with cached prompt prefixes; loading the per-expert layout of
 a sharded checkpoint written by `save_pretrained` and a transformers-5 fused state dict; weight
-updates in either layout. Logits / hidden-state parity of the paged forward is in
-test_model_parity.py, the kernels in test_triton_moe.py, host syncs in test_host_syncs.py."""
+updates in either layout, through the engine and through a server's streamed path. Logits /
+hidden-state parity of the paged forward is in test_model_parity.py, the kernels in
+test_triton_moe.py, host syncs in test_host_syncs.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 
+import grpc
 import pytest
 import torch
 import transformers
@@ -17,11 +20,15 @@ from safetensors.torch import save_file
 from test_model_parity import check_parity
 from test_spec_engine import PROMPTS, _generate
 
+from rollout import build_engine
+from rollout.engine.config import EngineConfig
 from rollout.engine.loader import load_model, read_state_dict
 from rollout.engine.model import ModelConfig
 from rollout.engine.moe import FusedExperts, SparseMoeBlock
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument, LoadError
+from rollout.server.app import BackgroundServer
+from trainer_client import RolloutClient
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -163,6 +170,26 @@ def test_update_in_either_layout_gives_the_new_models_tokens(tiny_random_qwen3_m
     assert all(o.policy_version == 1 for o in new)
     want = hf_greedy(new_hf, PROMPTS[:3])
     assert [o.token_ids for o in new] == want != hf_tokens[:3]
+
+
+@pytest.mark.parametrize("layout", ["fused", "per-expert"])
+def test_streamed_update_in_either_layout_through_a_server(tiny_random_qwen3_moe, tmp_path, layout):
+    """The gRPC path (pieces into the server's arena, staged and checked off the engine thread,
+    swapped between steps) takes the fused and the per-expert layouts like `update_weights`; a
+    wrong expert shape is refused at its first piece with nothing applied."""
+    new_hf = save_random_hf_model(tmp_path, seed=9, **TINY_QWEN3_MOE)
+    state = new_hf.state_dict() if layout == "fused" else read_state_dict(tmp_path)
+    config = EngineConfig(model=str(tiny_random_qwen3_moe), block_size=4, num_kv_blocks=200)
+    sampling = dict(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True)
+    with BackgroundServer(functools.partial(build_engine, config)) as server:
+        with RolloutClient(server.address, timeout=120) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.update_weights({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 32, 64)})
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gate_up_proj" in err.value.details()
+            assert client.update_weights(state) == 1
+            table = client.generate(PROMPTS[:3], sampling=sampling)
+    assert table.column("policy_version").to_pylist() == [1, 1, 1]
+    assert table.column("token_ids").to_pylist() == hf_greedy(new_hf, PROMPTS[:3])
 
 
 @pytest.mark.parametrize("name, shape, fragment", [

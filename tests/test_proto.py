@@ -29,7 +29,9 @@ def test_committed_stubs_match_fresh_generation(tmp_path):
 def test_service_methods_and_streaming_kinds():
     service = pb.DESCRIPTOR.services_by_name["Rollout"]
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Abort", "GetServerInfo", "UpdateWeights"}
+    assert set(methods) == {"Generate", "Abort", "GetServerInfo", "UpdateWeights", "UpdateWeightsShared",
+                            "JoinWeightGroup", "LeaveWeightGroup", "UpdateWeightsBroadcast", "ReleaseMemory",
+                            "ResumeMemory"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert methods["UpdateWeights"].client_streaming and not methods["UpdateWeights"].server_streaming
     assert hasattr(rollout_pb2_grpc, "RolloutStub") and hasattr(rollout_pb2_grpc, "RolloutServicer")

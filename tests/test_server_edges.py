@@ -20,7 +20,7 @@ from rollout.server.admission import Admission, longest_token_bytes
 from rollout.server.app import BackgroundServer
 from rollout.server.config import MIN_REQUEST_BYTES, ServeConfig
 from trainer_client import RolloutClient
-from trainer_client.client import WEIGHT_PIECE_BYTES
+from trainer_client.weights import WEIGHT_PIECE_BYTES
 
 LONGEST_TOKEN = len("<|reserved_0|>")  # the byte tokenizer's longest token, in bytes
 
@@ -139,7 +139,7 @@ def test_a_slow_admission_does_not_hold_other_requests(server, client):
 
 
 def test_a_message_over_the_size_bound_is_refused_and_weight_chunks_fit_under_it(client):
-    """--max-request-bytes bounds each message (the server ran with the smallest allowed, 16 MiB):
+    """--max-request-bytes bounds each message (the server ran with the smallest allowed, 32 MiB):
     a larger request is RESOURCE_EXHAUSTED before it is read; an UpdateWeights stream of a tensor
     larger than the bound passes, cut in trainer_client's pieces (the fake then refuses its name)."""
     with pytest.raises(grpc.RpcError) as err:
@@ -148,7 +148,7 @@ def test_a_message_over_the_size_bound_is_refused_and_weight_chunks_fit_under_it
     assert WEIGHT_PIECE_BYTES <= MIN_REQUEST_BYTES // 2
     with pytest.raises(grpc.RpcError) as err:
         client.update_weights({"big": torch.zeros(MIN_REQUEST_BYTES // 4 + 1)})
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tensor big" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tensor 'big'" in err.value.details()
     with pytest.raises(InvalidArgument, match="^max_request_bytes: must be in"):
         ServeConfig(max_request_bytes=MIN_REQUEST_BYTES - 1)
 

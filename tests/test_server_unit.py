@@ -165,7 +165,7 @@ def test_update_weights_state_dict_file_and_refusal(client, tmp_path):
     v0 = client.server_info()["policy_version"]
     with pytest.raises(grpc.RpcError) as err:
         client.update_weights({"w": torch.ones(3, 4)})
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tensor w" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tensor 'w'" in err.value.details()
     assert client.server_info()["policy_version"] == v0
     assert client.update_weights({"w": torch.ones(4, 4)}) == v0 + 1
     after = client.generate([[1]], sampling=dict(max_tokens=3))

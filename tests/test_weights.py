@@ -70,3 +70,49 @@ def test_drafter_only_update(tiny_random_qwen3, random_drafters):
     eng.add_request("a", PROMPT, GREEDY)
     out = _drain(eng)[0]
     assert out.policy_version == 1 and torch.count_nonzero(eng.drafter.model.fc.weight) == 0
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_values_that_are_not_finite_are_refused_by_name(tiny_random_qwen3, value):
+    eng = _engine(tiny_random_qwen3)
+    state = _perturbed(eng)
+    state["model.norm.weight"] = eng.model.norm.weight.detach().clone()
+    state["model.layers.0.mlp.down_proj.weight"][3, 5] = value
+    with pytest.raises(InvalidArgument, match="'model.layers.0.mlp.down_proj.weight' has values that are not finite"):
+        eng.update_weights(state)
+    assert not eng.weight_update_pending() and eng.policy_version == 0
+
+
+def test_tied_lm_head_is_checked_against_the_embedding(tiny_random_qwen3):
+    eng = _engine(tiny_random_qwen3)
+    embed = eng.model.embed_tokens.weight.detach()
+    with pytest.raises(InvalidArgument, match=r"'lm_head.weight' has shape \(3, 3\)"):
+        eng.update_weights({"lm_head.weight": torch.zeros(3, 3)})
+    with pytest.raises(InvalidArgument, match="'lm_head.weight' is tied to 'embed_tokens.weight'"):
+        eng.update_weights({"lm_head.weight": embed + 1})  # differs from the current embedding
+    new = embed + 0.25
+    with pytest.raises(InvalidArgument, match="'lm_head.weight' is tied to 'model.embed_tokens.weight'"):
+        eng.update_weights({"model.embed_tokens.weight": new, "lm_head.weight": embed})
+    assert eng.policy_version == 0 and torch.equal(eng.model.embed_tokens.weight, embed)
+    eng.update_weights({"model.embed_tokens.weight": new, "lm_head.weight": new.clone()})  # a tied state_dict()
+    eng.step()
+    assert eng.policy_version == 1 and torch.equal(eng.model.lm_head.weight, new)
+
+
+def test_withdrawn_and_repeated_updates_change_nothing(tiny_random_qwen3):
+    eng = _engine(tiny_random_qwen3)
+    eng.add_request("old", PROMPT, GREEDY)
+    eng.step()
+    weights = eng.weights
+    assert weights.submit(weights.stage_state(_perturbed(eng)), token="t1", update_id="u1") is None
+    assert weights.withdraw("t1") and not eng.weight_update_pending()
+    assert not weights.withdraw("t2")  # not submitted yet: refused when it comes
+    with pytest.raises(FailedPrecondition, match="withdrawn"):
+        weights.submit(weights.stage_state(_perturbed(eng)), token="t2")
+    outs = _drain(eng)
+    assert outs[0].policy_version == 0 and eng.policy_version == 0
+    assert weights.submit(weights.stage_state(_perturbed(eng)), token="t3", update_id="u1") is None
+    eng.step()
+    assert eng.policy_version == 1
+    assert weights.submit(weights.stage_state(_perturbed(eng)), token="t4", update_id="u1") == 1  # a repeat
+    assert not eng.weight_update_pending() and eng.policy_version == 1

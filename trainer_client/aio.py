@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pyarrow as pa
+import torch
 
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from trainer_client.client import (
@@ -24,9 +25,11 @@ from trainer_client.client import (
     build_request,
     decode_batch,
     info_to_dict,
+    memory_to_dict,
     to_table,
-    weight_chunks,
 )
+from trainer_client.shared import SharedUpdate
+from trainer_client.weights import weight_pieces
 
 
 class AsyncBatchStream(CancellingCall):
@@ -106,12 +109,36 @@ class AsyncRolloutClient(ClientBase):
         draft: bool = False,
         *,
         draft_weights: Weights | None = None,
+        update_id: str | None = None,
         timeout: float | None = None,
     ) -> int:
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
-        chunks = weight_chunks(weights, draft, draft_weights)
-        reply = await self._stub.UpdateWeights(chunks, timeout=self._deadline(timeout))
-        return reply.policy_version
+        pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
+        return self._reply(await self._update_weights(pieces, timeout=self._deadline(timeout)))
+
+    async def update_weights_shared(
+        self,
+        weights: Mapping[str, torch.Tensor] | None,
+        draft: bool = False,
+        *,
+        draft_weights: Mapping[str, torch.Tensor] | None = None,
+        update_id: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """See `RolloutClient.update_weights_shared`."""
+        with SharedUpdate(weights, draft, draft_weights, update_id or "") as shared:
+            reply = await self._stub.UpdateWeightsShared(shared.request, timeout=self._deadline(timeout))
+            return self._reply(reply)
+
+    async def release_memory(self, weights: bool = False, hold_requests: bool = False,
+                             timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+        """See `RolloutClient.release_memory`."""
+        request = pb.ReleaseMemoryRequest(weights=weights, hold_requests=hold_requests)
+        return memory_to_dict(await self._stub.ReleaseMemory(request, timeout=self._deadline(timeout)))
+
+    async def resume_memory(self, timeout: float | None = None) -> dict[str, Any]:
+        reply = await self._stub.ResumeMemory(pb.ResumeMemoryRequest(), timeout=self._deadline(timeout))
+        return memory_to_dict(reply)
 
     async def close(self) -> None:
         await self._channel.close()

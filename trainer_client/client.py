@@ -3,7 +3,9 @@
 `RolloutClient(address)` sends prompts (text, token ids or chat messages) with sampling parameters and gets the
 finished samples back as a `pyarrow.Table` (`generate`) or as record batches while they finish
 (`stream`; leaving the iterator early cancels the call, and the server aborts the request and
-frees its KV blocks). `update_weights` pushes a state dict or safetensors files. Server-side
+frees its KV blocks). `update_weights` pushes a state dict or safetensors files (the stream is
+built in trainer_client.weights); `update_weights_shared` hands a state dict to a server on the
+same host as CUDA IPC handles or shared memory (trainer_client.shared). Server-side
 failures raise `grpc.RpcError` carrying the status code; arguments that cannot even be put on
 the wire (an unknown sampling key) raise `rollout.errors.InvalidArgument` locally. The request
 building and decoding helpers here are shared with the asyncio twin in `trainer_client.aio`.
@@ -11,11 +13,8 @@ building and decoding helpers here are shared with the asyncio twin in `trainer_
 
 from __future__ import annotations
 
-import itertools
 import numbers
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from functools import partial
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -29,13 +28,15 @@ from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import POLICY_VERSION_KEY, ROLLOUT_SCHEMA
+from rollout.weight_wire import encode_piece
+from trainer_client.shared import SharedUpdate
+from trainer_client.weights import Weights, weight_pieces
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-WEIGHT_PIECE_BYTES = 8 << 20
+UPDATE_WEIGHTS = "/rollout.v1.Rollout/UpdateWeights"
 SORT_KEYS = [("prompt_index", "ascending"), ("sample_index", "ascending")]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
-Weights = Mapping[str, torch.Tensor] | str | Path
 
 
 def build_request(
@@ -136,6 +137,10 @@ def to_table(batches: Sequence[pa.RecordBatch]) -> pa.Table:
     return pa.concat_tables([table.slice(order[a], b - a) for a, b in zip(starts, ends)]).combine_chunks()
 
 
+def memory_to_dict(state: pb.MemoryState) -> dict[str, Any]:
+    return {f.name: getattr(state, f.name) for f in pb.MemoryState.DESCRIPTOR.fields}
+
+
 def info_to_dict(info: pb.ServerInfo) -> dict[str, Any]:
     """ServerInfo -> plain dict (ints stay ints), `instance_id` included: the same id means the
     same server process (every table it streams carries it in its schema metadata too)."""
@@ -143,51 +148,6 @@ def info_to_dict(info: pb.ServerInfo) -> dict[str, Any]:
     out["eos_token_ids"] = list(info.eos_token_ids)
     out["limits"] = dict(info.limits)
     return out
-
-
-def weight_chunks(
-    weights: Weights | None, draft: bool = False, draft_weights: Weights | None = None
-) -> Iterator[pb.WeightChunk]:
-    """The UpdateWeights stream: `weights` for the target (or the drafter if `draft`), then
-    `draft_weights` for the drafter. Paths are checked now (InvalidArgument); tensors and
-    files are read lazily and cut into pieces of at most WEIGHT_PIECE_BYTES."""
-    pieces: list[Callable[[], Iterator[pb.WeightChunk]]] = []
-    for source, to_draft in ((weights, draft), (draft_weights, True)):
-        if isinstance(source, str | Path):
-            files = enumerate(safetensors_files(Path(source)))
-            pieces += [partial(_file_chunks, index, file, to_draft) for index, file in files]
-        elif source is not None:
-            pieces += [partial(_tensor_chunks, name, tensor, to_draft) for name, tensor in source.items()]
-    return itertools.chain.from_iterable(piece() for piece in pieces)
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    """The safetensors files a weights path names: the file itself, or a directory's *.safetensors
-    in name order. Raises InvalidArgument("weights") when there are none."""
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise InvalidArgument(
-            "weights", f"{path} is neither a .safetensors file nor a directory holding some"
-        )
-    return files
-
-
-def _file_chunks(index: int, file: Path, draft: bool) -> Iterator[pb.WeightChunk]:
-    data = file.read_bytes()
-    for start in range(0, max(len(data), 1), WEIGHT_PIECE_BYTES):
-        part = pb.SafetensorsPart(file=index, data=data[start : start + WEIGHT_PIECE_BYTES])
-        yield pb.WeightChunk(draft=draft, safetensors=part)
-
-
-def _tensor_chunks(name: str, tensor: torch.Tensor, draft: bool) -> Iterator[pb.WeightChunk]:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    for start in range(0, max(len(raw), 1), WEIGHT_PIECE_BYTES):
-        piece = pb.Tensor(
-            name=name, dtype=dtype, shape=list(tensor.shape), data=raw[start : start + WEIGHT_PIECE_BYTES]
-        )
-        yield pb.WeightChunk(draft=draft, tensor=piece)
 
 
 class CancellingCall:
@@ -236,9 +196,17 @@ class ClientBase:
         self.timeout = timeout
         self._channel = self._open_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+        self._update_weights = self._channel.stream_unary(  # pieces serialised without protobuf objects
+            UPDATE_WEIGHTS, request_serializer=encode_piece, response_deserializer=pb.UpdateWeightsResponse.FromString
+        )
+        self.last_update: dict[str, Any] = {}  # the last UpdateWeights reply (stage and pause seconds, ...)
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    def _reply(self, reply: pb.UpdateWeightsResponse) -> int:
+        self.last_update = {f.name: getattr(reply, f.name) for f in pb.UpdateWeightsResponse.DESCRIPTOR.fields}
+        return reply.policy_version
 
 
 class RolloutClient(ClientBase):
@@ -297,13 +265,44 @@ class RolloutClient(ClientBase):
         draft: bool = False,
         *,
         draft_weights: Weights | None = None,
+        update_id: str | None = None,
         timeout: float | None = None,
     ) -> int:
         """Pushes a state dict or safetensors file(s) to the target (or, with draft=True, to the
         drafter); `draft_weights` replaces the drafter in the same call. Returns the new
-        policy_version, once the server applied it."""
-        chunks = weight_chunks(weights, draft, draft_weights)
-        return self._stub.UpdateWeights(chunks, timeout=self._deadline(timeout)).policy_version
+        policy_version, once the server applied it. If the call fails or times out before the
+        update applied, the server withdraws it; pass the same `update_id` when retrying to make
+        sure it applies once even if the reply, not the update, was lost."""
+        pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
+        return self._reply(self._update_weights(pieces, timeout=self._deadline(timeout)))
+
+    def update_weights_shared(
+        self,
+        weights: Mapping[str, torch.Tensor] | None,
+        draft: bool = False,
+        *,
+        draft_weights: Mapping[str, torch.Tensor] | None = None,
+        update_id: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """`update_weights` for a server on this host, without sending the bytes: CUDA tensors go
+        as CUDA IPC handles, CPU tensors through one /dev/shm file (trainer_client.shared). Keep the
+        tensors unchanged until it returns (once the update is applied)."""
+        with SharedUpdate(weights, draft, draft_weights, update_id or "") as shared:
+            return self._reply(self._stub.UpdateWeightsShared(shared.request, timeout=self._deadline(timeout)))
+
+    def release_memory(self, weights: bool = False, hold_requests: bool = False,
+                       timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+        """Between rollouts, for a trainer on the same GPU: the server frees its KV cache and CUDA
+        graphs (and with `weights`, moves the weights to host memory). Requests fail with
+        UNAVAILABLE until `resume_memory` (or wait for it, with `hold_requests`). Returns the
+        MemoryState: bytes freed, the device's free bytes, seconds."""
+        request = pb.ReleaseMemoryRequest(weights=weights, hold_requests=hold_requests)
+        return memory_to_dict(self._stub.ReleaseMemory(request, timeout=self._deadline(timeout)))
+
+    def resume_memory(self, timeout: float | None = None) -> dict[str, Any]:
+        """Takes the memory back (weights, KV cache); returns the MemoryState."""
+        return memory_to_dict(self._stub.ResumeMemory(pb.ResumeMemoryRequest(), timeout=self._deadline(timeout)))
 
     def close(self) -> None:
         self._channel.close()

@@ -4,7 +4,9 @@ Each replica is a Ray actor (`fleet_replica.RolloutReplica`, one GPU each where 
 GPUs) running its own server on its node's address. The trainer talks gRPC to the servers
 directly: `generate` / `stream` spread prompts over the replicas by least outstanding work and
 return one table in the caller's prompt order (`fleet_requests`). `update_weights` puts the
-weights in the Ray object store once and each actor pushes them to its server.
+weights in the Ray object store once and each actor pushes them to its server, or broadcasts them
+to every server from here (`fleet_weights`); `release_memory` / `resume_memory` free and take back
+every server's device memory between rollouts.
 
 Faults. A replica whose stream fails and whose health check then fails, or which the health
 monitor (every `health_interval` s) finds unreachable or NOT_SERVING (e.g. its engine stalled, see
@@ -28,20 +30,19 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import ray
-from safetensors.torch import load_file
 
 from rollout.errors import InvalidArgument
 from trainer_client.aio import AsyncRolloutClient
-from trainer_client.client import Prompt, Weights, build_request, prompt_list, safetensors_files, to_table
+from trainer_client.client import Prompt, build_request, prompt_list, to_table
 from trainer_client.fleet_replica import RolloutReplica, health_ok
 from trainer_client.fleet_requests import FleetRequest
 from trainer_client.fleet_routing import Replica, WeightHistory
 from trainer_client.fleet_stream import FleetStream
+from trainer_client.fleet_weights import FleetWeights
 
 log = logging.getLogger("trainer_client.fleet")
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,7 +54,8 @@ class FleetConfig:
     `--device cuda`) when the cluster has any; `name` makes the actors named (`{name}-{i}`), and
     `detached` lets them outlive this process. `max_outstanding_samples` caps each replica's
     in-flight samples from this fleet; `max_attempts` bounds how often one prompt is resubmitted. A
-    replica whose health check gets no SERVING answer within `health_timeout` s leaves the routing."""
+    replica whose health check gets no SERVING answer within `health_timeout` s leaves the routing.
+    `broadcast_backend` is the weight group's for `update_weights(broadcast=True)`."""
 
     num_replicas: int
     serve_args: tuple[str, ...] = ()
@@ -71,6 +73,7 @@ class FleetConfig:
     name: str | None = None
     namespace: str | None = None
     detached: bool = False
+    broadcast_backend: str = "auto"  # update_weights(broadcast=True): "nccl" if this process has a GPU, else "gloo"
 
     def __post_init__(self):
         checks = {  # field: (valid, what is allowed)
@@ -86,13 +89,14 @@ class FleetConfig:
             "health_interval": (self.health_interval > 0, "> 0 seconds"),
             "health_timeout": (self.health_timeout > 0, "> 0 seconds"),
             "detached": (self.name is not None or not self.detached, "False unless a name is given"),
+            "broadcast_backend": (self.broadcast_backend in ("auto", "gloo", "nccl"), "auto, gloo or nccl"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise InvalidArgument(name, f"must be {allowed}, got {getattr(self, name)!r}")
 
 
-class RolloutFleet:
+class RolloutFleet(FleetWeights):
     """`RolloutFleet(2, serve_args=["--spec", "dflash"])`: starts the replicas and waits until every
     one is healthy and reachable from here; a replica that cannot start raises RuntimeError with
     the tail of its server log. Connect to Ray (`ray.init(address=...)`) first."""
@@ -120,6 +124,7 @@ class RolloutFleet:
         self._closed = self._said_stopped = False
         self._history = WeightHistory()
         self._weights_lock = threading.Lock()
+        self._weight_group = None  # (members, BroadcastGroup) once a broadcast update made it
         self._state_lock = threading.Lock()
         self._requests: dict[str, tuple[FleetRequest, FleetStream]] = {}
         self.replicas = self._started_replicas(actors, owned)
@@ -227,32 +232,6 @@ class RolloutFleet:
         """Each routed replica's server_info."""
         return ray.get([r.actor.server_info.remote() for r in self.replicas if r.state == "healthy"])
 
-    def update_weights(self, weights: Weights | None, draft: bool = False, *, draft_weights: Weights | None = None,
-                       timeout: float | None = None) -> int:  # fmt: skip
-        """Pushes a state dict or safetensors file(s) (read here) to every replica through the object
-        store; returns the new fleet policy_version once every routed replica reports it. A replica
-        that is restarting gets it before it rejoins. An update the servers refuse (wrong name,
-        shape or dtype) changes nothing and raises the server's error."""
-        payload = {"weights": _state(weights), "draft": draft, "draft_weights": _state(draft_weights)}
-        names = {(draft, k) for k in payload["weights"] or {}} | {(True, k) for k in payload["draft_weights"] or {}}
-        ref = ray.put(payload)
-        with self._weights_lock:
-            snapshot = self._history.snapshot()
-            self._history.add(ref, names)
-            self._version += 1
-            targets = [r for r in self.replicas if r.state == "healthy"]
-            calls = [r.actor.push_weights.remote(ref, timeout=timeout) for r in targets]
-            for replica, call in zip(targets, calls):
-                try:
-                    replica.offset = self._version - ray.get(call)
-                except ray.exceptions.RayActorError:
-                    self.replica_failed(replica)
-                except Exception:
-                    self._history.restore(snapshot)
-                    self._version -= 1
-                    raise
-        return self._version
-
     def shutdown(self) -> None:
         """Stops every server and actor (named and detached ones too) and this fleet's threads."""
         if self._closed:
@@ -261,6 +240,8 @@ class RolloutFleet:
         for _, stream in list(self._requests.values()):
             stream.close()
         self._monitor.cancel()
+        with self._weights_lock:
+            self._close_group()
         stop_actors(self.actors)
         asyncio.run_coroutine_threadsafe(self._close_clients(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -393,15 +374,6 @@ def _start_actors(config: FleetConfig) -> list:
         return [actor_class.options(**options).remote(*args) for _ in range(config.num_replicas)]
     return [actor_class.options(name=f"{config.name}-{i}", namespace=config.namespace, **options).remote(*args)
             for i in range(config.num_replicas)]
-
-
-def _state(weights: Weights | None) -> Mapping | None:
-    """A state dict on the host; a safetensors file or directory read into one (here, once)."""
-    if weights is None:
-        return None
-    if isinstance(weights, Mapping):
-        return {name: tensor.detach().cpu() for name, tensor in weights.items()}
-    return {name: tensor for file in safetensors_files(Path(weights)) for name, tensor in load_file(file).items()}
 
 
 def named_actors(name: str, namespace: str | None = None) -> list:

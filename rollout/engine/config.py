@@ -20,6 +20,10 @@ LOAD_FORMATS = ("safetensors", "random")
 # block pool (triton_ops.py, triton_attention.py); "torch" = the reference ops they are tested
 # against; "auto" = triton on CUDA when the head size suits it, else torch.
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+# where a weight update waits for its swap (rollout.engine.weights): "device" = spare device memory
+# (the swap is a device copy), "host" = host memory (one host-to-device copy per tensor in the swap),
+# "auto" = the device when the update fits with room to spare. On CPU all three are host memory.
+WEIGHT_STAGING = ("auto", "device", "host")
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,11 @@ class EngineConfig:
                                            "sequences share (forked samples, cached prefixes) once per step for "
                                            "all of them; off: the plain paged kernel",
                                            default_text="on")
+    weight_staging: str = option("auto", "where a weight update waits for its swap while the engine keeps "
+                                 "generating: spare device memory (the swap is a device copy) or host memory "
+                                 "(one host-to-device copy per tensor in the swap); auto = the device when the "
+                                 "update fits with room to spare; on CPU all are host memory",
+                                 choices=WEIGHT_STAGING)
 
     def __post_init__(self):
         if self.spec not in SPEC_METHODS:
@@ -83,6 +92,8 @@ class EngineConfig:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise InvalidArgument("kernel_backend", f"must be one of {KERNEL_BACKENDS}, "
                                   f"got {self.kernel_backend!r}")
+        if self.weight_staging not in WEIGHT_STAGING:
+            raise InvalidArgument("weight_staging", f"must be one of {WEIGHT_STAGING}, got {self.weight_staging!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument("device", f"must be cpu or cuda, got {self.device!r}")
         if self.draft is not None and self.spec not in DRAFTER_CHECKPOINTS:

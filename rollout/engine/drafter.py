@@ -52,6 +52,12 @@ class Drafter(ABC):
     @abstractmethod
     def allocate(self, num_blocks: int, block_size: int) -> None: ...
 
+    def free(self) -> None:
+        """Drops the KV caches and CUDA graphs (the engine's device memory is released for a trainer,
+        rollout.engine.release); `allocate` and `use_graphs` build them again. Optional: a drafter
+        that holds no device memory of its own may ignore it."""
+        return None
+
     @abstractmethod
     def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
         """Drafts for the items with num_draft > 0; block_table: [len(items), W] host array of

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -33,12 +34,13 @@ from rollout.engine.intake import Intake, Limits
 from rollout.engine.kv import allocate_kv, bytes_per_block, copy_blocks
 from rollout.engine.loader import LoadedModel, LoadProgress, load_model
 from rollout.engine.prefix_plan import SharedPrefixPlanner
+from rollout.engine.release import MemoryReport, ReleasedMemory
 from rollout.engine.rows import build_row_params, grammar_bitmask
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.verify import VerifyResult, verify
 from rollout.engine.weights import WeightUpdater
-from rollout.errors import InvalidArgument
+from rollout.errors import FailedPrecondition, InvalidArgument
 from rollout.outputs import SampleOutput
 
 log = logging.getLogger(__name__)
@@ -77,11 +79,7 @@ class LLMEngine:
         limits = memory.context_limits(config, self.loaded.config.max_position_embeddings,
                                        self.drafter.max_model_len() if self.drafter else None)
         num_blocks = self._plan_kv_blocks(min(limits.values()))
-        # one more block than the manager hands out: the scratch block of padded graph rows
-        self.kv_caches = allocate_kv(self.loaded.config, num_blocks + 1, config.block_size, self.device,
-                                     self.model.embed_tokens.weight.dtype)
-        if self.drafter is not None:
-            self.drafter.allocate(num_blocks + 1, config.block_size)  # + the graphs' scratch block
+        self._allocate_kv(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # what bounds a sequence's length, by name (the server reports them); max_model_len is the smallest
         self.context_limits = {**limits, "max_model_len_by_kv_cache": memory.kv_cache_limit(config, num_blocks)}
@@ -92,8 +90,11 @@ class LLMEngine:
         checks = Limits(self.vocab_size, self.max_model_len, config.max_mask_tokens, config.max_queued_samples)
         decode = self.decode if self.tokenizer is not None else None
         self.intake = Intake(self.scheduler, checks, self.eos_token_ids, self.tokenizer, random.Random(), decode)
-        self.weights = WeightUpdater(self.model, getattr(self.drafter, "model", None), self.scheduler,
-                                     self.block_manager)
+        draft_model = getattr(self.drafter, "model", None)
+        self.weights = WeightUpdater(self.model, draft_model, self.scheduler, self.block_manager, self.device,
+                                     config.weight_staging)
+        # release / resume for a colocated trainer
+        self.memory = ReleasedMemory(self.device, [m for m in (self.model, draft_model) if m is not None])
         self.committer = Committer(self.scheduler, self.intake, self.max_model_len, lambda: self.weights.version,
                                    decode, self.drafter.sample_finished if self.drafter else None)
         self.draft_counts = DraftCounts()  # drafts proposed and accepted, by proposer and policy version
@@ -104,11 +105,7 @@ class LLMEngine:
         """KV blocks for the pool (see rollout.engine.memory): on CUDA what the profile of the largest
         step leaves under gpu_memory_fraction (or num_kv_blocks, when that fits), on CPU
         num_kv_blocks or cpu_kv_bytes."""
-        config = self.config
-        per_block = bytes_per_block(self.loaded.config, config.block_size,
-                                    self.model.embed_tokens.weight.element_size())
-        if self.drafter is not None:
-            per_block += self.drafter.bytes_per_block(config.block_size)
+        config, per_block = self.config, self._bytes_per_block()
         if self.device.type != "cuda":
             return config.num_kv_blocks or memory.cpu_kv_blocks(config.cpu_kv_bytes, per_block)
         measured = self.memory_plan = profile.measure(self, max_model_len)
@@ -116,6 +113,20 @@ class LLMEngine:
                  memory.gib(measured.step), measured.step_setting, memory.gib(measured.graphs))
         planned = memory.gpu_kv_blocks(measured, config.gpu_memory_fraction, per_block) - 1  # the scratch block
         return memory.choose_kv_blocks(config, planned)
+
+    def _bytes_per_block(self) -> int:
+        """KV bytes of one block, the target's and the drafter's."""
+        per_block = bytes_per_block(self.loaded.config, self.config.block_size,
+                                    self.model.embed_tokens.weight.element_size())
+        return per_block + (self.drafter.bytes_per_block(self.config.block_size) if self.drafter else 0)
+
+    def _allocate_kv(self, num_blocks: int) -> None:
+        """The target's and the drafter's KV caches, one more block than the manager hands out: the
+        scratch block of padded graph rows."""
+        self.kv_caches = allocate_kv(self.loaded.config, num_blocks + 1, self.config.block_size, self.device,
+                                     self.model.embed_tokens.weight.dtype)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks + 1, self.config.block_size)
 
     # -- public API (see rollout.server) --------------------------------------------------
 
@@ -126,8 +137,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompts: list[list[int]], params, n: int = 1,
                     mask: str | None = None, grammar=None, return_text: bool = False) -> None:
         """Validate everything, then queue n samples of every prompt. Raises InvalidArgument
-        (naming the field) or ResourceExhausted before any work is done. `return_text`: each
-        sample's decoded output comes back in SampleOutput.text."""
+        (naming the field) or ResourceExhausted before any work is done, and Unavailable while the
+        device memory is released (rollout.engine.release). `return_text`: each sample's decoded
+        output comes back in SampleOutput.text."""
+        self.memory.check_admission()
         self.intake.add(request_id, prompts, params, n, mask, grammar, return_text)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -140,7 +153,8 @@ class LLMEngine:
         return [self.committer.finish(s, "abort") for s in self.intake.pop_unfinished(request_id)]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.weights.pending
+        """Work a step would do (requests held while the memory is released wait for resume)."""
+        return (self.scheduler.has_unfinished() and not self.memory.released) or self.weights.pending
 
     def kv_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_free_blocks, self.block_manager.num_blocks
@@ -155,11 +169,54 @@ class LLMEngine:
         return dict(graphs=graphs, kernels=kernels)
 
     def update_weights(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
-        """Validate now; apply once running samples drained (see WeightUpdater)."""
-        self.weights.submit(state, draft_state)
+        """Stage and check now (InvalidArgument naming the tensor); apply once running samples drained.
+        The server stages off the engine thread through `self.weights` (see WeightUpdater)."""
+        self.weights.submit(self.weights.stage_state(state, draft_state))
 
     def weight_update_pending(self) -> bool:
         return self.weights.pending
+
+    def release_memory(self, weights: bool = False, hold: bool = False) -> MemoryReport:
+        """Frees the KV caches, the CUDA graphs and, with `weights`, the weights' device memory for a
+        trainer (rollout.engine.release); requests are refused meanwhile, or held with `hold`.
+        FailedPrecondition while requests run or an update drains; a no-op when released already."""
+        start = time.perf_counter()
+        if self.memory.released:
+            return self.memory.report(0, start)
+        if self.scheduler.has_unfinished() or self.weights.pending:
+            raise FailedPrecondition("memory: requests are running or a weight update is draining; release "
+                                     "between rollouts")
+        before = self._device_bytes()
+        self.kv_caches, self.graphs = [], None
+        if self.drafter is not None:
+            self.drafter.free()
+        self.block_manager.reset_prefix_cache()  # (their KV is gone)
+        self.memory.enter(weights, hold)
+        self.weights.host_staging = True  # the device is the trainer's meanwhile
+        return self.memory.report(before - self._device_bytes(), start)
+
+    def resume_memory(self) -> MemoryReport:
+        """Takes the memory back: the weights, the KV pool of the planned size, the CUDA graphs.
+        ResourceExhausted, still released, when the device has no room for them yet."""
+        start = time.perf_counter()
+        if not self.memory.released:
+            return self.memory.report(0, start)
+        plan_graphs = self.memory_plan.graphs if self.memory_plan is not None and self.config.cuda_graphs else 0
+        self.memory.check_room(self._bytes_per_block() * (self.block_manager.num_blocks + 1) + plan_graphs)
+        before = self._device_bytes()
+        self.memory.restore_weights()
+        self._allocate_kv(self.block_manager.num_blocks)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            self.graphs = self.make_step_graphs(capture=True)
+        self.memory.resumed()
+        self.weights.host_staging = False
+        return self.memory.report(self._device_bytes() - before, start)
+
+    def _device_bytes(self) -> int:
+        """Device memory the engine holds: torch's reserved bytes on CUDA, the KV caches' on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_reserved(self.device)
+        return self._bytes_per_block() * (self.block_manager.num_blocks + 1) if self.kv_caches else 0
 
     def info(self) -> dict:
         free, total = self.kv_blocks()
@@ -170,12 +227,14 @@ class LLMEngine:
                     max_queued_samples=self.config.max_queued_samples,
                     max_num_seqs=self.config.max_num_seqs, policy_version=self.policy_version,
                     kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size,
-                    **self.context_limits)
+                    memory_released=self.memory.released, **self.context_limits)
 
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SampleOutput]:
         self._apply_weights()
+        if self.memory.released:
+            return []
         plan = self.scheduler.schedule()
         if not plan:
             self.committer.hand_over_masks()

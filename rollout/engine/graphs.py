@@ -149,6 +149,8 @@ def capture_graph(run: Callable, capture: bool, outputs: StaticOutputs, pool=Non
         outputs.store(run())  # warm-up: lazy tables (RoPE), Triton compilations and the buffers before capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: a weight update staging on another thread (copies, allocations) must not break
+    # a capture in progress (the default "global" mode makes such calls fail the capture)
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         views = outputs.store(run())
     return graph.replay, views, graph.pool()

@@ -119,20 +119,21 @@ def _checkpoint_names(path: str, param_name: str, module: nn.Module) -> list[tup
     return names
 
 
-def param_slots(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, Index]], set[str]]:
-    """Checkpoint name -> (parameter, index) for every parameter, and the names of tied aliases
-    (e.g. `lm_head.weight` of a tied model), which a checkpoint may carry or omit. A parameter
-    may have both a whole name and part names (fused experts): either fills it."""
+def param_slots(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, Index]], dict[str, str]]:
+    """Checkpoint name -> (parameter, index) for every parameter, and tied alias -> the name it
+    shares its parameter with (e.g. `lm_head.weight` -> `embed_tokens.weight` of a tied model),
+    which a checkpoint may carry or omit. A parameter may have both a whole name and part names
+    (fused experts): either fills it."""
     slots: dict[str, tuple[nn.Parameter, Index]] = {}
-    aliases: set[str] = set()
-    seen: set[int] = set()
+    aliases: dict[str, str] = {}
+    owner: dict[int, str] = {}
     for path, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             names = _checkpoint_names(path, param_name, module)
-            if id(param) in seen:
-                aliases.update(name for name, _ in names)
+            if id(param) in owner:
+                aliases.update((name, owner[id(param)]) for name, _ in names)
                 continue
-            seen.add(id(param))
+            owner[id(param)] = names[0][0]
             slots.update((name, (param, rows)) for name, rows in names)
     return slots, aliases
 

@@ -127,9 +127,12 @@ async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: Engine
                          config: ServeConfig, metrics: Metrics) -> RunningServer:
     identity = Identity(*await engine_loop.call(engine_names), instance_id=uuid.uuid4().hex)
     admission = Admission(*await engine_loop.call(engine_prompt_setup))
-    add_rollout_service(RolloutService(engine_loop, identity, admission, config.flush), server)
+    service = RolloutService(engine_loop, identity, admission, config.flush)
+    service.weights.give_back = not config.keep_weight_buffers
+    add_rollout_service(service, server)
     health_state = Health(health.aio.HealthServicer())
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
+    service.memory.on_change = health_state.memory_released
     if isinstance(engine_loop, EngineProcess):  # an engine process that dies: NOT_SERVING from then on
         engine_loop.on_death = lambda: asyncio.ensure_future(health_state.engine_died())
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -13,7 +13,7 @@ from rollout.errors import InvalidArgument
 from rollout.options import option
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MIN_REQUEST_BYTES = 16 << 20  # room for trainer_client's 8 MiB weight pieces (one WeightChunk each)
+MIN_REQUEST_BYTES = 32 << 20  # room for trainer_client's 16 MiB weight pieces (one WeightChunk each)
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,17 @@ class ServeConfig:
     stats_interval: float = option(10.0, "seconds between `stats` log lines (requests, queue, KV blocks, "
                                    "tokens/s, acceptance) while there is work; 0 = none")
     max_request_bytes: int = option(64 << 20, "largest message a client may send: a GenerateRequest, or each "
-                                    "WeightChunk of an UpdateWeights stream (trainer_client sends 8 MiB pieces); "
+                                    "WeightChunk of an UpdateWeights stream (trainer_client sends 16 MiB pieces); "
                                     "a larger one is refused with RESOURCE_EXHAUSTED before it is read",
                                     default_text="64 MiB")
     liveness_seconds: float = option(60.0, "health turns NOT_SERVING when the engine makes no progress for this "
                                      "long while requests are in flight (make it longer than the slowest first "
                                      "step, which may compile kernels), and back when it moves; 0 = never")
+    # keep the weight arena's pages between updates (rollout.server.arena): faster uploads, the arena
+    # stays bounded by the model's size
+    keep_weight_buffers: bool = option(False, "keep the host memory weight uploads land in between updates (at "
+                                       "most the model's size) instead of giving it back after each: faster "
+                                       "updates", default_text="given back")
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -20,28 +20,32 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout.server import logs
+from rollout.server.arena import HostArena
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop, Sink
 from rollout.server.outbox import Outbox
 from rollout.server.pipe import send_message
+from rollout.server.weight_jobs import EngineSide
 
 READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 
 
-def child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval: float, progress) -> None:
+def child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval: float, progress,
+               arena: HostArena) -> None:
     """The child's entry point: the engine loop runs on this, the main thread, and the asyncio side
     (commands in, results and deliveries out) on a second one. The main thread matters: glibc
     gives other threads their own malloc arenas, which return memory to the system and take it
     back (page faults in every step; BENCHMARKS.md, issue 5); the main heap does not.
     SIGINT / SIGTERM are the parent's to handle: it drains, then sends `stop`. A parent that goes
     away closes the pipe, which stops the child too. `progress` is the shared counter the engine
-    loop ticks (the parent's liveness watchdog reads it)."""
+    loop ticks (the parent's liveness watchdog reads it); `arena` the server's weight arena, mapped
+    here too (rollout.server.arena)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.setswitchinterval(switch_interval)
     logs.configure(log_level)
     loop = asyncio.new_event_loop()
-    engine_loop = EngineLoop(factory, loop, thread=False, progress=progress)
+    engine_loop = EngineLoop(factory, loop, thread=False, progress=progress, side=EngineSide(arena))
     front = threading.Thread(target=loop.run_until_complete, args=(_serve_engine(engine_loop, conn),),
                              name="rollout-engine-front", daemon=True)
     front.start()
@@ -172,6 +176,10 @@ async def _execute(engine_loop: EngineLoop, message: tuple, admissions: _Admissi
             result = await engine_loop.call(args[0])
         elif op == "weights":
             result = await engine_loop.update_weights(*args)
+        elif op == "withdraw":
+            result = await engine_loop.withdraw_weights(*args)
+        elif op == "aside":
+            result = await engine_loop.aside(*args)
         else:
             raise ValueError(f"unknown engine command {op!r}")
     except Exception as exc:

@@ -9,11 +9,13 @@ engine keeps a GIL to itself; the server's process only parses, encodes and send
 
 The child runs the same `EngineLoop` (the engine on its main thread, an asyncio loop on a second)
 on its side of one duplex pipe. The parent sends commands (`add`, `abort`, `call`, `weights`,
-`stop`), each with an id; the child answers each with a result or an error, and sends every
+`withdraw`, `aside`, `stop`), each with an id; the child answers each with a result or an error, and sends every
 request's deliveries in the order its event loop produced them, batched per loop iteration.
 Commands and results are pickled: `call` takes a picklable function of the engine (a
 module-level function or a `functools.partial`, not a lambda), and the engine factory must be
-picklable too. A child that dies (a crash, a kill) fails every pending command and running
+picklable too. Weight bytes do not go through the pipe: the parent writes them into the weight
+arena (rollout.server.arena), whose memory file the child gets at spawn, and sends a small job
+(rollout.server.weight_jobs). A child that dies (a crash, a kill) fails every pending command and running
 request with `Unavailable` (gRPC UNAVAILABLE) naming its exit code, and so does every later
 call: the server answers instead of hanging. The child's side is rollout.server.engine_child.
 
@@ -39,12 +41,14 @@ from typing import Any
 
 from rollout.errors import InvalidArgument, Unavailable
 from rollout.server import logs
+from rollout.server.arena import HostArena
 from rollout.server.convert import GenerateCall
 from rollout.server.engine_child import READY, child_main
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, Sink, discard
 from rollout.server.outbox import Outbox
 from rollout.server.pipe import recv_message
+from rollout.server.weight_jobs import EngineSide, WeightsApplied
 
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
 
@@ -69,6 +73,7 @@ class EngineProcess:
         self._conn = None
         self._proc = None
         self._progress = None  # the child engine loop's tick counter, in shared memory
+        self.weight_arena = HostArena()  # shared with the child (see the module docstring)
         self.on_death: Callable[[], None] | None = None  # called on the event loop if the child dies
         self.on_stats: Callable[[Any], None] | None = None  # the child's StatsSnapshots, on the event loop
 
@@ -85,7 +90,7 @@ class EngineProcess:
         self._progress = ctx.RawValue("q", 0)
         self._proc = ctx.Process(target=child_main, name="rollout-engine", daemon=True,
                                  args=(self._factory, child_conn, self._log_level, sys.getswitchinterval(),
-                                       self._progress))
+                                       self._progress, self.weight_arena))
         ready = self._pending[READY] = self._loop.create_future()
         self._proc.start()
         child_conn.close()
@@ -136,9 +141,16 @@ class EngineProcess:
                 return fut
         return self._command("abort", request_id, reason, key)
 
-    async def update_weights(self, state: dict, draft_state: dict | None) -> int:
-        """Validates in the child, resolves with the new policy_version once applied there."""
-        return await self._command("weights", state, draft_state, send_in_thread=True)
+    async def update_weights(self, job) -> WeightsApplied:
+        """Stages `job` in the child, resolves once it is applied there (EngineLoop.update_weights)."""
+        return await self._command("weights", job)
+
+    def withdraw_weights(self, token: str) -> asyncio.Future:
+        return self._command("withdraw", token)
+
+    async def aside(self, fn: Callable[[Any, EngineSide], Any]) -> Any:
+        """fn(engine, side) on a worker thread of the child; fn must be picklable."""
+        return await self._command("aside", fn)
 
     def num_requests(self) -> int:
         return len(self._admitted)
@@ -154,19 +166,14 @@ class EngineProcess:
 
     # -- parent side ---------------------------------------------------------------------------
 
-    def _command(self, op: str, *args, send_in_thread: bool = False) -> asyncio.Future:
+    def _command(self, op: str, *args) -> asyncio.Future:
         fut = self._loop.create_future()
         if self._dead is not None:
             fut.set_exception(self._dead)
             return fut
         cmd_id = next(self._ids)
         self._pending[cmd_id] = fut
-        message = (op, cmd_id, *args)
-        if send_in_thread:  # a large message (weights) must not hold the event loop while it is written
-            task = self._loop.create_task(asyncio.to_thread(self._send, [message]))
-            task.add_done_callback(lambda t: self._settle(cmd_id, None, _send_error(t)) if _send_error(t) else None)
-        else:  # one pickle and one write per event-loop iteration (a burst of Generate calls)
-            self._outbox.post(message)
+        self._outbox.post((op, cmd_id, *args))  # one pickle and one write per event-loop iteration
         return fut
 
     def _unsent(self, message: tuple, exc: Exception) -> None:
@@ -236,10 +243,3 @@ class EngineProcess:
             sink(Delivery([], done=True, error=Unavailable(f"request {request_id}: {error}")))
         if self.on_death is not None and not self._stopping:
             self.on_death()
-
-
-def _send_error(task: asyncio.Task) -> BaseException | None:
-    """Why a threaded send failed (None if it did not)."""
-    if task.cancelled():
-        return asyncio.CancelledError()
-    return task.exception()

@@ -1,7 +1,8 @@
 """What gRPC health says about the server, and the watchdog that notices a stalled engine.
 
 `Health` is SERVING from the start; NOT_SERVING for good once the engine process has died or the
-server drains; and NOT_SERVING while the engine is stalled. `Watchdog` decides the last one: when
+server drains; NOT_SERVING while the engine is stalled; and, for the Rollout service alone, while
+the engine's device memory is released for a trainer (ReleaseMemory). `Watchdog` decides the last one: when
 requests are in flight but the engine loop has not gone round (no step, no command) for longer
 than `bound_s` seconds (a frozen or wedged engine, e.g. a stopped engine process), the server is
 stalled; as soon as the loop moves again it serves again. A fleet (trainer_client.fleet) routes
@@ -24,26 +25,41 @@ from rollout.server.wire import SERVICE_NAME
 
 
 class Health:
-    """The health servicer's status for the whole server ("") and the Rollout service."""
+    """The health servicer's status for the whole server ("") and the Rollout service: both
+    NOT_SERVING once the engine died and while it is stalled; the Rollout service alone NOT_SERVING
+    while the engine's device memory is released (ReleaseMemory: the server is up, its engine is
+    not generating)."""
 
     def __init__(self, servicer: health.aio.HealthServicer):
         self.servicer = servicer
         self.dead = False
+        self.stalled = False
+        self.released = False
 
     async def serving(self, serving: bool) -> None:
-        if serving and self.dead:
-            return
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.servicer.set(name, status)
+        self.stalled = not serving
+        await self._publish()
+
+    async def memory_released(self, released: bool) -> None:
+        self.released = released
+        await self._publish()
 
     async def engine_died(self) -> None:
         self.dead = True
-        await self.serving(False)
+        await self._publish()
+
+    async def _publish(self) -> None:
+        up = not (self.dead or self.stalled)
+        await self.servicer.set("", _status(up))
+        await self.servicer.set(SERVICE_NAME, _status(up and not self.released))
 
     async def shutting_down(self) -> None:
         """NOT_SERVING, and every later change ignored (grpc's graceful shutdown)."""
         await self.servicer.enter_graceful_shutdown()
+
+
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class EngineActivity(Protocol):
@@ -66,7 +82,8 @@ class Watchdog:
         """One look: False when the engine has just been found stalled, True when a stalled engine
         has just moved again, None when nothing changed."""
         now, progress = self.clock(), self.engine.progress()
-        if progress != self.last_progress or not self.engine.num_requests():
+        # (requests held while the memory is released wait for ResumeMemory, not for a stalled engine)
+        if progress != self.last_progress or not self.engine.num_requests() or self.health.released:
             self.last_progress, self.since = progress, now
             if self.stalled:
                 self.stalled = False

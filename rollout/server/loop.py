@@ -13,9 +13,10 @@ of commands and per step: each wake-up of the loop is a socket write that lets g
 and getting it back while the event loop runs costs the engine thread up to the interpreter's
 switch interval.
 
-Weight updates follow the engine's drain policy: `update_weights` validates synchronously,
-then the engine applies it at a step boundary once running samples have finished; the caller's
-future resolves with the new `policy_version` after that.
+Weight updates follow the engine's drain policy: `update_weights` stages and checks a weight job
+on a worker thread while the engine keeps stepping (rollout.server.weight_jobs), then submits it;
+the engine applies it at a step boundary once running samples have finished, and the caller's
+future resolves with the new `policy_version` after that. `withdraw_weights` drops it until then.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import dataclasses
 import logging
 import queue
 import threading
@@ -37,6 +39,7 @@ from rollout.server.convert import GenerateCall
 from rollout.server.engine_stats import EngineStats, StatsSnapshot
 from rollout.server.logs import elapsed_ms, log_event
 from rollout.server.outbox import Outbox
+from rollout.server.weight_jobs import EngineSide, WeightsApplied
 
 
 @dataclass
@@ -63,10 +66,11 @@ class EngineLoop:
     """Owns the engine built by `engine_factory` on its own thread (see module docstring)."""
 
     def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, thread: bool = True,
-                 progress: ctypes.c_int64 | None = None):
+                 progress: ctypes.c_int64 | None = None, side: EngineSide | None = None):
         """`thread=False`: no thread of its own; whoever owns the engine calls `run()` (an engine
         process runs it on its main thread, see rollout.server.engine_process). `progress`: the
-        counter to tick (an engine process passes one in shared memory)."""
+        counter to tick (an engine process passes one in shared memory). `side`: the weight jobs'
+        state of this process (an engine process passes the arena it got from the server)."""
         self._factory = engine_factory
         self._progress = progress if progress is not None else ctypes.c_int64(0)
         self._loop = loop
@@ -74,7 +78,8 @@ class EngineLoop:
         # what the engine thread hands back, run on the event loop in order
         self._outbox: Outbox[Callable[[], None]] = Outbox(lambda calls: loop.call_soon_threadsafe(_run_all, calls))
         self._routes: dict[str, _Route] = {}
-        self._weight_waiters: list[asyncio.Future] = []
+        self._weight_waiters: list[tuple[str, asyncio.Future, WeightsApplied]] = []
+        self.side = side or EngineSide()
         self._stopping = False
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._finished: concurrent.futures.Future = concurrent.futures.Future()
@@ -113,11 +118,30 @@ class EngineLoop:
         request admitted with that sink is aborted (a handler cleaning up after itself)."""
         return self.call(lambda engine: self._abort(engine, request_id, reason, sink))
 
-    async def update_weights(self, state: dict, draft_state: dict | None) -> int:
-        """Validates now, resolves with the new policy_version once the update is applied."""
+    @property
+    def weight_arena(self):
+        return self.side.arena
+
+    async def update_weights(self, job) -> WeightsApplied:
+        """Stages `job` (`job.stage(engine, side)`) on a worker thread while the engine keeps stepping,
+        then submits it; resolves once it is applied (see the module docstring)."""
+        start = time.perf_counter()
+        stage = await asyncio.to_thread(job.stage, self.engine, self.side)
+        summary = WeightsApplied(0, stage.count(False), stage.count(True), time.perf_counter() - start)
         fut = self._loop.create_future()
-        self._commands.put((lambda engine: self._update(engine, state, draft_state, fut), None))
-        return await fut
+        self._commands.put((lambda engine: self._update(engine, stage, job, summary, fut), None))
+        try:
+            return await fut
+        finally:
+            stage.close()  # applied, refused or withdrawn: nothing reads the stage any more
+
+    def withdraw_weights(self, token: str) -> asyncio.Future:
+        """Drops the update staged with `token` unless it has applied (its caller went away)."""
+        return self.call(lambda engine: self._withdraw(engine, token))
+
+    async def aside(self, fn: Callable[[Any, EngineSide], Any]) -> Any:
+        """fn(engine, side) on a worker thread (weight groups: it may block on other processes)."""
+        return await asyncio.to_thread(fn, self.engine, self.side)
 
     def num_requests(self) -> int:
         return len(self._routes)
@@ -165,7 +189,7 @@ class EngineLoop:
             self._progress.value += 1
         for request_id in list(self._routes):
             self._abort(self.engine, request_id, "server stopped")
-        for fut in self._weight_waiters:
+        for _, fut, _ in self._weight_waiters:
             self._resolve(fut, error=FailedPrecondition("weights: the server stopped before the update applied"))
         self._refuse_late_commands()
         self._send_outbox()
@@ -309,19 +333,33 @@ class EngineLoop:
         for request_id in list(self._routes):
             self._fail(request_id, error)
 
-    def _update(self, engine: Any, state: dict, draft_state: dict | None, fut: asyncio.Future) -> None:
+    def _update(self, engine: Any, stage, job, summary: WeightsApplied, fut: asyncio.Future) -> None:
         try:
-            engine.update_weights(state, draft_state)
+            version = engine.weights.submit(stage, job.token, job.update_id)
         except BaseException as exc:
             self._resolve(fut, error=exc)
             return
-        self._weight_waiters.append(fut)
+        if version is not None:  # this update_id was applied before: nothing changes
+            self._resolve(fut, WeightsApplied(version, repeated=True))
+            return
+        self._weight_waiters.append((job.token, fut, summary))
         self._settle_weight_updates()
+
+    def _withdraw(self, engine: Any, token: str) -> bool:
+        if not engine.weights.withdraw(token):
+            return False
+        error = FailedPrecondition("weights: withdrawn, its caller went away before it applied")
+        for _, fut, _ in [w for w in self._weight_waiters if w[0] == token]:
+            self._resolve(fut, error=error)
+        self._weight_waiters = [w for w in self._weight_waiters if w[0] != token]
+        log_event("weights_withdrawn", logging.WARNING, policy_version=engine.policy_version)
+        return True
 
     def _settle_weight_updates(self) -> None:
         if self._weight_waiters and not self.engine.weight_update_pending():
-            for fut in self._weight_waiters:
-                self._resolve(fut, self.engine.policy_version)
+            version, pause = self.engine.policy_version, self.engine.weights.pause_seconds
+            for _, fut, summary in self._weight_waiters:
+                self._resolve(fut, dataclasses.replace(summary, policy_version=version, pause_seconds=pause))
             self._weight_waiters.clear()
 
 

@@ -31,8 +31,9 @@ from rollout.server.convert import GenerateCall, StreamEncoder, server_info_mess
 from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop, discard
+from rollout.server.memory_service import MemoryService
 from rollout.server.status import to_status
-from rollout.server.weights import assemble
+from rollout.server.weight_service import WeightService
 from rollout.server.wire import parse_request
 
 
@@ -82,6 +83,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.identity = identity
         self.admission = admission
         self.flush = flush
+        self.weights = WeightService(engine_loop)
+        self.memory = MemoryService(engine_loop)
         self._encoders: dict[tuple[str, int | None], StreamEncoder] = {}
 
     def encoder(self, call: GenerateCall) -> StreamEncoder:
@@ -173,12 +176,33 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             return server_info_message(info, kv_blocks, self.identity.drafter, self.identity.instance_id)
 
     async def UpdateWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
+        """Its chunks arrive as rollout.weight_wire.WirePiece (see rollout.server.weight_service)."""
         async with status_on_error(context, "UpdateWeights"):
-            chunks = [chunk async for chunk in request_iterator]
-            state, draft_state = await asyncio.to_thread(assemble, chunks)
-            log_event("weights_received", tensors=len(state), draft_tensors=len(draft_state or {}))
-            version = await self.engine_loop.update_weights(state, draft_state)
-            log_event("weights_applied", policy_version=version)
-            return pb.UpdateWeightsResponse(
-                policy_version=version, num_tensors=len(state), num_draft_tensors=len(draft_state or {})
-            )
+            return await self.weights.update(request_iterator)
+
+    async def UpdateWeightsShared(self, data: bytes, context) -> pb.UpdateWeightsResponse:
+        async with status_on_error(context, "UpdateWeightsShared"):
+            return await self.weights.update_shared(parse_request(pb.SharedWeights, data))
+
+    async def JoinWeightGroup(self, data: bytes, context) -> pb.JoinWeightGroupResponse:
+        async with status_on_error(context, "JoinWeightGroup"):
+            await self.weights.join_group(parse_request(pb.JoinWeightGroupRequest, data))
+            return pb.JoinWeightGroupResponse()
+
+    async def LeaveWeightGroup(self, data: bytes, context) -> pb.LeaveWeightGroupResponse:
+        async with status_on_error(context, "LeaveWeightGroup"):
+            await self.weights.leave_group(parse_request(pb.LeaveWeightGroupRequest, data))
+            return pb.LeaveWeightGroupResponse()
+
+    async def UpdateWeightsBroadcast(self, data: bytes, context) -> pb.UpdateWeightsResponse:
+        async with status_on_error(context, "UpdateWeightsBroadcast"):
+            return await self.weights.update_broadcast(parse_request(pb.BroadcastWeights, data))
+
+    async def ReleaseMemory(self, data: bytes, context) -> pb.MemoryState:
+        async with status_on_error(context, "ReleaseMemory"):
+            return await self.memory.release(parse_request(pb.ReleaseMemoryRequest, data))
+
+    async def ResumeMemory(self, data: bytes, context) -> pb.MemoryState:
+        async with status_on_error(context, "ResumeMemory"):
+            parse_request(pb.ResumeMemoryRequest, data)
+            return await self.memory.resume()

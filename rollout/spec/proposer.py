@@ -81,6 +81,9 @@ class BlockDrafter(Drafter):
         for (k, v), (k_cache, v_cache) in zip(self.model.context_kv(ctx, meta.positions), self.caches):
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
+    def free(self) -> None:
+        self.caches, self.graphs = [], None
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         copy_blocks(self.caches, pairs)
 

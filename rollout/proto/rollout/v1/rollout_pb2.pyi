@@ -126,7 +126,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total", "instance_id")
+    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total", "instance_id", "memory_released")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class ServerInfo(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RELEASED_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     spec_method: str
@@ -158,7 +159,8 @@ class ServerInfo(_message.Message):
     kv_blocks_free: int
     kv_blocks_total: int
     instance_id: str
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    memory_released: bool
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., instance_id: _Optional[str] = ..., memory_released: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -181,21 +183,159 @@ class SafetensorsPart(_message.Message):
     def __init__(self, file: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("draft", "safetensors", "tensor")
+    __slots__ = ("draft", "safetensors", "tensor", "update_id")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     draft: bool
     safetensors: SafetensorsPart
     tensor: Tensor
-    def __init__(self, draft: _Optional[bool] = ..., safetensors: _Optional[_Union[SafetensorsPart, _Mapping]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    update_id: str
+    def __init__(self, draft: _Optional[bool] = ..., safetensors: _Optional[_Union[SafetensorsPart, _Mapping]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "num_tensors", "num_draft_tensors")
+    __slots__ = ("policy_version", "num_tensors", "num_draft_tensors", "stage_seconds", "pause_seconds", "repeated")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     num_tensors: int
     num_draft_tensors: int
-    def __init__(self, policy_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_draft_tensors: _Optional[int] = ...) -> None: ...
+    stage_seconds: float
+    pause_seconds: float
+    repeated: bool
+    def __init__(self, policy_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_draft_tensors: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ..., repeated: _Optional[bool] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "draft")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    draft: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., draft: _Optional[bool] = ...) -> None: ...
+
+class SharedFile(_message.Message):
+    __slots__ = ("path", "offset")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CudaIpcTensor(_message.Message):
+    __slots__ = ("device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offset", "stride")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., stride: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("meta", "file", "cuda")
+    META_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    meta: TensorMeta
+    file: SharedFile
+    cuda: CudaIpcTensor
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., file: _Optional[_Union[SharedFile, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcTensor, _Mapping]] = ...) -> None: ...
+
+class SharedWeights(_message.Message):
+    __slots__ = ("tensors", "update_id")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    update_id: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class JoinWeightGroupRequest(_message.Message):
+    __slots__ = ("group", "init_method", "world_size", "rank", "backend", "timeout_s")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    init_method: str
+    world_size: int
+    rank: int
+    backend: str
+    timeout_s: float
+    def __init__(self, group: _Optional[str] = ..., init_method: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class JoinWeightGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveWeightGroupRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class LeaveWeightGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BroadcastWeights(_message.Message):
+    __slots__ = ("group", "tensors", "bucket_bytes", "update_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    bucket_bytes: int
+    update_id: str
+    def __init__(self, group: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseMemoryRequest(_message.Message):
+    __slots__ = ("weights", "hold_requests")
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    weights: bool
+    hold_requests: bool
+    def __init__(self, weights: _Optional[bool] = ..., hold_requests: _Optional[bool] = ...) -> None: ...
+
+class ResumeMemoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemoryState(_message.Message):
+    __slots__ = ("released", "weights_offloaded", "bytes", "device_free_bytes", "seconds")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    weights_offloaded: bool
+    bytes: int
+    device_free_bytes: int
+    seconds: float
+    def __init__(self, released: _Optional[bool] = ..., weights_offloaded: _Optional[bool] = ..., bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -54,6 +54,36 @@ class RolloutStub:
                 request_serializer=rollout_dot_v1_dot_rollout__pb2.WeightChunk.SerializeToString,
                 response_deserializer=rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsShared = channel.unary_unary(
+                '/rollout.v1.Rollout/UpdateWeightsShared',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.SharedWeights.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.JoinWeightGroup = channel.unary_unary(
+                '/rollout.v1.Rollout/JoinWeightGroup',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.JoinWeightGroupRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.JoinWeightGroupResponse.FromString,
+                _registered_method=True)
+        self.LeaveWeightGroup = channel.unary_unary(
+                '/rollout.v1.Rollout/LeaveWeightGroup',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.LeaveWeightGroupRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.LeaveWeightGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsBroadcast = channel.unary_unary(
+                '/rollout.v1.Rollout/UpdateWeightsBroadcast',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.BroadcastWeights.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseMemory = channel.unary_unary(
+                '/rollout.v1.Rollout/ReleaseMemory',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.MemoryState.FromString,
+                _registered_method=True)
+        self.ResumeMemory = channel.unary_unary(
+                '/rollout.v1.Rollout/ResumeMemory',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.MemoryState.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -85,7 +115,61 @@ class RolloutServicer:
         and dtype before anything changes. The update is applied once the running samples have
         drained (admission pauses meanwhile), so no sample mixes two versions; the response comes
         after it is applied and carries the new policy_version.
+
+        Tensors are checked from the first piece of each that arrives (an unknown name, a wrong shape
+        or a non-floating dtype fails before its bytes are held) and land in a staging buffer while
+        the engine keeps generating on the old weights; values that are not finite, or a tied alias
+        (lm_head.weight of a tied model) that differs from the tensor it shares, are refused by name.
+        Only the swap waits for the drain. An update whose caller goes away (cancel, deadline)
+        before it is applied is withdrawn; a repeat of an applied update_id is not applied again.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsShared(self, request, context):
+        """Same-host update, no bytes through gRPC: the tensors are /dev/shm files or CUDA IPC handles
+        that the caller keeps alive until the reply. Same checks and semantics as UpdateWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinWeightGroup(self, request, context):
+        """Joins (or leaves) a torch.distributed group (gloo or NCCL) whose rank 0 is the trainer; the
+        reply comes once every rank has joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveWeightGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsBroadcast(self, request, context):
+        """Update whose tensor bytes come by broadcast from rank 0 of a joined group, in buckets (see
+        BroadcastWeights). Same checks and semantics as UpdateWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseMemory(self, request, context):
+        """Between rollouts: frees the KV cache and CUDA graphs (and, with `weights`, moves the weights
+        to host memory) for a colocated trainer; ResumeMemory brings them back. While released,
+        Generate fails with UNAVAILABLE, or waits for ResumeMemory if released with hold_requests.
+        ResumeMemory without room on the device (the trainer still holds it) is RESOURCE_EXHAUSTED
+        and leaves the memory released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -112,6 +196,36 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=rollout_dot_v1_dot_rollout__pb2.WeightChunk.FromString,
                     response_serializer=rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsShared,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.SharedWeights.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'JoinWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWeightGroup,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.JoinWeightGroupRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.JoinWeightGroupResponse.SerializeToString,
+            ),
+            'LeaveWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveWeightGroup,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.LeaveWeightGroupRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.LeaveWeightGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsBroadcast': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsBroadcast,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.BroadcastWeights.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemory,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.ReleaseMemoryRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.MemoryState.SerializeToString,
+            ),
+            'ResumeMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemory,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.ResumeMemoryRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.MemoryState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +336,168 @@ class Rollout:
             '/rollout.v1.Rollout/UpdateWeights',
             rollout_dot_v1_dot_rollout__pb2.WeightChunk.SerializeToString,
             rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.Rollout/UpdateWeightsShared',
+            rollout_dot_v1_dot_rollout__pb2.SharedWeights.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.Rollout/JoinWeightGroup',
+            rollout_dot_v1_dot_rollout__pb2.JoinWeightGroupRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.JoinWeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.Rollout/LeaveWeightGroup',
+            rollout_dot_v1_dot_rollout__pb2.LeaveWeightGroupRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.LeaveWeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsBroadcast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.Rollout/UpdateWeightsBroadcast',
+            rollout_dot_v1_dot_rollout__pb2.BroadcastWeights.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.Rollout/ReleaseMemory',
+            rollout_dot_v1_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.MemoryState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.Rollout/ResumeMemory',
+            rollout_dot_v1_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.MemoryState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,89 @@
+"""The trainer's side of UpdateWeights: a state dict or safetensors files as a stream of
+WeightChunk pieces whose bytes are views of the tensors' (or files') own memory.
+
+A contiguous CPU tensor is sent from its storage (a memoryview, no copy before the one join that
+builds each message); a CUDA tensor is copied once, piece by piece, into a pinned host buffer;
+a safetensors file is mapped, not read. Pieces are `WEIGHT_PIECE_BYTES` long: below glibc's
+largest mmap threshold (32 MiB), so the messages gRPC allocates for them on both sides reuse
+warm heap memory instead of mapping fresh pages for each (measured: 64 MiB pieces moved a third
+of the bytes per second of 16 MiB ones over loopback).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from rollout.engine.weight_specs import dtype_name
+from rollout.errors import InvalidArgument
+from rollout.weight_wire import EncodedPiece, file_piece, tensor_piece
+
+WEIGHT_PIECE_BYTES = 16 << 20
+Weights = Mapping[str, torch.Tensor] | str | Path
+
+
+def weight_pieces(weights: Weights | None, draft: bool = False, draft_weights: Weights | None = None,
+                  update_id: str = "", piece_bytes: int = WEIGHT_PIECE_BYTES) -> Iterator[EncodedPiece]:  # fmt: skip
+    """The UpdateWeights stream: `weights` for the target (or the drafter if `draft`), then
+    `draft_weights` for the drafter. Paths are checked now (InvalidArgument); tensors and files
+    are read lazily, as gRPC asks for the next piece."""
+    if piece_bytes < 1:
+        raise InvalidArgument("piece_bytes", f"must be >= 1, got {piece_bytes}")
+    sources: list[Callable[[], Iterator[EncodedPiece]]] = []
+    for source, to_draft in ((weights, draft), (draft_weights, True)):
+        if isinstance(source, str | Path):
+            files = enumerate(safetensors_files(Path(source)))
+            sources += [partial(_file_pieces, i, file, to_draft, update_id, piece_bytes) for i, file in files]
+        elif source is not None:
+            sources += [partial(_tensor_pieces, name, tensor, to_draft, update_id, piece_bytes)
+                        for name, tensor in source.items()]  # fmt: skip
+    return itertools.chain.from_iterable(source() for source in sources)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files a weights path names: the file itself, or a directory's *.safetensors
+    in name order. Raises InvalidArgument("weights") when there are none."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise InvalidArgument("weights", f"{path} is neither a .safetensors file nor a directory holding some")
+    return files
+
+
+def _file_pieces(index: int, file: Path, draft: bool, update_id: str, piece_bytes: int) -> Iterator[EncodedPiece]:
+    with open(file, "rb") as f:
+        size = f.seek(0, 2)
+        data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
+    for start in range(0, max(size, 1), piece_bytes):
+        yield file_piece(index, data[start : start + piece_bytes], draft, update_id)
+
+
+def _tensor_pieces(name: str, tensor: torch.Tensor, draft: bool, update_id: str,
+                   piece_bytes: int) -> Iterator[EncodedPiece]:  # fmt: skip
+    tensor = tensor.detach()
+    dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+    views = _cuda_views(flat, piece_bytes) if flat.is_cuda else _host_views(flat, piece_bytes)
+    for data in views:
+        yield tensor_piece(name, dtype, shape, data, draft, update_id)
+
+
+def _host_views(flat: torch.Tensor, piece_bytes: int) -> Iterator[memoryview]:
+    data = memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+    for start in range(0, max(len(data), 1), piece_bytes):
+        yield data[start : start + piece_bytes]
+
+
+def _cuda_views(flat: torch.Tensor, piece_bytes: int) -> Iterator[memoryview]:
+    """Pieces of a CUDA tensor through one pinned buffer: gRPC serialises (copies) a piece before
+    it asks for the next, so the buffer is reused."""
+    pinned = torch.empty(min(piece_bytes, flat.numel()), dtype=torch.uint8, pin_memory=True)
+    view = memoryview(pinned.numpy())
+    for start in range(0, max(flat.numel(), 1), piece_bytes):
+        size = min(piece_bytes, flat.numel() - start)
+        pinned[:size].copy_(flat[start : start + size])
+        yield view[:size]
