@@ -27,6 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=("none", "dflash", "dspark"), default="none")
     p.add_argument("--spec-block-size", type=int, default=None)
     p.add_argument("--spec-confidence-threshold", type=float, default=0.0)
+    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="verify per step only the drafts expected to pay, from measured acceptance and step "
+                        "costs (--no-spec-adaptive: always full draft blocks)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")

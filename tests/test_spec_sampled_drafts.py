@@ -40,7 +40,7 @@ BLOCK = 3  # two drafts per block: the second and third tokens
 def engine(request) -> LLMEngine:
     return LLMEngine(EngineConfig(spec=request.param, spec_block_size=BLOCK, block_size=4,
                                   num_kv_blocks=3 * NUM_SAMPLES, max_num_seqs=NUM_SAMPLES,
-                                  max_num_batched_tokens=BLOCK * NUM_SAMPLES))
+                                  max_num_batched_tokens=BLOCK * NUM_SAMPLES, spec_adaptive=False))
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,8 @@ class EngineConfig:
     spec: str = "none"
     spec_block_size: int | None = None
     spec_confidence_threshold: float = 0.0
+    # per step, verify only the drafts expected to pay (spec_budget.py); False: always full blocks
+    spec_adaptive: bool = True
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None

@@ -2,6 +2,10 @@
 
     schedule -> draft -> forward -> policy -> verify -> capture -> (last step's masks) -> sync -> commit/emit
 
+With a drafter, the schedule's draft budget (spec_budget.py, `--spec-adaptive`) decides each step
+how many drafts of each sample to verify, from the acceptance each sample has shown and what steps
+cost here (step_cost.py: profiled at startup, then each step's wall time).
+
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and
 draft blocks mixed), one Contract-1 policy over the rows that sample, one verification, one
 host synchronisation. The engine is single-threaded: the server calls it from one loop.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import torch
 
@@ -28,6 +33,8 @@ from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.rows import build_row_params
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
+from rollout.engine.spec_budget import SpecBudget
+from rollout.engine.step_cost import StepCost, profile_step_cost
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import InvalidArgument
 from rollout.masks.capture import MaskCapture
@@ -38,8 +45,9 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, drafter: Drafter | None = None):
-        """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names."""
+    def __init__(self, config: EngineConfig, drafter: Drafter | None = None, step_cost: StepCost | None = None):
+        """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names; `step_cost`
+        gives the draft budget its cost model instead of the startup profile (tests)."""
         self.config = config
         self.device = torch.device(config.device)
         self.loaded = load_model(config.model_path, self.device, load_format=config.load_format)
@@ -64,9 +72,6 @@ class LLMEngine:
         limits = [config.max_model_len or self.loaded.config.max_position_embeddings,
                   (num_blocks - 1) * config.block_size, self.drafter and self.drafter.max_model_len()]
         self.max_model_len = min(x for x in limits if x)
-        num_spec = self.drafter.num_spec if self.drafter else 0
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   num_spec)
         self.intake = Intake(self, random.Random())
         self.capture = MaskCapture()
         self.weights = WeightUpdater(self)
@@ -77,6 +82,10 @@ class LLMEngine:
         self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
         use_graphs = self.device.type == "cuda" and config.cuda_graphs
         self.graphs = self.make_step_graphs(capture=True) if use_graphs else None
+        self._graphed = False  # the last target forward replayed a CUDA graph
+        self.spec_budget = self._spec_budget(step_cost) if self.drafter and config.spec_adaptive else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.drafter.num_spec if self.drafter else 0, self.spec_budget)
 
     # -- public API (see rollout.server) --------------------------------------------------
 
@@ -130,6 +139,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SampleOutput]:
+        start = time.perf_counter()
         self.weights.apply_if_drained()
         plan = self.scheduler.schedule()
         if not plan:
@@ -144,7 +154,11 @@ class LLMEngine:
         masks = None if captured is None else self.capture.to_host(captured)
         self.committer.hand_over_masks()  # the last step's masks, while the device computes this step
         host = _to_host(result, masks)
-        return self.committer.commit(step, host, captured)
+        outputs = self.committer.commit(step, host, captured)
+        if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
+            self.spec_budget.record(step, host[2] if host else None, time.perf_counter() - start,
+                                    self._graphed)
+        return outputs
 
     def _draft(self, plan, table) -> Drafts:
         if self.drafter is None:
@@ -166,12 +180,14 @@ class LLMEngine:
 
     def _forward(self, input_ids: torch.Tensor, meta):
         key = self.graphs.key(meta) if self.graphs is not None else None
+        self._graphed = key is not None
         if key is not None:
             try:
                 return self.graphs.run(key, input_ids, meta)
             except RuntimeError as e:  # a capture the backend refuses: stay correct, run eagerly
                 log.warning("CUDA graph capture failed (%s); running eagerly from now on", e)
                 self.graphs = None
+                self._graphed = False
         return self._target_forward(input_ids, meta)
 
     def _target_forward(self, input_ids: torch.Tensor, meta):
@@ -194,6 +210,27 @@ class LLMEngine:
         return StepGraphs(forward, scratch_block=self.block_manager.num_blocks, block_size=self.config.block_size,
                           max_blocks_per_seq=max_blocks, max_q=max_q, device=self.device, capture=capture,
                           max_batch=max_batch, prefix_planner=self.prefix_planner)
+
+    def _spec_budget(self, step_cost: StepCost | None) -> SpecBudget:
+        """The draft budget, its cost model profiled here unless given (a few seconds at most on a
+        GPU, half a second on CPU)."""
+        num_spec = self.drafter.num_spec
+        if step_cost is None:
+            draft = getattr(self.drafter, "profile_forward", None)
+            scratch, block_size = self.block_manager.num_blocks, self.config.block_size
+            with torch.inference_mode():
+                step_cost = profile_step_cost(
+                    self._target_forward, self.model.compute_logits, self.graphs,
+                    draft and (lambda rows: draft(rows, scratch, block_size)), num_spec + 1, scratch, block_size,
+                    self.device, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                    max_seconds=3.0 if self.device.type == "cuda" else 0.5)
+            log.info("step cost profile: %s", step_cost.describe())
+        max_graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
+        return SpecBudget(num_spec, step_cost, self.graphs is not None, max_graph_rows)
+
+    def spec_budget_summary(self) -> dict | None:
+        """The draft budget's summary since the last call (server logs), None without one."""
+        return self.spec_budget.summary() if self.spec_budget is not None else None
 
     def _copy_pending_blocks(self) -> None:
         if not self.pending_copies:

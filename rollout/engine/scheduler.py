@@ -7,6 +7,10 @@ once caught up but for its last token, by that token plus up to `num_spec` draft
 (a decode / verify step). Admission needs free KV blocks; when blocks run out the most
 recently admitted sequence is preempted (blocks freed, recomputed later), so the oldest
 work always progresses and nothing deadlocks.
+
+How many drafts a decode step verifies is the draft budget's (`draft_budget`, spec_budget.py:
+per-sample caps chosen once per step from measured acceptance and step costs); without one,
+full blocks.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_spec: int = 0):
+                 num_spec: int = 0, draft_budget=None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec = num_spec
+        self.draft_budget = draft_budget  # a SpecBudget, or None: full blocks
+        self._draft_caps: dict[Sequence, int] | None = None  # this step's, from draft_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admission_paused = False
@@ -60,6 +66,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         self._fork_blocks = 0
+        if self.draft_budget is not None and self.num_spec:
+            admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
+            self._draft_caps = self.draft_budget.caps(self.running, admits, budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -107,7 +116,8 @@ class Scheduler:
             return ScheduledSeq(seq, min(behind, budget))
         if not self.num_spec:
             return ScheduledSeq(seq, 1)
-        num_draft = max(0, min(self.num_spec, seq.remaining_tokens - 1, budget - 1))
+        cap = self.num_spec if self._draft_caps is None else self._draft_caps.get(seq, 0)
+        num_draft = max(0, min(cap, seq.remaining_tokens - 1, budget - 1))
         return ScheduledSeq(seq, 1, num_draft)
 
     def _reserve(self, item: ScheduledSeq) -> bool:

@@ -17,6 +17,7 @@ block's context stops before its anchor) and are overwritten when that position 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,7 @@ from rollout.engine.sampler import PURPOSE_DRAFT, draw_index, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
 from rollout.engine.truncation import chunk_rows, logsumexp_rows
-from rollout.spec.draft_graphs import DraftGraphs
+from rollout.spec.draft_graphs import MIN_CONTEXT_BUCKET, DraftGraphs
 from rollout.spec.draft_model import DraftModel
 from rollout.spec.verify import Proposal
 
@@ -71,6 +72,12 @@ class Drafter(ABC):
                    capture: bool) -> None:
         """Replay the drafter's forward as CUDA graphs (`capture=False`: the same static-buffer
         path eagerly, for tests). Optional: a drafter may ignore it."""
+        return None
+
+    def profile_forward(self, rows: int, scratch_block: int, block_size: int) -> Callable[[], object] | None:
+        """A thunk that drafts for `rows` samples whose context is the scratch block, as one proposal
+        does, for the draft budget's startup profile (rollout.engine.step_cost); None: drafting
+        costs nothing worth measuring. Optional."""
         return None
 
 
@@ -121,6 +128,20 @@ class BlockDrafter(Drafter):
                    capture: bool) -> None:
         self.graphs = DraftGraphs(self._block_forward, max_batch, max_blocks_per_seq, block_size, scratch_block,
                                   self.device, capture)
+
+    def profile_forward(self, rows: int, scratch_block: int, block_size: int) -> Callable[[], object]:
+        ctx = MIN_CONTEXT_BUCKET
+        kw = dict(dtype=torch.int64, device=self.device)
+        anchors, anchor_pos = torch.zeros(rows, **kw), torch.full((rows,), ctx, **kw)  # [S], [S]
+        table = torch.full((rows, -(-(ctx + self.block) // block_size)), scratch_block, **kw)  # [S, W]
+        key = self.graphs.key(rows, ctx) if self.graphs is not None else None
+
+        def run():
+            if key is not None:
+                return self.graphs.run(key, anchors, anchor_pos, table)[1].argmax(dim=-1)
+            return self._block_forward(anchors, anchor_pos, table, ctx)[1].argmax(dim=-1)
+
+        return run
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
