@@ -33,6 +33,7 @@ from collections import Counter
 import pytest
 import torch
 from host_waits import HostWaits
+from spec_helpers import cost_table
 
 import rollout.engine.engine as engine_mod
 import rollout.spec.grammar as grammar_mod
@@ -40,7 +41,6 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 from rollout.spec.grammar import GrammarSpec
-from spec_helpers import cost_table
 
 GRAMMAR_SITE = ("rollout/engine/intake.py", "grammar_bitmask")
 THRESHOLD_SITE = ("rollout/spec/proposer.py", "_lengths")

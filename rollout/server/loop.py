@@ -12,6 +12,10 @@ goes to the event loop in one `loop.call_soon_threadsafe` per batch of commands 
 each wake-up of the loop is a socket write that lets go of the GIL, and getting it back while
 the event loop runs costs the engine thread up to the interpreter's switch interval (5 ms).
 
+With a draft budget (adaptive speculation), a `spec_budget` line says every SPEC_LOG_SECONDS of
+busy time and at the end of each busy period what it chose since the last line (drafts verified per
+decode row, probes, acceptance by position and by running request, the step-cost model).
+
 Weight updates follow the engine's drain policy: `update_weights` validates synchronously,
 then the engine applies it at a step boundary once running samples have finished; the caller's
 future resolves with the new `policy_version` after that.
@@ -34,6 +38,8 @@ from rollout.engine.outputs import SampleOutput
 from rollout.errors import FailedPrecondition, Unavailable
 from rollout.server.convert import GenerateCall
 from rollout.server.logs import elapsed_ms, log_event
+
+SPEC_LOG_SECONDS = 30.0
 
 
 @dataclass
@@ -76,6 +82,7 @@ class EngineLoop:
         self._finished: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self.run, name="rollout-engine", daemon=True) if thread else None
         self._busy_period: _BusyPeriod | None = None
+        self._spec_log_at = 0.0  # perf_counter time of the next spec_budget line
         self.engine: Any = None
 
     async def start(self) -> None:
@@ -142,6 +149,7 @@ class EngineLoop:
             if not busy and self._busy_period is not None:  # idle again: one log line for the period
                 self._busy_period.log(self.engine.compiled())
                 self._busy_period = None
+                self._log_spec_budget()
             self._run_commands(block=not busy)
             if self._busy_period is None and self._busy():  # left idle (a request came in): a period begins
                 self._busy_period = _BusyPeriod(time.perf_counter(), self.engine.compiled())
@@ -225,6 +233,16 @@ class EngineLoop:
             return
         self._dispatch(finished)
         self._settle_weight_updates()
+        if time.perf_counter() >= self._spec_log_at:
+            self._log_spec_budget()
+
+    def _log_spec_budget(self) -> None:
+        """The draft budget's choices since its last line, if the engine has one and it chose any."""
+        self._spec_log_at = time.perf_counter() + SPEC_LOG_SECONDS
+        summary = getattr(self.engine, "spec_budget_summary", None)
+        fields = summary() if summary is not None else None
+        if fields and fields["steps"]:
+            log_event("spec_budget", **fields)
 
     def _dispatch(self, finished: list[SampleOutput]) -> None:
         by_request: dict[str, list[SampleOutput]] = {}
