@@ -66,6 +66,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         self._fork_blocks = 0
+        self._draft_caps = None
         if self.draft_budget is not None and self.num_spec:
             admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
             self._draft_caps = self.draft_budget.caps(self.running, admits, budget)
@@ -116,7 +117,7 @@ class Scheduler:
             return ScheduledSeq(seq, min(behind, budget))
         if not self.num_spec:
             return ScheduledSeq(seq, 1)
-        cap = self.num_spec if self._draft_caps is None else self._draft_caps.get(seq, 0)
+        cap = self.num_spec if self._draft_caps is None else min(self.num_spec, self._draft_caps.get(seq, 0))
         num_draft = max(0, min(cap, seq.remaining_tokens - 1, budget - 1))
         return ScheduledSeq(seq, 1, num_draft)
 
