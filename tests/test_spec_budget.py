@@ -8,13 +8,27 @@ learns a kind of step's wall time and stays put when frozen."""
 
 from __future__ import annotations
 
+import itertools
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 from spec_helpers import cost_table, linear_target
 
+from rollout.engine import spec_budget
 from rollout.engine.params import SamplingParams
 from rollout.engine.sequence import SeqStatus, Sequence
-from rollout.engine.spec_budget import PROBE_SHARE, AcceptanceEstimates, SpecBudget, choose_drafts
+from rollout.engine.spec_budget import (
+    PROBE_SHARE,
+    RECHOOSE_STEPS,
+    REUSE_STEPS,
+    SAMPLE_DECAY,
+    SERVER_DECAY,
+    AcceptanceEstimates,
+    SpecBudget,
+    choose_drafts,
+)
 from rollout.engine.step_cost import Curve, StepCost, TargetCost
 
 K = 7
@@ -144,6 +158,24 @@ def test_rows_of_finished_samples_are_reused():
     assert len(est.tried) == 8
 
 
+def test_a_batch_of_steps_counts_a_sample_that_comes_twice_once_per_result():
+    """Several steps' results in one observe (the budget learns in batches): a sample verified in two
+    of them keeps one row, both results count (decayed once per draft tried over the two), the
+    server-wide counts decay once per step; a finished sample counts server-wide only."""
+    est = AcceptanceEstimates(K, capacity=4)
+    a, b, done = _seq(1), _seq(2), _seq(3)
+    est.observe([a], np.array([K]), np.array([K]))  # a: all K tried and accepted
+    before, server_before = est.tried[est.rows[a]].copy(), est.server_tried.copy()
+    done.status = SeqStatus.FINISHED
+    est.observe([a, b, a, done], np.array([K, K, 3, K]), np.array([1, K, 0, 2]), steps=2)
+    assert len(est.rows) == 2 and done not in est.rows
+    tried_a = np.array([2, 1, 0, 0, 0, 0, 0])  # positions judged: 0..1 (1 accepted), then 0 (rejected)
+    np.testing.assert_allclose(est.tried[est.rows[a]], before * SAMPLE_DECAY ** tried_a + tried_a)
+    np.testing.assert_allclose(est.accepted[est.rows[a]], before * SAMPLE_DECAY ** tried_a + [1, 0, 0, 0, 0, 0, 0])
+    server_tried = tried_a + np.ones(K) + [1, 1, 1, 0, 0, 0, 0]  # a twice, b all K, done 0..2
+    np.testing.assert_allclose(est.server_tried, server_before * SERVER_DECAY ** 2 + server_tried)
+
+
 # -- probes -------------------------------------------------------------------------------------------
 
 
@@ -162,18 +194,70 @@ def test_probes_stay_within_their_share():
     assert budget.totals["probes"] == probes and 0.8 * expected <= probes <= expected + 1
 
 
+# -- the budget's cadence -------------------------------------------------------------------------------
+
+
+def _step(seqs, drafts: dict) -> SimpleNamespace:
+    """What SpecBudget.record reads of a StepBatch: a decode step of these samples."""
+    num_draft = [drafts.get(s, 0) for s in seqs]
+    meta = SimpleNamespace(slot_mapping=torch.zeros(len(seqs) + sum(num_draft)))
+    return SimpleNamespace(items=seqs, entries=seqs, num_draft=num_draft, meta=meta)
+
+
+def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
+    """caps then record, `steps` times, each draft accepted by `accept(position)`; the caps chosen."""
+    chosen = []
+    for _ in range(steps):
+        caps = budget.caps(seqs, False, 4096)
+        chosen.append(caps)
+        step = _step(seqs, caps)
+        accepted = [sum(1 for _ in itertools.takewhile(accept, range(k))) for k in step.num_draft]
+        budget.record(step, torch.tensor(accepted), 1e-3, False)
+    return chosen
+
+
+def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(monkeypatch):
+    """Full choices: every RECHOOSE_STEPS steps, at once when the batch's shape changes, every
+    REUSE_STEPS while nothing is verified; each full choice first learns every step recorded since
+    the last (each sample's results from several steps at once); in between, the last rule."""
+    full = []
+    monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(len(a[1])) or choose_drafts(*a))
+    budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5), graphs=False,
+                        max_graph_rows=0)
+    seqs = [_seq(i) for i in range(8)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    n = 4 * RECHOOSE_STEPS
+    caps = _run_steps(budget, seqs, n, accept=lambda j: j < 2)  # 2 of every block accepted
+    assert len(full) == 4 and all(c == caps[0] for c in caps[:RECHOOSE_STEPS]) and all(caps)
+    assert budget.totals["verified_rows"] == 8 * 3 * RECHOOSE_STEPS  # the last choice's steps not yet
+    row = budget.acceptance.rows[seqs[0]]
+    assert budget.acceptance.tried[row, 0] > RECHOOSE_STEPS  # more than one step's results each
+    assert budget.acceptance.of(seqs[:1])[0, 2] < 0.5  # the third draft: rejected, learned
+    _run_steps(budget, seqs[:3], 1, accept=lambda j: True)  # 8 -> 3 rows: another bucket
+    assert full == [8, 8, 8, 8, 3]
+    monkeypatch.setattr(budget, "cost", cost_table(decode_ms=1.0, token_ms=100.0, drafter_ms=100.0))
+    caps = _run_steps(budget, seqs, 1 + 2 * REUSE_STEPS, accept=lambda j: True)
+    assert not any(caps) and len(full) == 5 + 3  # none: kept for REUSE_STEPS steps
+
+
 # -- the cost model -----------------------------------------------------------------------------------
 
 
 def test_tables_interpolate_and_extrapolate():
     c = Curve((1.0, 9.0, 17.0), (1.0, 2.0, 4.0))
-    np.testing.assert_allclose(c([0, 1, 5, 17, 25]), [1.0, 1.0, 1.5, 4.0, 6.0])
+    points, values = [0, 1, 5, 17, 25], [1.0, 1.0, 1.5, 4.0, 6.0]
+    np.testing.assert_allclose(c(np.array(points, dtype=float)), values)
+    assert [c.at(x) for x in points] == pytest.approx(values)
     with pytest.raises(ValueError):
         Curve((2.0, 1.0), (1.0, 1.0))
     target = TargetCost((1, 16), (1.0, 2.0), (2.0, 6.0), q=5)  # a draft token: 0.25 (1 row), 1/16 (16 rows)
-    np.testing.assert_allclose(target(1, [1, 3, 5, 9]), [1.0, 1.5, 2.0, 3.0])
-    np.testing.assert_allclose(target(16, [16, 80]), [2.0, 6.0])
-    assert float(target(32, 32)) == pytest.approx(2.0 + 16 / 15)  # rows extrapolated
+    assert [target.at(1, t) for t in (1, 3, 5, 9)] == pytest.approx([1.0, 1.5, 2.0, 3.0])
+    assert [target.at(16, t) for t in (16, 80)] == pytest.approx([2.0, 6.0])
+    assert target.at(32, 32) == pytest.approx(2.0 + 16 / 15)  # rows extrapolated
+    cost = StepCost(target, drafter=Curve((1, 4), (0.5, 1.0)), learn=False)
+    np.testing.assert_allclose(cost.ragged_seconds(4, 4, np.array([1, 2, 4])),
+                               [cost.seconds(4, 4 + n, False, rows) for n, rows in ((1, 1), (2, 2), (3, 4))])
 
 
 def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():

@@ -5,7 +5,8 @@ expectation, a_j being the conditional acceptance of its draft j (accepted, give
 The step's time comes from the cost model (step_cost.py). The budget maximises the step's expected
 committed tokens per second over
 * no drafts at all: a plain decode step, the drafter's forward skipped;
-* uniform blocks, k drafts for every sample (k = 1..K): one CUDA graph when the step has no prefill;
+* uniform blocks, k drafts for every sample (k = 1, 3, 7, ... and K: a few graph shapes serve them,
+  each captured once): one CUDA graph when the step has no prefill;
 * ragged blocks: draft slots (sample, position) admitted best expected gain first, the step re-priced
   at every count (as an eager step: a ragged step replays no graph), keeping the count with the best
   rate (vLLM's adaptive verification).
@@ -16,7 +17,12 @@ committed tokens (DESIGN.md).
 Acceptance (`AcceptanceEstimates`): per sample and draft position, decayed counts of the drafts tried
 and accepted there (an EMA over the sample's verify steps) shrunk towards the server-wide estimate of
 that position (decayed counts over all samples, from an optimistic prior so that the first steps
-measure), updated from each step's num_accepted in its one host copy.
+measure), updated from the steps' num_accepted in their one host copy. The engine records each step
+(`SpecBudget.record`: a few list appends); the estimates and the cost model learn from the recorded
+steps when the budget next chooses in full, which it does every RECHOOSE_STEPS steps (REUSE_STEPS
+while no draft has been verified since) or when the batch's shape changes (CUDA graphs or not, the
+rows' buckets); in between, the last choice's rule (k drafts each, or the slots whose expected gain
+clears its threshold) is applied to the step's samples: a full choice costs the host ~100 us.
 
 Exploration: with no drafts verified nothing is learned, and the policy (so the drafter's acceptance)
 drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted time as credit;
@@ -31,7 +37,7 @@ import dataclasses
 import numpy as np
 
 from rollout.engine.sequence import Sequence
-from rollout.engine.step_cost import StepCost
+from rollout.engine.step_cost import StepCost, rows_bucket
 
 PRIOR = 0.8  # conditional acceptance assumed before anything is measured
 SERVER_PRIOR_WEIGHT = 4.0  # the prior's worth in drafts tried, server-wide
@@ -39,8 +45,8 @@ SERVER_DECAY = 0.97  # server-wide counts, per step that verified drafts
 PRIOR_WEIGHT = 2.0  # the server-wide estimate's worth in a sample's own drafts tried
 SAMPLE_DECAY = 0.8  # a sample's counts of one position, per draft tried there
 PROBE_SHARE = 0.01
-RECHOOSE_STEPS = 4  # steps a full choice's rule is re-applied (SpecBudget._choose)
-REUSE_STEPS = 16  # the same while no verify result comes in
+RECHOOSE_STEPS = 8  # steps a full choice's rule serves (SpecBudget._choose)
+REUSE_STEPS = 16  # the same while no draft is verified
 
 
 class AcceptanceEstimates:
@@ -65,22 +71,31 @@ class AcceptanceEstimates:
         idx = self._rows(seqs)
         return (self.accepted[idx] + PRIOR_WEIGHT * self.server_wide()) / (self.tried[idx] + PRIOR_WEIGHT)
 
-    def observe(self, seqs: list[Sequence], num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
-        """Verify results: sample i verified num_draft[i] > 0 drafts and accepted num_accepted[i]."""
+    def observe(self, seqs: list[Sequence], num_draft: np.ndarray, num_accepted: np.ndarray, steps: int = 1) -> None:
+        """Verify results of `steps` steps: entry i (a sample; one may come more than once) verified
+        num_draft[i] > 0 drafts and accepted num_accepted[i]. Within one call, a sample's results count
+        alike, as if its counts decayed once per draft tried over the lot. A finished sample's count
+        server-wide only (its row may already serve another sample)."""
         j = np.arange(self.num_spec)
-        tried = j < np.minimum(num_accepted + 1, num_draft)[:, None]  # [E, K] draft j was judged
-        accepted = j < num_accepted[:, None]  # [E, K]
-        idx = self._rows(seqs)
-        decay = np.where(tried, SAMPLE_DECAY, 1.0)
-        self.tried[idx] = self.tried[idx] * decay + tried
-        self.accepted[idx] = self.accepted[idx] * decay + accepted
-        self.server_tried = self.server_tried * SERVER_DECAY + tried.sum(axis=0)
-        self.server_accepted = self.server_accepted * SERVER_DECAY + accepted.sum(axis=0)
+        tried = (j < np.minimum(num_accepted + 1, num_draft)[:, None]).astype(np.float64)  # [E, K] judged
+        accepted = (j < num_accepted[:, None]).astype(np.float64)  # [E, K]
+        self.server_tried = self.server_tried * SERVER_DECAY ** steps + tried.sum(axis=0)
+        self.server_accepted = self.server_accepted * SERVER_DECAY ** steps + accepted.sum(axis=0)
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        rows, inverse = np.unique(self._rows([seqs[i] for i in live]), return_inverse=True)
+        n_tried, n_accepted = np.zeros((len(rows), self.num_spec)), np.zeros((len(rows), self.num_spec))
+        np.add.at(n_tried, inverse, tried[live])
+        np.add.at(n_accepted, inverse, accepted[live])
+        decay = SAMPLE_DECAY ** n_tried
+        self.tried[rows] = self.tried[rows] * decay + n_tried
+        self.accepted[rows] = self.accepted[rows] * decay + n_accepted
 
     def _rows(self, seqs: list[Sequence]) -> np.ndarray:
         rows = [self.rows.get(s, -1) for s in seqs]
         if -1 in rows:
-            rows = [r if r >= 0 else self._allocate(s) for s, r in zip(seqs, rows)]
+            for i, s in enumerate(seqs):  # (a sample may come more than once)
+                if rows[i] < 0:
+                    rows[i] = self.rows[s] if s in self.rows else self._allocate(s)
         return np.asarray(rows, dtype=np.int64)
 
     def _allocate(self, seq: Sequence) -> int:
@@ -120,22 +135,27 @@ def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int
     drafts; room: the most draft tokens it may add; graphs: a uniform step replays a CUDA graph.
     Returns the budget with the best expected committed tokens per second (ties: fewer drafts), and
     full blocks (every sample its limit; what a probe verifies)."""
-    k_max = acc.shape[1]
     gain = slot_gains(acc, limits)  # [S, K]
-    ks = np.arange(k_max + 1)  # uniform blocks of k drafts (fewer where a limit is lower), k = 0..K
-    drafts = np.minimum(limits[None, :], ks[:, None])  # [K+1, S]
-    graphed = graphs & (ks <= limits.min())  # one graph when every sample drafts k
-    seconds = cost.seconds(rows, base_tokens + drafts.sum(axis=1), graphed,
-                           np.where(ks > 0, np.count_nonzero(limits), 0))  # [K+1]
-    committed = len(limits) + np.concatenate([[0.0], np.cumsum(gain.sum(axis=0))])  # [K+1]
-    rate = np.where(drafts.sum(axis=1) <= room, committed / seconds, -1.0)  # k = 0 always fits
-    k = int(np.argmax(rate))
-    best = Budget(drafts[k], float(committed[k]), float(seconds[k]), k)
+    committed = len(limits) + np.concatenate([[0.0], np.cumsum(gain.sum(axis=0))])  # [K+1] uniform k
+    drafting, shortest = int(np.count_nonzero(limits)), int(limits.min())
+    fitting = []
+    for k in uniform_sizes(acc.shape[1]):
+        drafts = np.minimum(limits, k)
+        seconds = cost.seconds(rows, base_tokens + int(drafts.sum()), graphs and k <= shortest, drafting if k else 0)
+        full = Budget(drafts, float(committed[k]), seconds, k)
+        if int(drafts.sum()) <= room:
+            fitting.append(full)
+    best = max(fitting, key=lambda b: b.rate)  # k = 0 always fits; the first of equals
     if len(limits) > 1:  # (one sample: ragged blocks are uniform ones, eager)
         ragged = _ragged(gain, cost, rows, base_tokens, room)
         if ragged.rate > best.rate * (1 + 1e-9):
             best = ragged
-    return best, Budget(drafts[-1], float(committed[-1]), float(seconds[-1]), k_max)
+    return best, full
+
+
+def uniform_sizes(k_max: int) -> list[int]:
+    """The uniform block sizes tried: 0, then 1, 3, 7, ... below k_max, and k_max."""
+    return [0, *(k for k in (2 ** i - 1 for i in range(1, 7)) if k < k_max), k_max]
 
 
 def slot_gains(acc: np.ndarray, limits: np.ndarray) -> np.ndarray:
@@ -152,8 +172,7 @@ def _ragged(gain: np.ndarray, cost: StepCost, rows: int, base_tokens: int, room:
     if not len(order):
         return Budget(np.zeros(num, dtype=np.int64), float(num), float("inf"), 0)
     committed = num + np.cumsum(flat[order])  # [n]
-    draft_rows = np.cumsum(order < num)  # position 0 slots: a sample starts drafting
-    seconds = cost.seconds(rows, base_tokens + np.arange(1, len(order) + 1), False, draft_rows)
+    seconds = cost.ragged_seconds(rows, base_tokens, np.cumsum(order < num))  # a sample's first slot: it drafts
     n = int(np.argmax(committed / seconds))
     drafts = np.bincount(order[: n + 1] % num, minlength=num)
     return Budget(drafts, float(committed[n]), float(seconds[n]), -1, float(flat[order[n]]))
@@ -172,8 +191,9 @@ class SpecBudget:
         self.acceptance = AcceptanceEstimates(num_spec)
         self.credit = 0.0  # seconds of probing earned (see the module docstring)
         self.totals = dict.fromkeys(("steps", "decode_rows", "drafts", "probes", "verified_rows", "accepted"), 0)
-        self.observed = 0  # verify results recorded so far
-        self._key, self._last, self._age, self._observed_at = None, None, 0, 0  # the last full choice
+        self._timings: list[tuple] = []  # recorded steps' shapes and wall times, not learned from yet
+        self._verified: list[tuple] = []  # recorded steps' (entries, num_draft, num_accepted), the same
+        self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
 
     def caps(self, running: list[Sequence], admits: bool, token_budget: int) -> dict[Sequence, int]:
         """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
@@ -185,71 +205,94 @@ class SpecBudget:
                 prefill += behind
             else:
                 decode.append(seq)
-                limits.append(seq.remaining_tokens - 1)
+                limits.append(max(0, min(self.num_spec, seq.remaining_tokens - 1)))
         if not decode:
             return {}
-        limits = np.minimum(np.asarray(limits, dtype=np.int64), self.num_spec).clip(min=0)  # [S]
         base = min(token_budget, len(decode) + prefill)
         graphs = self.graphs and not prefill and not admits and len(decode) <= self.max_graph_rows
-        budget, full = self._choose(decode, limits, len(running), base, token_budget - base, graphs)
-        drafts = self._probe(budget, full, token_budget - base)
+        budget, full_seconds = self._choose(decode, limits, len(running), base, token_budget - base, graphs)
+        drafts = None if budget.k == 0 else budget.drafts  # [S]; None: a plain decode step
+        if self._probe(0 if drafts is None else int(drafts.sum()), sum(limits), budget.seconds, full_seconds,
+                       token_budget - base):
+            drafts = np.asarray(limits, dtype=np.int64)
         self.totals["steps"] += 1
         self.totals["decode_rows"] += len(decode)
+        if drafts is None:
+            return {}
         self.totals["drafts"] += int(drafts.sum())
-        return dict(zip(decode, drafts.tolist())) if drafts.any() else {}
+        return dict(zip(decode, drafts.tolist()))
 
-    def _choose(self, decode: list[Sequence], limits: np.ndarray, rows: int, base: int, room: int,
-                graphs: bool) -> tuple[Budget, Budget]:
-        """choose_drafts in full when the step's shape changes, else every RECHOOSE_STEPS steps (every
-        REUSE_STEPS while no verify result comes in); in between, the last choice's rule (k drafts
-        each, or the slots whose gain clears its threshold) applied to this step's samples: estimates
-        move slowly, and a full choice costs the host ~100 us."""
-        key = (len(decode), rows, base, room, graphs, int(limits.min()))
-        fresh = self.observed == self._observed_at
-        if key == self._key and self._age < (REUSE_STEPS if fresh else RECHOOSE_STEPS):
+    def _choose(self, decode: list[Sequence], limits: list[int], rows: int, base: int, room: int,
+                graphs: bool) -> tuple[Budget, float]:
+        """choose_drafts in full, or the last full choice's rule applied to this step's samples (see
+        the module docstring): the budget (k = 0: no drafts, its `drafts` not read) and the seconds of
+        full blocks."""
+        key = (graphs, rows_bucket(len(decode)), rows_bucket(rows))
+        if key == self._key and self._age < self._serves():
             self._age += 1
-            last, full = self._last
-            if last.k >= 0:
+            last, full_seconds = self._last
+            if last.k == 0:
+                return last, full_seconds
+            limits = np.asarray(limits, dtype=np.int64)  # [S]
+            if last.k > 0:
                 drafts = np.minimum(limits, last.k)
             else:
                 drafts = (slot_gains(self.acceptance.of(decode), limits) >= last.threshold).sum(axis=1)
-            return dataclasses.replace(last, drafts=drafts), dataclasses.replace(full, drafts=limits)
-        budget, full = choose_drafts(self.acceptance.of(decode), limits, self.cost, rows, base, room, graphs)
-        self._key, self._last, self._age, self._observed_at = key, (budget, full), 0, self.observed
-        return budget, full
+            return dataclasses.replace(last, drafts=drafts), full_seconds
+        self._learn()
+        acc = self.acceptance.of(decode)
+        budget, full = choose_drafts(acc, np.asarray(limits, dtype=np.int64), self.cost, rows, base, room, graphs)
+        self._key, self._last, self._age = key, (budget, full.seconds), 1
+        return budget, full.seconds
 
-    def _probe(self, budget: Budget, full: Budget, room: int) -> np.ndarray:
-        """Full blocks instead of `budget` once the probing credit pays for them, else `budget`'s drafts."""
-        n_full = int(full.drafts.sum())
-        if int(budget.drafts.sum()) >= n_full or n_full > room:
-            return budget.drafts
-        self.credit += PROBE_SHARE * budget.seconds
-        extra = max(full.seconds - budget.seconds, 0.0)
+    def _serves(self) -> int:
+        """Steps a full choice serves: RECHOOSE_STEPS, REUSE_STEPS while no verify result has come in."""
+        return RECHOOSE_STEPS if self._verified else REUSE_STEPS
+
+    def _probe(self, chosen: int, full: int, seconds: float, full_seconds: float, room: int) -> bool:
+        """Whether to verify full blocks (`full` drafts, `full_seconds`) instead of the chosen
+        `chosen` drafts (`seconds`): once the probing credit pays for them."""
+        if chosen >= full or full > room:
+            return False
+        self.credit += PROBE_SHARE * seconds
+        extra = max(full_seconds - seconds, 0.0)
         if self.credit < extra:
-            return budget.drafts
+            return False
         self.credit -= extra
         self.totals["probes"] += 1
-        return full.drafts
+        return True
 
     def record(self, step, num_accepted, seconds: float, graphed: bool) -> None:
         """After a step: `step` (a StepBatch), its entries' accepted drafts (a [E] tensor of the step's
         host copy; None when no entry sampled), its wall time and whether its target forward replayed
-        a CUDA graph."""
-        num_draft = np.asarray(step.num_draft, dtype=np.int64)  # [E]
-        verified = np.flatnonzero(num_draft)
-        if num_accepted is not None and len(verified):
-            accepted = num_accepted.numpy()[verified]
-            self.acceptance.observe([step.entries[e] for e in verified], num_draft[verified], accepted)
-            self.observed += 1
-            self.totals["verified_rows"] += len(verified)
-            self.totals["accepted"] += int(accepted.sum())
-        draft_rows = len({step.entry_item[e] for e in verified})
-        self.cost.observe(len(step.items), step.meta.slot_mapping.shape[0], graphed, draft_rows, seconds)
+        a CUDA graph. Kept until the next full choice learns from it."""
+        num_draft = step.num_draft  # [E] host list
+        drafting = len(num_draft) - num_draft.count(0)
+        self._timings.append((len(step.items), step.meta.slot_mapping.shape[0], graphed, drafting, seconds))
+        if num_accepted is not None and drafting:
+            self._verified.append((step.entries, num_draft, num_accepted.numpy()))  # a view of the host copy
+
+    def _learn(self) -> None:
+        """The recorded steps into the cost model and the acceptance estimates."""
+        for timing in self._timings:
+            self.cost.observe(*timing)
+        self._timings = []
+        if not self._verified:
+            return
+        seqs = [s for entries, num_draft, _ in self._verified for s, k in zip(entries, num_draft) if k]
+        num_draft = np.fromiter((k for _, nd, _ in self._verified for k in nd), np.int64)  # [E'] all steps
+        num_accepted = np.concatenate([a for _, _, a in self._verified])  # [E']
+        verified = num_draft > 0
+        self.acceptance.observe(seqs, num_draft[verified], num_accepted[verified], len(self._verified))
+        self._verified = []
+        self.totals["verified_rows"] += len(seqs)
+        self.totals["accepted"] += int(num_accepted[verified].sum())
 
     def summary(self) -> dict:
         """Since the last summary: steps, decode rows, drafts verified per decode row, probes, accepted
         drafts per verifying row; now: the server-wide acceptance by position, the expected committed
         tokens of a full block for (up to 16) running requests, the cost model."""
+        self._learn()
         t, self.totals = self.totals, dict.fromkeys(self.totals, 0)
         requests: dict[str, list[float]] = {}
         live = [s for s in self.acceptance.rows if not s.is_finished]

@@ -21,6 +21,7 @@ The model: measured tables times a learned correction.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable
@@ -33,24 +34,33 @@ from rollout.engine.graphs import BATCH_BUCKETS, bucket
 
 PROFILE_ROWS = (1, 4, 16, 64, 256)  # target and drafter forward points
 PROFILE_CONTEXT = 256
-LEARN_RATE = 0.1  # of the log correction, per observed step
-MAX_STEP_RATIO = 3.0  # an observation moves the correction by at most this factor's LEARN_RATE share
+LEARN_RATE = 0.1  # the correction's EMA weight of a new step (its n-th: max(1 / n, LEARN_RATE))
+MAX_STEP_RATIO = 3.0  # a step counts as at most this factor off the correction (a capture is slow once)
 
 
 class Curve:
     """Seconds at increasing points xs; linear between them, flat before the first, the last
-    segment's slope (never negative) after the last."""
+    segment's slope (never negative) after the last. `at` takes a number (plain Python: the budget
+    prices a handful of candidates a step), calling it an array."""
 
     def __init__(self, xs, ys):
-        self.xs, self.ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)  # [P], [P]
-        if self.xs.shape != self.ys.shape or not len(self.xs) or (np.diff(self.xs) <= 0).any():
+        self.xs, self.ys = [float(x) for x in xs], [float(y) for y in ys]
+        if len(self.xs) != len(self.ys) or not self.xs or any(b <= a for a, b in zip(self.xs, self.xs[1:])):
             raise ValueError(f"a cost curve needs increasing points with one value each, got {xs}, {ys}")
-        last = np.diff(self.ys[-2:]) / np.diff(self.xs[-2:]) if len(self.xs) > 1 else [0.0]
-        self.slope = max(0.0, float(last[0]))
+        last = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2]) if len(self.xs) > 1 else 0.0
+        self.slope = max(0.0, last)
 
-    def __call__(self, x):
-        """x: a number or an array of them -> seconds, the same shape."""
-        return np.interp(x, self.xs, self.ys) + self.slope * np.maximum(np.subtract(x, self.xs[-1]), 0.0)
+    def at(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x >= xs[-1]:
+            return ys[-1] + self.slope * (x - xs[-1])
+        i = bisect.bisect_right(xs, x)
+        if i == 0:
+            return ys[0]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.interp(x, self.xs, self.ys) + self.slope * np.maximum(x - self.xs[-1], 0.0)
 
 
 ZERO = Curve((1.0,), (0.0,))
@@ -67,20 +77,24 @@ class TargetCost:
             raise ValueError(f"verify steps need q >= 2 tokens a row, got {q}")
         self.decode, self.verify, self.q = Curve(rows, decode), Curve(rows, verify), q
 
-    def __call__(self, rows: int, tokens):
-        """rows: one step's; tokens: a number or an array -> seconds, the same shape."""
-        d, v = float(self.decode(rows)), float(self.verify(rows))
-        per_token = max(v - d, 0.0) / (rows * (self.q - 1))
-        return d + per_token * (np.asarray(tokens, dtype=np.float64) - rows)
+    def line(self, rows: int) -> tuple[float, float]:
+        """(seconds of the decode step of `rows` rows, seconds per token past them)."""
+        d = self.decode.at(rows)
+        return d, max(self.verify.at(rows) - d, 0.0) / (rows * (self.q - 1))
+
+    def at(self, rows: int, tokens: float) -> float:
+        d, per_token = self.line(rows)
+        return d + per_token * (tokens - rows)
 
     def describe(self) -> dict:
-        ms = lambda c: [round(float(y) * 1e3, 3) for y in c.ys]  # noqa: E731
+        ms = lambda c: [round(y * 1e3, 3) for y in c.ys]  # noqa: E731
         return dict(rows=[int(x) for x in self.decode.xs], decode_ms=ms(self.decode), verify_ms=ms(self.verify),
                     q=self.q)
 
 
 class StepCost:
-    """Predicted seconds of a step (`seconds`), learned from the steps the engine runs (`observe`).
+    """Predicted seconds of a step (`seconds`, `ragged_seconds`), learned from the steps the engine runs
+    (`observe`).
 
     eager: the target step run eagerly; graph: the same replayed as a CUDA graph (None: no graphs on
     this engine); drafter: the drafter's block forward by rows drafting."""
@@ -90,61 +104,60 @@ class StepCost:
         self.eager, self.graph, self.drafter = eager, graph, drafter
         self.learn = learn
         self.log_correction: dict[tuple, float] = {}  # (graphed, drafts) and (graphed, drafts, rows bucket)
-        self._scales: dict[int, np.ndarray] = {}  # rows bucket -> its corrections, exponentiated
+        self.observed: dict[tuple, int] = {}  # steps seen, by the same keys
 
-    def seconds(self, rows: int, tokens, graphed=False, draft_rows=0):
+    def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0) -> float:
         """rows: the step's sequences; tokens: what the target computes, before any graph padding;
-        graphed: it replays a CUDA graph; draft_rows: how many rows draft (0: the drafter does not
-        run). tokens, graphed and draft_rows may be arrays (the candidates of one step): the result
-        has their broadcast shape."""
-        graphed = np.asarray(graphed, dtype=bool) & (self.graph is not None)
-        drafts = np.asarray(draft_rows) > 0
-        scale = self._scale(_rows_bucket(rows))[graphed.astype(np.int64), drafts.astype(np.int64)]
-        return self._model(rows, tokens, graphed, draft_rows) * scale
+        graphed: it replays a CUDA graph; draft_rows: how many rows draft (0: the drafter does not run)."""
+        graphed = graphed and self.graph is not None
+        return self._model(rows, tokens, graphed, draft_rows) * self._scale(rows, graphed, draft_rows > 0)
+
+    def ragged_seconds(self, rows: int, tokens: int, draft_rows: np.ndarray) -> np.ndarray:
+        """[N] seconds of eager steps of `rows` rows with tokens + n tokens (n = 1..N), draft_rows [N] of
+        them drafting (> 0)."""
+        d, per_token = self.eager.line(rows)
+        target = d + per_token * (tokens - rows + np.arange(1, len(draft_rows) + 1))
+        return (target + self.drafter(draft_rows.astype(np.float64))) * self._scale(rows, False, True)
 
     def observe(self, rows: int, tokens: int, graphed: bool, draft_rows: int, seconds: float) -> None:
         """A step of this shape took `seconds` (wall time): the corrections of its kind (graphed,
-        drafting) and of its kind and rows bucket, EMAs of log(seconds / tables' prediction), move
-        towards it, by at most LEARN_RATE * log(MAX_STEP_RATIO) (a step that built a graph or a
-        kernel is slow once)."""
-        model = float(self._model(rows, tokens, graphed, draft_rows))
+        drafting) and of its kind and rows bucket, EMAs of log(seconds / tables' prediction) over the
+        steps of that key (a running mean for the first 1 / LEARN_RATE), move towards it; a step off by
+        more than MAX_STEP_RATIO counts as that much (one that built a graph or a kernel is slow once)."""
+        graphed = graphed and self.graph is not None
+        model = self._model(rows, tokens, graphed, draft_rows)
         if not self.learn or seconds <= 0 or model <= 0:
             return
-        kind = (bool(graphed) and self.graph is not None, draft_rows > 0)
+        kind = (graphed, draft_rows > 0)
         ratio, bound = math.log(seconds / model), math.log(MAX_STEP_RATIO)
-        for key in ((*kind, _rows_bucket(rows)), kind):  # the bucket's starts from its kind's
+        for key in ((*kind, rows_bucket(rows)), kind):  # the bucket's starts from its kind's
             now = self.log_correction.get(key, self.log_correction.get(kind, 0.0))
-            self.log_correction[key] = now + LEARN_RATE * max(-bound, min(bound, ratio - now))
-        self._scales.clear()
+            n = self.observed[key] = self.observed.get(key, 0) + 1
+            self.log_correction[key] = now + max(1 / n, LEARN_RATE) * max(-bound, min(bound, ratio - now))
 
-    def _model(self, rows: int, tokens, graphed, draft_rows):
+    def _model(self, rows: int, tokens: int, graphed: bool, draft_rows: int) -> float:
         """The tables' seconds, uncorrected."""
-        graphed = np.asarray(graphed, dtype=bool) & (self.graph is not None)
-        target = self.eager(rows, tokens)
-        if graphed.any():  # a graph computes its batch bucket's padded rows
+        if graphed:  # a graph computes its batch bucket's padded rows
             padded = bucket(rows, BATCH_BUCKETS) or rows
-            target = np.where(graphed, self.graph(padded, np.asarray(tokens) * padded / rows), target)
-        return target + np.where(np.asarray(draft_rows) > 0, self.drafter(np.maximum(draft_rows, 1)), 0.0)
+            target = self.graph.at(padded, tokens * padded / rows)
+        else:
+            target = self.eager.at(rows, tokens)
+        return target + (self.drafter.at(draft_rows) if draft_rows > 0 else 0.0)
 
-    def _scale(self, rows_bucket: int) -> np.ndarray:
-        """[2, 2] the correction factors of (graphed, drafting) steps of this rows bucket."""
-        scale = self._scales.get(rows_bucket)
-        if scale is None:
-            log_c = self.log_correction
-            scale = np.exp([[log_c.get((g, d, rows_bucket), log_c.get((g, d), 0.0)) for d in (False, True)]
-                            for g in (False, True)])
-            self._scales[rows_bucket] = scale
-        return scale
+    def _scale(self, rows: int, graphed: bool, drafts: bool) -> float:
+        log_c = self.log_correction
+        return math.exp(log_c.get((graphed, drafts, rows_bucket(rows)), log_c.get((graphed, drafts), 0.0)))
 
     def describe(self) -> dict:
         """The tables (milliseconds) and the learned corrections, for logs."""
         corrections = {"/".join(map(str, k)): round(math.exp(v), 3) for k, v in self.log_correction.items()
                        if len(k) == 2}
         return dict(eager=self.eager.describe(), graph=self.graph.describe() if self.graph is not None else None,
-                    drafter_ms=[round(float(y) * 1e3, 3) for y in self.drafter.ys], corrections=corrections)
+                    drafter_ms=[round(y * 1e3, 3) for y in self.drafter.ys], corrections=corrections)
 
 
-def _rows_bucket(rows: int) -> int:
+def rows_bucket(rows: int) -> int:
+    """The CUDA-graph batch bucket of `rows`, or the next power of two past the largest."""
     return bucket(rows, BATCH_BUCKETS) or 1 << (rows - 1).bit_length()
 
 
