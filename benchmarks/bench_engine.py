@@ -43,6 +43,7 @@ from common import (
     write_json,
 )
 
+import rollout
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -100,7 +101,7 @@ def build_engine(shape: dict, root: Path, hf, args: argparse.Namespace) -> LLMEn
         num_kv_blocks=max(args.batches) * per_seq + 8, block_size=KV_BLOCK, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len), enable_prefix_caching=False,
     )  # fmt: skip
-    engine = LLMEngine(config)
+    engine = rollout.build_engine(config)
     if hf is not None:
         load_state_into(engine.model, hf.state_dict())
     return engine

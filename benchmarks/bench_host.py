@@ -2,7 +2,7 @@
 forwards (the gap between a ~7 ms 8B decode forward and the 9.9 ms step on an H200).
 
 Builds an engine (on CPU by default) with a tiny random Qwen3 (hidden 64, 2 layers, vocabulary
-264: the forward and the Contract-1 sort are small, so the numbers are mostly host cost; `--shape`
+264: the forward and the policy's sort are small, so the numbers are mostly host cost; `--shape`
 picks a larger random one, e.g. qwen3-8b on a GPU) and, with
 `--spec dflash`, an untrained one-layer DFlash drafter (block 8). B samples (`--prompt-len`
 tokens, 32 by default; EOS ignored) are prefilled, a few decode steps warm up, then every
@@ -37,6 +37,7 @@ import torch
 from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import rollout
 import rollout.engine.engine as engine_module
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
@@ -57,7 +58,7 @@ PHASES = (
     ("forward", "engine", "_forward"),
     ("ctx", "drafter", "update_context"),
     ("logits", "model", "compute_logits"),
-    ("grammar", "intake", "grammar_bitmask"),
+    ("grammar", "module", "grammar_bitmask"),
     ("rows", "module", "build_row_params"),
     ("policy", "module", "policy"),
     ("verify", "module", "verify"),
@@ -171,7 +172,7 @@ def build_engine(spec: str, dirs: tuple[str, str] | None, args: argparse.Namespa
     batch = max(args.batches)
     per_seq = -(-(args.prompt_len + max_tokens + 2 * args.block) // KV_BLOCK) + 1
     model, draft = dirs if dirs else (None, None)
-    return LLMEngine(EngineConfig(
+    return rollout.build_engine(EngineConfig(
         model=model, load_format="safetensors" if args.embedded else "random", spec=spec,
         draft=draft if spec != "none" else None, spec_block_size=args.block if spec != "none" else None,
         device=args.device, block_size=KV_BLOCK, num_kv_blocks=batch * per_seq + 8, max_num_seqs=batch,

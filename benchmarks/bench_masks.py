@@ -41,6 +41,7 @@ from common import (
     write_json,
 )
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
@@ -82,7 +83,7 @@ def parse_args() -> argparse.Namespace:
 
 def engine_for(model: str | None, draft: str, args: argparse.Namespace, load_format: str = "safetensors",
                max_len: int = 1024) -> LLMEngine:
-    return LLMEngine(EngineConfig(
+    return build_engine(EngineConfig(
         model=model, load_format=load_format, spec="dflash", draft=draft, spec_block_size=args.block,
         device=args.device, num_kv_blocks=args.requests * (max_len // 16 + 2) + 8, max_num_seqs=args.requests,
         max_num_batched_tokens=max(2048, 256 * args.requests), enable_prefix_caching=False,
@@ -139,7 +140,7 @@ def bench_grammar(engines: dict[str, LLMEngine], prompts, args: argparse.Namespa
     """ms per engine step with and without the regex grammar (same sampling, same prompts),
     the two engines stepped in turn."""
     try:
-        from rollout.spec.grammar import GrammarSpec
+        from rollout.engine.grammar import GrammarSpec
     except ImportError as e:
         print(f"grammar: skipped ({e})", flush=True)
         return [dict(skipped=str(e))]

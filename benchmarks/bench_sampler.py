@@ -1,4 +1,4 @@
-"""Cost of the Contract-1 policy plus verification per step, before and after issue 14's sampler.
+"""Cost of the policy (docs/sampling.md) plus verification per step, before and after issue 14's sampler.
 
 For each batch shape (E sequences, each with K drafts: E x (K + 1) logits rows; the defaults are
 256 x 0 = 256 rows of plain decoding and 256 x 8 = 2304 rows of a speculative step at block 9,
@@ -40,7 +40,7 @@ from rollout.engine.sampler import (
     uniform_keys,
     uniform_of_keys,
 )
-from rollout.spec.verify import Proposal, verify
+from rollout.engine.verify import Proposal, verify
 
 KINDS = {
     "greedy": dict(temperature=0.0),

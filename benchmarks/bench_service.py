@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -222,7 +223,7 @@ def main() -> None:
 def bench(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, draft=args.draft, spec=args.spec, device=args.device,
                           num_kv_blocks=args.num_kv_blocks, max_mask_tokens=TOP_K, load_format=load_format(args))
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     paths = ("in_process", "service")
     rates: dict[str, list[float]] = {p: [] for p in paths}
     steps: dict[str, list[dict]] = {p: [] for p in paths}

@@ -58,6 +58,7 @@ from common import (
     write_json,
 )
 
+import rollout
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -101,8 +102,9 @@ def engine_pair(args: argparse.Namespace, spec: str, max_batch: int, max_len: in
               max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (args.block + 1)),
               enable_prefix_caching=False)
     draft = model.pop("draft", None) or embedded_draft(spec)
-    return {"none": LLMEngine(EngineConfig(spec="none", **model, **kw)),
-            "spec": LLMEngine(EngineConfig(spec=spec, draft=draft, spec_block_size=args.block, **model, **kw))}
+    spec_config = EngineConfig(spec=spec, draft=draft, spec_block_size=args.block, **model, **kw)
+    return {"none": rollout.build_engine(EngineConfig(spec="none", **model, **kw)),
+            "spec": rollout.build_engine(spec_config)}
 
 
 def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: str, device: str) -> dict:

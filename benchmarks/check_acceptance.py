@@ -27,6 +27,7 @@ import torch
 from common import embedded_draft, environment, heldout_prompts, print_table, write_json
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -52,7 +53,7 @@ def workload_engine(args: argparse.Namespace, backend: str, graphs: bool) -> LLM
     """The embedded DFlash engine with the workload queued (`--requests` x `--tokens`, seeded);
     `graphs`: captured on a GPU, the same static-buffer path run eagerly elsewhere."""
     on_gpu = args.device == "cuda"
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         spec="dflash", draft=embedded_draft("dflash"), device=args.device, kernel_backend=backend,
         cuda_graphs=graphs and on_gpu, num_kv_blocks=args.requests * ((256 + args.tokens) // 16 + 4) + 8,
         max_num_seqs=args.requests, max_num_batched_tokens=max(2048, 256 * args.requests),

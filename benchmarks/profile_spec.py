@@ -14,6 +14,7 @@ import time
 from common import embedded_draft, environment, heldout_prompts, sync, write_json
 from torch.profiler import ProfilerActivity, profile
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -58,7 +59,7 @@ def main() -> None:
     prompts = heldout_prompts(max(args.batches))
     result = dict(args=vars(args), env=environment(args.device), rows=[])
     for spec in args.specs:
-        engine = LLMEngine(EngineConfig(spec=spec, draft=embedded_draft(spec), spec_block_size=8, device=args.device,
+        engine = build_engine(EngineConfig(spec=spec, draft=embedded_draft(spec), spec_block_size=8, device=args.device,
                                         num_kv_blocks=2048, max_num_seqs=64, enable_prefix_caching=False))
         for temperature in (0.0, 1.0):
             for batch in args.batches:

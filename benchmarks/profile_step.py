@@ -22,6 +22,7 @@ from pathlib import Path
 from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
 
 import rollout.engine.engine as engine_mod
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -38,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO groups): batch / n prompts")
+    p.add_argument("--mask", choices=("selected", "support"), default=None,
+                   help="support masks at top_k 64, top_p 0.95 (needs --temperature > 0)")
     p.add_argument("--out", default="benchmarks/results/profile_step.json")
     return p.parse_args()
 
@@ -62,13 +66,21 @@ class PhaseTimer:
         return timed
 
 
+WORKLOAD = dict(n=1, mask=None)  # --n and --mask, set once by main
+
+
 def decode(engine: LLMEngine, prompts, steps: int, temperature: float, device: str, timer=None) -> float:
     """Prefill, then time `steps` decode steps; returns ms per step. A `timer` counts the
-    decode steps only."""
-    params = SamplingParams(temperature=temperature, top_k=64 if temperature else -1,
+    decode steps only. `prompts` holds batch / n prompts of n samples each."""
+    masked = WORKLOAD["mask"] is not None
+    grpo = WORKLOAD["n"] > 1 and not masked  # the RL default: temperature alone, no truncation
+    top_k = 64 if temperature and not grpo else -1
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=0.95 if masked else 1.0,
                             max_tokens=steps + 1, ignore_eos=True)
-    engine.add_request(f"p{time.monotonic_ns()}", prompts, params)
-    engine.step()  # prefill + first token
+    rid = f"p{time.monotonic_ns()}"
+    engine.add_request(rid, prompts, params, n=WORKLOAD["n"], mask=WORKLOAD["mask"])
+    while any(not s.output_token_ids for s in engine.intake.requests[rid]):
+        engine.step()  # prefill (in chunks) + every sample's first token
     sync(device)
     if timer is not None:
         timer.ms.clear()
@@ -114,7 +126,7 @@ def kernels(engine: LLMEngine, prompts, device: str) -> dict:
     graphs, engine.graphs = engine.graphs, None
     try:
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        engine.add_request(f"k{time.monotonic_ns()}", prompts, params)
+        engine.add_request(f"k{time.monotonic_ns()}", prompts, params, n=WORKLOAD["n"])
         engine.step()
         engine.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -133,22 +145,25 @@ def kernels(engine: LLMEngine, prompts, device: str) -> dict:
 
 def main() -> None:
     args = parse_args()
+    WORKLOAD.update(n=args.n, mask=args.mask)
     shape = SHAPES[args.shape]
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         per_seq = -(-(args.prompt_len + args.steps + 8) // 16) + 1
+        blocks = max(args.batches) * per_seq * 2 + 8 if args.device == "cpu" else None  # CUDA: the memory plan's
         config = EngineConfig(model=str(write_config_dir(shape, Path(tmp))), load_format="random",
-                              device=args.device, num_kv_blocks=max(args.batches) * per_seq * 2 + 8,
-                              max_num_seqs=max(args.batches), enable_prefix_caching=False,
-                              max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len))
-        engine = LLMEngine(config)
+                              device=args.device, num_kv_blocks=blocks, max_num_seqs=max(args.batches),
+                              enable_prefix_caching=False,
+                              max_num_batched_tokens=max(2048, max(args.batches) // args.n * args.prompt_len))
+        engine = build_engine(config)
     result = dict(args=vars(args), env=environment(args.device), rows=[], kernels=[])
     for backend in args.backends:
         engine.model.set_kernel_backend(backend)
         if engine.graphs is not None:
             engine.graphs = engine.make_step_graphs(capture=True)
         for batch in args.batches:
-            prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(batch)]
+            prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(args.prompt_len)]
+                       for _ in range(max(1, batch // args.n))]
             decode(engine, prompts, 4, args.temperature, args.device)  # warm-up: graph capture
             ms = min(decode(engine, prompts, args.steps, args.temperature, args.device) for _ in range(2))
             row = dict(backend=backend, batch=batch, step_ms=ms, tokens_per_s=batch * 1e3 / ms)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -46,19 +47,47 @@ def stop(name: str, namespace: str) -> int:
     return 0
 
 
+def connect(address: str, namespace: str) -> bool:
+    """ray.init on an existing cluster; False (with a message saying what to do) when there is none."""
+    try:
+        ray.init(address=address, namespace=namespace)
+    except ConnectionError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"launch_fleet: no Ray cluster at --address {address} ({reason}). Start one with "
+              f"`ray start --head` (deploy/README.md) or pass --address HEAD_IP:6379.", file=sys.stderr)
+        return False
+    return True
+
+
+def report_progress() -> None:
+    """The fleet's lines (a replica serving, with its address and start time) on stderr as they come."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    fleet_log = logging.getLogger("trainer_client.fleet")
+    fleet_log.addHandler(handler)
+    fleet_log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, serve_args = parse_args(sys.argv[1:] if argv is None else argv)
-    ray.init(address=args.address, namespace=args.namespace)
+    if not connect(args.address, args.namespace):
+        return 1
     if args.stop:
         return stop(args.name, args.namespace)
     if named_actors(args.name, args.namespace):
         print(f"a fleet named {args.name!r} already runs in {args.namespace!r}; use --stop first", file=sys.stderr)
         return 1
-    fleet = RolloutFleet(
-        args.replicas, serve_args, args.gpus_per_replica, num_cpus_per_replica=args.cpus_per_replica,
-        device=args.device, startup_timeout=args.startup_timeout, name=args.name, namespace=args.namespace,
-        detached=not args.foreground,
-    )  # fmt: skip
+    report_progress()
+    print(f"starting {args.replicas} replica(s) of {args.name!r}...", file=sys.stderr, flush=True)
+    try:
+        fleet = RolloutFleet(
+            args.replicas, serve_args, args.gpus_per_replica, num_cpus_per_replica=args.cpus_per_replica,
+            device=args.device, startup_timeout=args.startup_timeout, name=args.name, namespace=args.namespace,
+            detached=not args.foreground,
+        )  # fmt: skip
+    except RuntimeError as exc:  # a replica that did not start: its own log tail, the others stopped
+        print(f"launch_fleet: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"name": args.name, "namespace": args.namespace, "addresses": fleet.addresses}))
     else:

@@ -1,4 +1,4 @@
-"""The one Arrow schema of a rollout (DESIGN.md Contract 4): one row per finished sample.
+"""The one Arrow schema of a rollout (docs/wire.md): one row per finished sample.
 
 Everything that writes or reads rollout record batches imports it from here: the server,
 `rollout generate`, the validator and trainer_client.
@@ -12,8 +12,8 @@ from itertools import chain
 import numpy as np
 import pyarrow as pa
 
-from rollout.engine.outputs import SampleOutput
 from rollout.masks.pack import Supports
+from rollout.outputs import SampleOutput
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -41,7 +41,7 @@ POLICY_VERSION_KEY = "policy_version"  # the newest policy_version among the bat
 def schema_with_metadata(model: str, drafter: str, spec_method: str, mask_mode: str,
                          mask_top_k: int | None = None, vocab_size: int | None = None, *,
                          instance_id: str | None = None, policy_version: int | None = None) -> pa.Schema:
-    """The rollout schema carrying the names DESIGN.md asks for in its metadata, plus the
+    """The rollout schema carrying the names docs/wire.md lists in its metadata, plus the
     request's support bound (top_k, 1 for greedy) when it asked for masks and the model's
     vocabulary size, so a validator can check widths and token ids without knowing the request
     or the model, and, from a server, the server's instance id and the batch's policy version, so a

@@ -1,4 +1,4 @@
-"""An independent, deliberately plain reference of Contract 1 (DESIGN.md) for the tests: one row
+"""An independent, deliberately plain reference of the sampling distribution (docs/sampling.md) for the tests: one row
 at a time, Python floats in double precision, written from the contract's text rather than
 from rollout.engine.sampler. `reference_policy` returns the truncated, renormalised
 distribution p_j as {token id: probability} over its support S_j.
@@ -17,7 +17,7 @@ def processed_logits(z: Iterable[float], *, logit_bias: dict[int, float] | None 
                      history: Iterable[int] = (), repetition_penalty: float = 1.0,
                      frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                      allowed: set[int] | None = None, banned: Iterable[int] = ()) -> list[float]:
-    """Contract 1 step 1, in order: logit bias; repetition / frequency / presence penalties over
+    """Step 1, the processors, in order: logit bias; repetition / frequency / presence penalties over
     `history` (prompt + output tokens before j); grammar (`allowed`); min_tokens (`banned`)."""
     z = [float(x) for x in z]
     for tok, bias in (logit_bias or {}).items():
@@ -34,7 +34,7 @@ def processed_logits(z: Iterable[float], *, logit_bias: dict[int, float] | None 
 
 def truncate(z: list[float], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0) -> dict[int, float]:
-    """Contract 1 steps 2-3 on processed logits."""
+    """Steps 2-3 on processed logits."""
     if temperature == 0:
         best = max(z)
         return {min(i for i, x in enumerate(z) if x == best): 1.0}

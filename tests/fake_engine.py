@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from rollout.engine.outputs import SampleOutput
 from rollout.engine.params import validate_mask_request
 from rollout.errors import Aborted, InvalidArgument, ResourceExhausted
+from rollout.outputs import SampleOutput
 
 VOCAB, EOS, MAX_LEN, TOTAL_BLOCKS, MAX_QUEUED = 264, 256, 64, 512, 300
 BYTE_TOKENIZER = Path(__file__).resolve().parents[1] / "rollout" / "assets" / "tiny-qwen3" / "tokenizer.json"

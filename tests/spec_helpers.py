@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from rollout.engine.drafter import Drafter, Drafts
 from rollout.engine.step_cost import Curve, StepCost, TargetCost
-from rollout.spec.proposer import Drafter, Drafts
-from rollout.spec.verify import Proposal, verify
+from rollout.engine.verify import Proposal, verify
 
 
 class RepeatDrafter(Drafter):
@@ -40,6 +40,12 @@ class RepeatDrafter(Drafter):
         pass
 
 
+def factory_of(drafter: Drafter | None):
+    """An engine's drafter factory that hands out `drafter` (None: no factory, so the engine runs
+    what its config names)."""
+    return None if drafter is None else (lambda config, target: drafter)
+
+
 def linear_target(decode_ms: float, token_ms: float, q: int) -> TargetCost:
     """A synthetic target: decode_ms a step plus token_ms a token past the first (verify blocks of q)."""
     rows = np.array([1.0, 256.0])
@@ -57,7 +63,7 @@ def cost_table(decode_ms: float = 1.0, token_ms: float = 0.0, drafter_ms: float 
 
 def verify_rows(pol, drafts, draft_q, num_draft: list[int], cu_rows: list[int], judge_row, draft_of_row,
                 row_seed, row_position):
-    """`rollout.spec.verify.verify` on a row layout given as plain lists and tensors (what a
+    """`rollout.engine.verify.verify` on a row layout given as plain lists and tensors (what a
     StepBatch carries, built here without a step)."""
     first_draft = list(itertools.accumulate(num_draft[:-1], initial=0)) if num_draft else []
     as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731

@@ -65,27 +65,27 @@ def test_build_step_matches_the_per_item_reference():
     step = build_step(items, num_drafts, BLOCK, torch.device("cpu"))
     ref = _reference(items, num_drafts)
 
-    assert step.input_ids.tolist() == ref["ids"]
-    assert step.meta.positions.tolist() == ref["positions"]
-    assert step.meta.slot_mapping.tolist() == ref["slots"]
-    assert step.meta.cu_seqlens_q.tolist() == [0, 8, 9, 13, 14]
-    assert step.meta.context_lens.tolist() == [12, 9, 12, 6]
-    assert step.meta.block_tables.tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 0, 0], [30, 31, 32, 33, 0],
+    assert step.tokens.input_ids.tolist() == ref["ids"]
+    assert step.tokens.meta.positions.tolist() == ref["positions"]
+    assert step.tokens.meta.slot_mapping.tolist() == ref["slots"]
+    assert step.tokens.meta.cu_seqlens_q.tolist() == [0, 8, 9, 13, 14]
+    assert step.tokens.meta.context_lens.tolist() == [12, 9, 12, 6]
+    assert step.tokens.meta.block_tables.tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 0, 0], [30, 31, 32, 33, 0],
                                                [40, 41, 0, 0, 0]]
-    assert (step.meta.max_query_len, step.meta.max_context_len) == (8, 12)
-    assert step.draft_token_index.tolist() == ref["draft_tok"]
-    assert step.entries == ref["entries"] and step.num_draft == ref["num_draft"]
-    assert step.entry_item == [1, 1, 1, 2, 3]
-    assert step.cu_rows == [0, 1, 2, 3, 7, 8]
+    assert (step.tokens.meta.max_query_len, step.tokens.meta.max_context_len) == (8, 12)
+    assert step.tokens.draft_token_index.tolist() == ref["draft_tok"]
+    assert step.rows.entries == ref["entries"] and step.rows.num_draft == ref["num_draft"]
+    assert step.rows.entry_item == [1, 1, 1, 2, 3]
+    assert step.rows.cu_rows == [0, 1, 2, 3, 7, 8]
     for name in ("logits_index", "row_entry", "row_position", "judge_row", "draft_of_row"):
-        assert getattr(step, name).tolist() == ref[name], name
-    assert step.first_draft == [0, 0, 0, 0, 3]
+        assert getattr(step.rows, name).tolist() == ref[name], name
+    assert step.rows.first_draft == [0, 0, 0, 0, 3]
 
 
 def test_build_step_of_one_decode_token():
     seq = _seq(7, 3, 2, 4, [5, 6])
     step = build_step([ScheduledSeq(seq, 1)], [0], BLOCK, torch.device("cpu"))
-    assert step.input_ids.tolist() == [61]
-    assert (step.meta.positions.tolist(), step.meta.slot_mapping.tolist()) == ([4], [6 * BLOCK])
-    assert step.logits_index.tolist() == [0] and step.row_position.tolist() == [5]
-    assert step.judge_row.tolist() == [] and step.draft_of_row.tolist() == []
+    assert step.tokens.input_ids.tolist() == [61]
+    assert (step.tokens.meta.positions.tolist(), step.tokens.meta.slot_mapping.tolist()) == ([4], [6 * BLOCK])
+    assert step.rows.logits_index.tolist() == [0] and step.rows.row_position.tolist() == [5]
+    assert step.rows.judge_row.tolist() == [] and step.rows.draft_of_row.tolist() == []

@@ -5,12 +5,13 @@ directories), table assembly; and, against a real server, the trainer-side repla
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.errors import InvalidArgument
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
@@ -34,6 +35,39 @@ def test_build_request_prompts_sampling_and_grammar():
 
 def test_empty_stream_is_an_empty_table_in_the_rollout_schema():
     assert to_table([]).schema == ROLLOUT_SCHEMA and to_table([]).num_rows == 0
+
+
+def test_to_table_orders_the_streamed_rows_by_prompt_then_sample():
+    """Rows arrive in finishing order over several batches; the table is what Arrow's sort_by gives
+    (to_table moves runs of rows instead of taking the nested columns row by row)."""
+    import random
+
+    import numpy as np
+
+    from rollout.masks.pack import Supports
+    from rollout.outputs import SampleOutput
+    from rollout.schema import schema_with_metadata, to_record_batch
+
+    rng = random.Random(0)
+    samples = []
+    for p in range(5):
+        for s in range(3):
+            lens = np.array([rng.randint(1, 4) for _ in range(p + s + 1)], np.int32)
+            ids = np.arange(int(lens.sum()), dtype=np.int32) + 100 * p + 10 * s
+            samples.append(SampleOutput(
+                request_id="r", prompt_index=p, sample_index=s, prompt_token_ids=[p], token_ids=[s] * len(lens),
+                token_logprobs=[-1.0] * len(lens), finish_reason="length", accept_lengths=[1] * len(lens),
+                supports=Supports(ids, lens, -ids.astype(np.float32)), policy_version=0))
+    tail = samples[9:]
+    rng.shuffle(tail)
+    order = samples[3:7] + samples[:3] + samples[7:9] + tail  # a run out of place, a shuffled tail
+    schema = schema_with_metadata("m", "", "none", "support", 4)
+    batches = [to_record_batch(order[i:i + 4], schema) for i in range(0, len(order), 4)]
+    table = to_table(batches)
+    assert table.equals(pa.Table.from_batches(batches).sort_by(client_module.SORT_KEYS))
+    assert table.column("prompt_index").to_pylist() == [p for p in range(5) for _ in range(3)]
+    assert table.column("sample_index").to_pylist() == [0, 1, 2] * 5
+    assert table.schema.metadata == schema.metadata
 
 
 def test_weight_chunks_round_trip_through_the_server_assembler(monkeypatch):
@@ -89,7 +123,7 @@ def test_masked_logprobs_on_the_models_own_logits_reproduce_token_logprobs(tiny_
     temperature = 0.8
     sampling = dict(temperature=temperature, top_k=16, top_p=0.9, max_tokens=10, seed=5)
     config = EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=128)
-    with BackgroundServer(lambda: LLMEngine(config), ServeConfig(port=0)) as server:
+    with BackgroundServer(lambda: build_engine(config), ServeConfig(port=0, engine_process=False)) as server:
         with RolloutClient(server.address, timeout=120) as client:
             table = client.generate([[7, 8, 9, 10], "x = "], n=2, sampling=sampling, mask="support")
     batch = to_torch(table)

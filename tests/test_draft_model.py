@@ -12,6 +12,7 @@ import torch
 from conftest import TINY_QWEN3, save_random_hf_model, write_byte_tokenizer
 from safetensors.torch import load_file, save_file
 
+from rollout import build_engine
 from rollout.engine.loader import load_model
 from rollout.errors import LoadError
 from rollout.spec.draft_loader import load_drafter, random_drafter, save_drafter
@@ -256,11 +257,10 @@ def test_embedded_drafters_are_accepted_in_the_engine(kind):
     is 4.42 (DFlash) and 4.87 (DSpark); it was 2.88 and 3.33 when the last layer's tap missed
     its norm."""
     from rollout.engine.config import DEFAULT_DRAFTS, EngineConfig
-    from rollout.engine.engine import LLMEngine
     from rollout.engine.params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(spec=kind, draft=str(DEFAULT_DRAFTS[kind]), spec_block_size=8, num_kv_blocks=200,
-                                 spec_adaptive=False))
+    eng = build_engine(EngineConfig(spec=kind, draft=str(DEFAULT_DRAFTS[kind]), spec_block_size=8, num_kv_blocks=200,
+                                    spec_adaptive=False))
     eng.add_request("r", [list(p) for p in ENGINE_PROMPTS], SamplingParams(temperature=0.0, max_tokens=96,
                                                                            ignore_eos=True))
     outs = []
@@ -268,3 +268,30 @@ def test_embedded_drafters_are_accepted_in_the_engine(kind):
         outs += eng.step()
     accepts = [n for o in outs for n in o.accept_lengths[1:]]
     assert sum(accepts) / len(accepts) >= 4.0, f"mean acceptance {sum(accepts) / len(accepts):.2f}"
+
+
+def test_block_forward_in_groups_equals_one_group(target, monkeypatch):
+    """The block forward gathers at most GATHER_BYTES of padded context per tensor at once, the
+    sequences in groups (a step's memory would otherwise grow as sequences x longest context):
+    the same hidden states and logits as one group."""
+    from rollout.spec import proposer
+
+    drafter = proposer.BlockDrafter(_drafter(target, "dflash"))
+    drafter.allocate(8, 4)
+    g = torch.Generator().manual_seed(3)
+    for k, v in drafter.caches:
+        k.normal_(generator=g)
+        v.normal_(generator=g)
+    anchors, anchor_pos = torch.tensor([5, 7, 9, 11, 2]), torch.tensor([3, 10, 14, 6, 1])
+    table = torch.randint(0, 8, (5, 4), generator=g)
+    with torch.no_grad():
+        whole = drafter._block_forward(anchors, anchor_pos, table, 14)
+        bb = drafter.model.config.backbone
+        monkeypatch.setattr(proposer, "GATHER_BYTES", 2 * 14 * bb.num_key_value_heads * bb.head_dim * 4)
+        calls = []
+        real = drafter._block_group
+        monkeypatch.setattr(drafter, "_block_group", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        grouped = drafter._block_forward(anchors, anchor_pos, table, 14)
+    assert calls == [2, 2, 1]
+    for a, b in zip(whole, grouped, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -4,7 +4,7 @@ Greedy generation equals transformers' greedy `generate`; paging with tiny block
 prefill and preemption give the tokens of the same requests run one at a time; the n samples
 of a prompt share its blocks and prefill once; prefixes are reused across requests; seeded
 requests reproduce whatever else is in the batch; finish reasons (stop ids, EOS, min_tokens,
-max_tokens); abort frees every block at once; token_logprobs equal Contract-1 log-probs
+max_tokens); abort frees every block at once; token_logprobs equal the log-probs of docs/sampling.md
 recomputed from transformers' logits with the independent reference of contract1_ref.py.
 """
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 from contract1_ref import reference_policy
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -28,7 +29,7 @@ PROMPTS = [[1, 2, 3], [40, 50, 60, 70, 80, 90, 100, 110, 120, 5], [200], list(ra
 def make_engine(model_dir, **kw) -> LLMEngine:
     cfg = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=512, max_num_seqs=64)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(model=str(model_dir), **cfg))
+    return build_engine(EngineConfig(model=str(model_dir), **cfg))
 
 
 def run_all(eng: LLMEngine, max_steps: int = 3000) -> dict:

@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import FLOAT32_TINY, SamplingParams
@@ -22,7 +23,7 @@ MAX_MODEL_LEN = (NUM_BLOCKS - 1) * BLOCK_SIZE  # the KV cache bounds the context
 
 @pytest.fixture(scope="module")
 def engine(tiny_random_qwen3):
-    return LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=BLOCK_SIZE,
+    return build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=BLOCK_SIZE,
                                   num_kv_blocks=NUM_BLOCKS, max_queued_samples=6, max_mask_tokens=16))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from rollout.engine.outputs import SampleOutput
+from rollout.outputs import SampleOutput
 from rollout.server.convert import GenerateCall
 from rollout.server.loop import Delivery, EngineLoop
 

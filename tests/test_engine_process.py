@@ -19,8 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.errors import InvalidArgument, LoadError
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.engine_process import EngineProcess
@@ -33,7 +33,7 @@ def _engine_pid(engine) -> int:
 
 def test_a_dead_engine_process_fails_requests_with_unavailable(tiny_random_qwen3):
     """(On the way: a second request with a running request's id is refused, the first runs on.)"""
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
     with BackgroundServer(factory, ServeConfig(port=0, engine_process=True)) as server:
         pid = server.engine_call(_engine_pid)
         assert pid != os.getpid()
@@ -84,7 +84,7 @@ def test_a_request_whose_admission_is_cancelled_is_aborted_in_the_child(tiny_ran
     from rollout.engine.params import SamplingParams
     from rollout.server.convert import GenerateCall
 
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
 
     async def main():
         engine = EngineProcess(factory, asyncio.get_running_loop())
@@ -112,7 +112,7 @@ def _answer(engine) -> int:
 def test_commands_of_one_iteration_go_together_and_one_that_cannot_be_sent_fails_alone(tiny_random_qwen3):
     """Commands issued in one event-loop iteration cross the pipe as one batch; a command that does
     not pickle fails with its own error, and the others of its batch still run."""
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tiny_random_qwen3), num_kv_blocks=256))
 
     async def main():
         engine = EngineProcess(factory, asyncio.get_running_loop())
@@ -136,14 +136,14 @@ def test_commands_of_one_iteration_go_together_and_one_that_cannot_be_sent_fails
 
 
 def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error(tmp_path):
-    factory = functools.partial(LLMEngine, EngineConfig(model=str(tmp_path / "missing")))
+    factory = functools.partial(build_engine, EngineConfig(model=str(tmp_path / "missing")))
     with pytest.raises(LoadError, match="missing"):
         BackgroundServer(factory, ServeConfig(port=0, engine_process=True)).__enter__()
 
 
 def test_a_factory_that_cannot_cross_the_process_boundary_is_refused_at_once():
     async def main():
-        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        with pytest.raises(InvalidArgument, match="engine_process: the engine factory cannot be sent"):
             await EngineProcess(lambda: None, asyncio.get_running_loop()).start()
 
     asyncio.run(asyncio.wait_for(main(), 10))  # refused before any child starts
@@ -152,3 +152,27 @@ def test_a_factory_that_cannot_cross_the_process_boundary_is_refused_at_once():
 def test_errors_keep_their_type_and_field_across_the_process_boundary():
     err = pickle.loads(pickle.dumps(InvalidArgument("top_k", "must be >= 1")))
     assert isinstance(err, InvalidArgument) and err.field == "top_k" and str(err) == "top_k: must be >= 1"
+
+
+def test_the_childs_messages_carry_large_arrays_out_of_band():
+    """send_message / recv_message (the child's deliveries): large arrays (a sample's masks) travel
+    as pipe messages of their own and arrive read-only on the received bytes, not copied out of the
+    pickle; small ones stay inside it; everything arrives equal."""
+    import multiprocessing
+
+    import numpy as np
+
+    from rollout.server.pipe import IN_BAND_BYTES, recv_message, send_message
+
+    big = np.arange(IN_BAND_BYTES // 4 + 7, dtype=np.int32)
+    small = np.arange(5, dtype=np.float32)
+    ours, theirs = multiprocessing.Pipe()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(recv_message(theirs)))
+    reader.start()
+    send_message(ours, [("delivery", "r", {"big": big, "small": small, "n": 3}, None)])
+    reader.join(10)
+    (kind, key, value, error), = got[0]
+    assert (kind, key, value["n"], error) == ("delivery", "r", 3, None)
+    assert np.array_equal(value["big"], big) and np.array_equal(value["small"], small)
+    assert not value["big"].flags.writeable and value["small"].flags.writeable

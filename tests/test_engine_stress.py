@@ -1,7 +1,7 @@
 """A seeded random workload through the engine (bounded: 100 steps per configuration): mixed
 sampling settings, masks, grammars, n > 1, prefix reuse, aborts, small KV budgets, all three
 spec methods. Every sample of every request comes back exactly once (or aborted), masked
-samples pass the Contract-3 validator, and every KV block is free at the end. This is the
+samples pass the mask validator (docs/masks.md), and every KV block is free at the end. This is the
 test that found forks copying a first sample's accepted drafts. Every generated request is valid,
 so a refusal fails the test (it used to be swallowed: a validation that refused, say, masks with a
 grammar passed)."""
@@ -14,12 +14,12 @@ import random
 import pyarrow as pa
 import pytest
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
+from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
 from rollout.masks.check import check_table
 from rollout.schema import to_record_batch
-from rollout.spec.grammar import GrammarSpec
 
 GRAMMARS = [None, None, GrammarSpec("regex", "[a-z]{1,5}"),
             GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))]
@@ -41,7 +41,7 @@ def _params(rng: random.Random) -> tuple[SamplingParams, str | None]:
 @pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
 def test_random_workload(spec, seed):
     rng = random.Random(seed)
-    eng = LLMEngine(EngineConfig(
+    eng = build_engine(EngineConfig(
         spec=spec, num_kv_blocks=rng.choice([60, 300]), block_size=rng.choice([4, 16]),
         spec_confidence_threshold=0.4 if spec == "dspark" and seed == 2 else 0.0,
         max_num_batched_tokens=rng.choice([16, 64, 512]), max_num_seqs=rng.choice([4, 64])))

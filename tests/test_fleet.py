@@ -3,13 +3,18 @@ tiny model: prompts spread over both replicas come back exactly once in the call
 valid masks; a weight broadcast reaches every replica and changes greedy outputs; a replica killed
 mid-generation loses no sample, is restarted with the current weights and serves again, and so is
 one whose server process crashes; one whose engine is stopped leaves the routing until it runs
-again; a replica that cannot start is reported with its log; shutdown leaves no server process
-behind. The routing bookkeeping is also tested on its own, without Ray."""
+again; each replica is reported as it comes up; a replica that cannot start is reported with its
+own log (no Ray stack dump); a replica stopped elsewhere is said so once; shutdown leaves no server
+process behind. The routing bookkeeping and the launcher's message when there is no cluster are
+also tested on their own, without Ray."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -30,9 +35,10 @@ from trainer_client.fleet_routing import Replica, WeightHistory, pick_replica, p
 ray = pytest.importorskip("ray")
 from ray._private import ray_constants  # noqa: E402
 
-from trainer_client.fleet import FleetConfig, RolloutFleet  # noqa: E402
+from trainer_client.fleet import FleetConfig, RolloutFleet, stop_actors  # noqa: E402
 
-ASSET = Path(__file__).resolve().parents[1] / "rollout" / "assets" / "tiny-qwen3" / "model.safetensors"
+REPO = Path(__file__).resolve().parents[1]
+ASSET = REPO / "rollout" / "assets" / "tiny-qwen3" / "model.safetensors"
 SERVE_ARGS = ["--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
               "--liveness-seconds", "2"]
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -48,12 +54,26 @@ def fleet():
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
                  log_to_driver=False)
+        recorder, level = _Recorder(), FLEET_LOG.level
+        FLEET_LOG.addHandler(recorder)
+        FLEET_LOG.setLevel(logging.INFO)
         fleet = RolloutFleet(2, SERVE_ARGS, health_interval=0.5, server_env={"OMP_NUM_THREADS": "1"})
         try:
             yield fleet
         finally:
+            FLEET_LOG.removeHandler(recorder)
+            FLEET_LOG.setLevel(level)
             fleet.shutdown()
             ray.shutdown()
+
+
+FLEET_LOG = logging.getLogger("trainer_client.fleet")
+FLEET_LINES: list[str] = []  # what the fleet logged while the fixture's fleet started
+
+
+class _Recorder(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        FLEET_LINES.append(record.getMessage())
 
 
 def _pairs(table: pa.Table) -> list[tuple[int, int]]:
@@ -78,6 +98,15 @@ def _perturbed(names_containing: str, scale: float, seed: int) -> dict[str, torc
     gen = torch.Generator().manual_seed(seed)
     state = {k: v.float() for k, v in load_file(ASSET).items() if names_containing in k}
     return {k: v + scale * v.std() * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+
+
+def test_each_replica_is_reported_as_it_comes_up(fleet):  # (first: no replica has restarted yet)
+    up = [line for line in FLEET_LINES if " serving at " in line]
+    assert len(up) == 2, FLEET_LINES
+    for line in up:
+        index, address = re.fullmatch(r"replica (\d) serving at (\S+) \(its server started in \d+\.\d s\)",
+                                      line).groups()
+        assert address == fleet.replica_stats()[int(index)]["address"]
 
 
 def test_generate_spreads_prompts_and_keeps_caller_order(fleet):
@@ -197,13 +226,28 @@ def test_crashed_server_takes_its_actor_down_and_comes_back(fleet):
 
 
 def test_replica_that_cannot_start_is_reported_with_its_log(fleet):
-    with pytest.raises(RuntimeError, match=r"(?s)exited with status \d+; log tail:\n.*no-such-checkpoint"):
+    with pytest.raises(RuntimeError) as err:
         RolloutFleet(1, ["--model", "/no-such-checkpoint"], startup_timeout=60)
+    message = str(err.value)
+    assert re.match(r"replica 0 did not start: rollout serve exited with status \d+; log tail:\n", message)
+    assert "model directory '/no-such-checkpoint' does not exist" in message  # the server's own words
+    assert "ray::" not in message and "Traceback" not in message and message.count("\n") < 20  # no Ray dump
+
+
+def test_a_replica_stopped_elsewhere_is_reported_once(fleet, caplog):
+    caplog.set_level(logging.INFO, logger="trainer_client.fleet")
+    stop_actors([fleet.actors[1]])  # what `launch_fleet.py --stop` does, from anywhere
+    _wait_for(lambda: fleet.replica_stats()[1]["state"] == "dead")
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer_client.fleet"]
+    assert sum("was stopped elsewhere" in line for line in lines) == 1, lines
+    assert not any("waiting for Ray" in line or "dead for good" in line for line in lines), lines
+    table = fleet.generate(PROBES, n=2, sampling=dict(temperature=1.0, top_k=8, max_tokens=4, seed=2))
+    assert _pairs(table) == [(p, s) for p in range(3) for s in range(2)]  # the other replica serves
 
 
 def test_shutdown_leaves_no_server_behind(fleet):
-    pids = [r["server_pid"] for r in fleet.replica_stats()]
-    assert all(_pid_alive(pid) for pid in pids)
+    pids = [r["server_pid"] for r in fleet.replica_stats() if r["state"] == "healthy"]
+    assert pids and all(_pid_alive(pid) for pid in pids)
     fleet.shutdown()
     _wait_for(lambda: not any(_pid_alive(pid) for pid in pids), timeout=30)
 
@@ -329,6 +373,21 @@ def test_caller_rows_and_prompt_seeds():
     assert out.schema.metadata == {b"model": b"m", b"policy_version": b"3"}
     seeds = {prompt_seed(5, p) for p in range(100)}
     assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds) and prompt_seed(5, 3) == prompt_seed(5, 3)
+
+
+def test_launcher_without_a_cluster_says_what_to_do(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("launch_fleet", REPO / "deploy" / "launch_fleet.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+
+    def no_cluster(**kwargs):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to.")
+
+    monkeypatch.setattr(launcher.ray, "init", no_cluster)
+    assert launcher.main(["--replicas", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("launch_fleet: no Ray cluster at --address auto (Could not find any running Ray instance")
+    assert "ray start --head" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,7 @@ import torch
 import xgrammar as xgr
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from rollout.errors import InvalidArgument
-from rollout.spec.grammar import (
+from rollout.engine.grammar import (
     GrammarCompilerCache,
     GrammarSpec,
     _apply_bitmask_torch,
@@ -22,6 +21,7 @@ from rollout.spec.grammar import (
     apply_bitmask,
     byte_level_alphabet,
 )
+from rollout.errors import InvalidArgument
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|mask|>"] + [f"<|reserved_{i}|>" for i in range(5)]
 EOS = 256

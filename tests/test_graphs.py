@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import RepeatDrafter
+from spec_helpers import RepeatDrafter, factory_of
 
+from rollout import build_engine
 from rollout.engine.attention import AttentionMetadata
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.graphs import StepGraphs
 from rollout.engine.params import SamplingParams
 
@@ -18,7 +18,8 @@ PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [42], [1, 2, 3, 4, 5, 6, 7
 
 def _run(model, static: bool, drafter=None, params=None, after_step=None, prompts=PROMPTS, n=3, **config):
     config.setdefault("spec_adaptive", False)  # full blocks: every verify shape
-    eng = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200, **config), drafter=drafter)
+    eng = build_engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200, **config),
+                       drafter_factory=factory_of(drafter))
     if static:
         eng.graphs = eng.make_step_graphs(capture=False)
     eng.add_request("g", prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
@@ -37,6 +38,7 @@ def test_static_replay_matches_eager_decode(tiny_random_qwen3):
     base, _ = _run(tiny_random_qwen3, static=False)
     outs, eng = _run(tiny_random_qwen3, static=True)
     assert eng.graphs.num_replays > 5 and len(eng.graphs.graphs) >= 2  # several batch buckets were used
+    assert _one_output_buffer(eng.graphs)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     for a, b in zip(outs, base):
         assert max(abs(x - y) for x, y in zip(a.token_logprobs, b.token_logprobs)) < 1e-4
@@ -49,6 +51,13 @@ def test_static_replay_matches_eager_verify(tiny_random_qwen3):
     assert eng.graphs.num_replays > 0
     assert any(k[1] == 4 for k in eng.graphs.graphs)  # verify blocks of 1 + 3 drafts were replayed
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+
+
+def _one_output_buffer(graphs) -> bool:
+    """Every graph of a set writes its outputs into the set's one buffer per output (the memory
+    plan reserves one forward's working set for a set's pool, not outputs per captured key)."""
+    return all(len({g[i].untyped_storage().data_ptr() for g in graphs.graphs.values()}) == 1
+               for i in (1, 2) if all(g[i] is not None for g in graphs.graphs.values()))
 
 
 def _assert_finite(eng) -> None:
@@ -75,6 +84,7 @@ def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, ran
     outs, eng = _run(tiny_random_qwen3, static=True, after_step=_assert_finite, **kw)
     assert eng.graphs.num_replays > 0 and any(k[1] == 4 for k in eng.graphs.graphs)
     assert eng.drafter.graphs.num_replays > 0 and len(eng.drafter.graphs.graphs) >= 2  # drafter graphs too
+    assert _one_output_buffer(eng.graphs) and _one_output_buffer(eng.drafter.graphs)
     assert eng.compiled()["graphs"] == len(eng.graphs.graphs) + len(eng.drafter.graphs.graphs)
     assert base_eng.compiled()["graphs"] == 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]

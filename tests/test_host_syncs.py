@@ -1,4 +1,4 @@
-"""A step makes the host wait for the device once: its synchronisation (DESIGN.md, at most one host
+"""A step makes the host wait for the device once: its synchronisation (at most one host
 synchronisation per step). tests/host_waits.py finds, on CPU, every operation that would make the
 host wait on a GPU (each aten op replayed on the meta device, plus the Python-level reads and
 blocking copies); here it watches the whole `LLMEngine.step()` (draft, step layout, forward,
@@ -7,12 +7,12 @@ policy, verify, capture) except the sanctioned synchronisation itself (`_to_host
 
 The workload mixes greedy, sampled, penalised, biased, masked (both modes) and grammar requests,
 with no drafter, DFlash, DSpark and DSpark with a confidence threshold, full draft blocks and the
-adaptive draft budget (rollout/engine/spec_budget.py, whose per-step choice is host work on host
-data and whose record of the step reads the step's host copy, like the commit), eagerly and through the
-CUDA-graph static buffers (replayed eagerly), on a dense and on a mixture-of-experts target. Two
-waits are stated exceptions, counted exactly:
+adaptive draft budget (rollout/engine/spec_budget.py: its per-step choice and its record of the
+step are host work on host data, watched too), eagerly and through the CUDA-graph static buffers
+(replayed eagerly), on a dense and on a mixture-of-experts target. Two waits are stated
+exceptions, counted exactly:
 
-* a grammar sample that verifies drafts: `Intake.grammar_bitmask` reads the step's drafts back,
+* a grammar sample that verifies drafts: `rows.grammar_bitmask` reads the step's drafts back,
   once per such step. Its bitmask row i is the grammar's state after the first i drafts, which
   xgrammar's host-side matcher must walk, and the drafts were sampled on the device. Steps whose
   grammar samples carry no drafts (no drafter, or no room) read nothing.
@@ -36,13 +36,14 @@ from host_waits import HostWaits
 from spec_helpers import cost_table
 
 import rollout.engine.engine as engine_mod
-import rollout.spec.grammar as grammar_mod
+import rollout.engine.rows as rows_mod
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
+from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
-from rollout.spec.grammar import GrammarSpec
 
-GRAMMAR_SITE = ("rollout/engine/intake.py", "grammar_bitmask")
+GRAMMAR_SITE = ("rollout/engine/rows.py", "grammar_bitmask")
 THRESHOLD_SITE = ("rollout/spec/proposer.py", "_lengths")
 SPECS = {"none": ("none", 0.0, False), "dflash": ("dflash", 0.0, False), "dspark": ("dspark", 0.0, False),
          "dspark-threshold": ("dspark", 0.3, False), "dflash-adaptive": ("dflash", 0.0, True),
@@ -54,9 +55,9 @@ TARGETS = {"qwen3": ("tiny_random_qwen3", "random_drafters"),
 def _engine(model, drafters, spec: str, threshold: float = 0.0, static: bool = False,
             adaptive: bool = False) -> LLMEngine:
     # adaptive: a synthetic cost under which drafts are nearly free, so that grammar samples verify some
-    eng = LLMEngine(EngineConfig(model=str(model), spec=spec, draft=drafters.get(spec), block_size=4,
-                                 num_kv_blocks=300, spec_confidence_threshold=threshold, spec_adaptive=adaptive),
-                    step_cost=cost_table(decode_ms=10.0, token_ms=0.001, q=4) if adaptive else None)
+    eng = build_engine(EngineConfig(model=str(model), spec=spec, draft=drafters.get(spec), block_size=4,
+                                    num_kv_blocks=300, spec_confidence_threshold=threshold, spec_adaptive=adaptive),
+                       step_cost=cost_table(decode_ms=10.0, token_ms=0.001, q=4) if adaptive else None)
     if static:  # the CUDA-graph paths (target step and drafter forward), replayed eagerly
         eng.graphs = eng.make_step_graphs(capture=False)
     return eng
@@ -88,16 +89,15 @@ class _Watched:
 
         def build_step(*args, **kw):
             step = real_build(*args, **kw)
-            self.grammar_draft_steps += any(s.grammar is not None and k for s, k in zip(step.entries, step.num_draft))
+            rows = step.rows
+            self.grammar_draft_steps += any(s.grammar is not None and k for s, k in zip(rows.entries, rows.num_draft))
             return step
 
         monkeypatch.setattr(engine_mod, "_to_host", w.pausing(to_host))
         monkeypatch.setattr(engine_mod, "build_step", build_step)
         monkeypatch.setattr(eng.capture, "to_host", w.pausing(eng.capture.to_host))
         monkeypatch.setattr(eng.committer, "commit", w.pausing(eng.committer.commit))
-        if eng.spec_budget is not None:
-            monkeypatch.setattr(eng.spec_budget, "record", w.pausing(eng.spec_budget.record))
-        monkeypatch.setattr(grammar_mod, "allocate_bitmask", w.on_host(grammar_mod.allocate_bitmask))
+        monkeypatch.setattr(rows_mod, "allocate_bitmask", w.on_host(rows_mod.allocate_bitmask))
 
     def run(self) -> list:
         outs = []
@@ -172,7 +172,7 @@ INJECTED = {
 
 @pytest.fixture(scope="module")
 def plain_engine(tiny_random_qwen3) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=64))
+    return build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=64))
 
 
 @pytest.mark.parametrize("name", list(INJECTED))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import TINY_QWEN3
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
@@ -33,7 +33,7 @@ def test_random_load_is_seeded_and_finite(config_only_dir):
 
 
 def test_engine_generates_from_random_weights(config_only_dir):
-    engine = LLMEngine(EngineConfig(model=str(config_only_dir), load_format="random", num_kv_blocks=16))
+    engine = build_engine(EngineConfig(model=str(config_only_dir), load_format="random", num_kv_blocks=16))
     engine.add_request("r", [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     outs = []
     while engine.has_unfinished():

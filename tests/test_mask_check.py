@@ -1,4 +1,4 @@
-"""The Contract 3 validator: clean rollouts pass, each broken rule is named at its position,
+"""The mask contract's validator (docs/masks.md): clean rollouts pass, each broken rule is named at its position,
 and `rollout validate` reads IPC files and streams with the documented exit codes."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _row(**values) -> SimpleNamespace:
 
 
 def _top_k_policy(rng: np.random.Generator, top_k: int):
-    """One position's Contract-1 support at temperature 1 with top-k: (ids, logprobs), sorted."""
+    """One position's support (docs/sampling.md) at temperature 1 with top-k: (ids, logprobs), sorted."""
     z = rng.normal(size=VOCAB).astype(np.float32)
     z[3] = z[4] = 2.5  # a tie, broken by id
     order = sorted(range(VOCAB), key=lambda t: (-z[t], t))[:top_k]

@@ -152,7 +152,7 @@ def test_assemble_across_steps_of_different_widths():
 def test_mask_capture_host_buffers_alternate_so_a_step_survives_the_next_copy():
     """A step's packed rows are read during the next step (rollout.engine.commit): the next copy
     must land in the other buffer, and a grown buffer must not move the previous step's rows."""
-    from rollout.masks.capture import Captured, MaskCapture
+    from rollout.engine.capture import Captured, MaskCapture
 
     capture = MaskCapture()
     first = torch.arange(12, dtype=torch.int32).view(3, 4)

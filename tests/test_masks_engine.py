@@ -1,4 +1,4 @@
-"""Sampling masks captured after acceptance (Contract 3) through the real engine: the
+"""Sampling masks captured after acceptance (docs/masks.md) through the real engine: the
 {none, DFlash, DSpark} x {greedy, sampled, mixed} x {selected, support} matrix, independent
 recomputation against transformers, grammar-constrained verify, support overflow, and
 zero capture work for requests without masks."""
@@ -15,14 +15,14 @@ import pytest
 import torch
 from contract1_ref import reference_policy
 
-import rollout.masks.capture as capture_mod
+import rollout.engine.capture as capture_mod
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
+from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
 from rollout.masks.check import check_table
 from rollout.schema import to_record_batch
-from rollout.spec.grammar import GrammarSpec
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 101], [42, 43, 44, 45, 46, 47, 48, 49, 50]]
 SAMPLED = SamplingParams(temperature=1.0, top_k=12, top_p=0.9, max_tokens=10, seed=5, ignore_eos=True)
@@ -35,7 +35,7 @@ def _engine(model, spec="none", draft=None, **kw):
     transformers forward, do not apply: `-k "not recomputation"`."""
     kw.setdefault("device", os.environ.get("ROLLOUT_TEST_DEVICE", "cpu"))
     kw.setdefault("spec_adaptive", False)  # full draft blocks: every sample verifies
-    return LLMEngine(EngineConfig(model=str(model), spec=spec, draft=draft, block_size=4, num_kv_blocks=300,
+    return build_engine(EngineConfig(model=str(model), spec=spec, draft=draft, block_size=4, num_kv_blocks=300,
                                   max_num_batched_tokens=64, **kw))
 
 
@@ -85,10 +85,10 @@ def test_mask_matrix(tiny_random_qwen3, random_drafters, spec, mode):
 
 def test_masks_with_trained_drafter_and_accepted_blocks(tiny_random_qwen3):
     """Accepted drafts commit several tokens per step; each still gets its own mask row."""
-    from spec_helpers import RepeatDrafter
+    from spec_helpers import RepeatDrafter, factory_of
 
-    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300, spec_adaptive=False),
-                    drafter=RepeatDrafter(4))
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300, spec_adaptive=False),
+                       drafter_factory=factory_of(RepeatDrafter(4)))
     eng.add_request("g", PROMPTS, GREEDY, mask="support")
     eng.add_request("s", PROMPTS, SAMPLED, n=2, mask="support")
     outs = _run(eng)
@@ -105,7 +105,7 @@ PENALISED = SamplingParams(temperature=0.8, top_k=10, top_p=0.92, min_p=0.05, re
 
 
 def _reference_row(z, history, sp, end_ids, out_index):
-    """Contract 1 for one row from tests/contract1_ref.py: (support ids by prob desc / id, logprobs)."""
+    """The sampling distribution of one row from tests/contract1_ref.py: (support ids by prob desc / id, logprobs)."""
     p = reference_policy(
         z.tolist(), temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
         logit_bias=sp.logit_bias, history=history, repetition_penalty=sp.repetition_penalty,
@@ -120,12 +120,12 @@ def test_masks_equal_fresh_transformers_recomputation(tiny_random_qwen3, random_
     """With accepted drafts ("repeat"), rows inside a verify block count the earlier drafts in
     their penalties: the recomputation over prompt + output checks exactly that."""
     import transformers
-    from spec_helpers import RepeatDrafter
+    from spec_helpers import RepeatDrafter, factory_of
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
     if spec == "repeat":
-        eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300,
-                                     spec_adaptive=False), drafter=RepeatDrafter(4))
+        eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300,
+                                        spec_adaptive=False), drafter_factory=factory_of(RepeatDrafter(4)))
     else:
         eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
     eng.add_request("p", PROMPTS, PENALISED, n=2, mask="support")
@@ -155,7 +155,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 def test_grammar_constrained_outputs(spec):
     """The embedded model under a JSON schema and a regex, with masks: outputs parse / match
     and no support holds a token the grammar forbids at that point."""
-    eng = LLMEngine(EngineConfig(spec=spec, num_kv_blocks=400, spec_adaptive=False))
+    eng = build_engine(EngineConfig(spec=spec, num_kv_blocks=400, spec_adaptive=False))
     tok = eng.tokenizer
     prompt = tok.encode("def f(x):\n    return ").ids
     schema = GrammarSpec("json_schema", json.dumps(SCHEMA))
@@ -308,7 +308,7 @@ def test_requests_without_masks_run_no_capture_code(tiny_random_qwen3, random_dr
 def test_constraints_that_exclude_every_token_fail_that_sample_only(temperature):
     """A regex that must end after one byte, with min_tokens banning EOS: no token is allowed at
     position 1. That sample fails with a clear error; the engine and the other request go on."""
-    eng = LLMEngine(EngineConfig(num_kv_blocks=300))
+    eng = build_engine(EngineConfig(num_kv_blocks=300))
     params = SamplingParams(temperature=temperature, top_k=5, max_tokens=8, min_tokens=3, seed=1)
     eng.add_request("conflict", [[97, 98]], params, grammar=GrammarSpec("regex", "a"), mask="support")
     eng.add_request("fine", [[97, 98]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -323,7 +323,7 @@ def test_constraints_that_exclude_every_token_fail_that_sample_only(temperature)
 def test_grammar_with_ignore_eos_is_refused_before_any_work():
     """A grammar ends the sample at EOS; ignore_eos would have the sample run past its grammar's
     end (it crashed every request's step before it was refused)."""
-    eng = LLMEngine(EngineConfig(num_kv_blocks=100))
+    eng = build_engine(EngineConfig(num_kv_blocks=100))
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     with pytest.raises(InvalidArgument, match="ignore_eos"):
         eng.add_request("g", [[97]], params, grammar=GrammarSpec("regex", "[a-z]{1,3}"))
@@ -333,13 +333,13 @@ def test_grammar_with_ignore_eos_is_refused_before_any_work():
 def test_a_token_the_grammar_rejects_at_commit_fails_that_sample_only(monkeypatch):
     """Defence in depth: if a committed token ever failed its grammar, that sample fails with the
     reason and the engine serves the rest, instead of the step raising for every request."""
-    from rollout.spec import grammar as grammar_mod
+    from rollout.engine import grammar as grammar_mod
 
     def reject(self, tokens):
         raise grammar_mod.GrammarRejected(f"grammar rejected committed token {tokens[0]}: test")
 
     monkeypatch.setattr(grammar_mod.GrammarState, "commit", reject)
-    eng = LLMEngine(EngineConfig(num_kv_blocks=300))
+    eng = build_engine(EngineConfig(num_kv_blocks=300))
     eng.add_request("g", [[97]], SamplingParams(temperature=0.0, max_tokens=8), grammar=GrammarSpec("regex", "[a-z]+"))
     eng.add_request("plain", [[97, 98]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     outs = {o.request_id: o for o in _run(eng)}

@@ -16,10 +16,10 @@ import torch
 from test_spec_engine import _generate
 
 import rollout.engine.triton_prefix_attention as tpa
+from rollout import build_engine
 from rollout.cli import build_parser, engine_factory
 from rollout.engine.attention import AttentionMetadata, paged_attention, write_kv
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device, shared_prefix_attention_reference
 from rollout.engine.prefix_plan import SharedPrefixPlanner
@@ -233,10 +233,10 @@ def test_engine_greedy_outputs_do_not_depend_on_shared_prefix_attention(tiny_ran
 @needs_triton
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a CPU engine with the Triton backend needs the interpreter")
 def test_the_flag_keeps_the_plain_kernel(tiny_random_qwen3):
-    off = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton",
+    off = build_engine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton",
                                  shared_prefix_attention=False))
     assert off.prefix_planner is None
-    on = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton"))
+    on = build_engine(EngineConfig(model=str(tiny_random_qwen3), kernel_backend="triton"))
     assert on.prefix_planner == SharedPrefixPlanner(16, 2, 2)
 
 

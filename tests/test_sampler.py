@@ -1,4 +1,4 @@
-"""Contract 1 (DESIGN.md) in rollout.engine.sampler, against the independent per-row reference
+"""The sampling distribution (docs/sampling.md) in rollout.engine.sampler, against the independent per-row reference
 in tests/contract1_ref.py: every processor alone (temperature, top-k with ties, top-p, min-p,
 penalties, logit bias, grammar bitmask, min_tokens bans, greedy), all combined, and a batch
 whose rows each use different parameters. Then the random stream (`uniform`: in (0, 1),

@@ -1,5 +1,5 @@
 """The policy's paths (rollout.engine.sampler: top-k candidates, vocabulary order, top-p rows that
-sort) against the Contract-1 reference where they are easiest to get wrong: ties exactly at the
+sort) against the sampling-distribution reference where they are easiest to get wrong: ties exactly at the
 k-th value, top-p exactly at a candidate's cumulative mass, top-p supports of every size, the row
 chunks, mask rows, rows left without a token, and batches mixing every kind of row. Draws per path
 and verification are covered statistically in test_sampler.py and test_verify_stats.py.

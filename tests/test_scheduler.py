@@ -325,3 +325,28 @@ def test_forks_without_a_free_block_wait_and_recompute():
     driver.run()
     check_outputs([parent, *children])
     assert sched.bm.num_free_blocks == 3
+
+
+def test_a_step_has_at_most_max_rows_logits_rows():
+    """max_rows = min(budget, max_num_seqs x (num_spec + 1)) bounds the logits rows the engine's
+    memory plan reserves for: a prompt's forked samples read its last row too, and those past the
+    bound start later as sequences of their own, then finish like the others."""
+    sched = make_scheduler(max_num_seqs=3, budget=64, num_spec=1)
+    assert sched.max_rows == 6
+    groups = [make_seq(5, max_tokens=3, n=9), make_seq(2, max_tokens=2, n=4)]
+    samples = [s for g in groups for s in [g, *g.children]]
+    for g in groups:
+        sched.add(g)
+    real, rows = sched.schedule, []
+
+    def schedule():
+        batch = real()
+        rows.append(sum(1 + it.num_draft + (len(it.seq.children) if not it.seq.num_output_tokens else 0)
+                        for it in batch if it.samples))
+        return batch
+
+    sched.schedule = schedule
+    Driver(sched).run()
+    check_outputs(samples)
+    assert max(rows) == 6 and rows[0] == 6  # the first step forks 4 of 13 samples: 2 prompts' rows + 4
+    assert sched.bm.num_free_blocks == sched.bm.num_blocks

@@ -9,7 +9,7 @@ import random
 import pyarrow as pa
 import pytest
 
-from rollout.engine.outputs import SampleOutput
+from rollout.outputs import SampleOutput
 from rollout.schema import ROLLOUT_SCHEMA, schema_with_metadata, to_record_batch
 
 

@@ -14,8 +14,10 @@ import time
 import grpc
 import pytest
 import torch
+from metrics_helpers import scrape, scrape_until, value
 from safetensors.torch import load_file
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.loader import load_model
@@ -38,7 +40,7 @@ def drafters(tiny_random_qwen3, tmp_path_factory):
     return root
 
 
-def _server_pool(model, drafters, engine_process: bool, build=LLMEngine):
+def _server_pool(model, drafters, engine_process: bool, build=build_engine):
     """get(spec, **engine_overrides) -> a BackgroundServer, started once per configuration, and
     the servers started. `build(config)` makes the engine (a module-level function: it may run in
     the engine process)."""
@@ -49,7 +51,7 @@ def _server_pool(model, drafters, engine_process: bool, build=LLMEngine):
         if key not in started:
             draft = None if spec == "none" else str(drafters / spec)
             config = EngineConfig(model=str(model), draft=draft, spec=spec, **overrides)
-            serve = ServeConfig(port=0, engine_process=engine_process)
+            serve = ServeConfig(port=0, engine_process=engine_process, metrics_port=0)
             started[key] = BackgroundServer(functools.partial(build, config), serve).__enter__()
         return started[key]
 
@@ -90,6 +92,40 @@ def test_round_trip_every_mask_mode(servers, spec):
             assert table.column("support_logprobs").null_count == (0 if mask == "support" else 6)
             report = check_table(table, max_width=16)
             assert report.ok and report.vocab_size == 264, report.violations[:3]  # ids checked against it
+
+
+def test_metrics_count_samples_and_tokens_per_verify_step(servers):
+    """With a drafter, in both front ends (from an engine process the counters cross the pipe)."""
+    server = servers("dflash")
+    url = server.running.metrics_address
+    before = scrape(url)
+    with RolloutClient(server.address, timeout=120) as client:
+        table = client.generate(PROMPTS, n=3, sampling=SAMPLING)
+    verify_steps = sum(len(a) for a in table.column("accept_lengths").to_pylist())
+    tokens = sum(len(t) for t in table.column("token_ids").to_pylist())
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    after = scrape_until(url, lambda m: value(m, "rollout_verify_steps_total") - value(
+        before, "rollout_verify_steps_total") == verify_steps)
+    assert verify_steps < tokens  # a block of 4 has its drafts accepted now and then
+    assert sum(delta("rollout_samples_total", finish_reason=r) for r in ("stop", "length")) == 6
+    assert delta("rollout_generated_tokens_total") == tokens
+    assert delta("rollout_tokens_per_verify_step_count") == 6  # one observation per sample: its mean
+    assert delta("rollout_tokens_per_verify_step_sum") == pytest.approx(
+        sum(len(t) / len(a) for t, a in zip(table.column("token_ids").to_pylist(),
+                                            table.column("accept_lengths").to_pylist())))
+    assert value(after, "rollout_requests_total", rpc="Generate", code="OK") >= 1
+
+
+def test_server_info_says_what_bounds_the_context(servers):
+    with RolloutClient(servers("dflash").address, timeout=60) as client:
+        info = client.server_info()
+    limits = info["limits"]
+    assert limits["max_model_len_by_model"] == 512  # the model's max_position_embeddings
+    assert limits["max_model_len_by_drafter"] == 512 - 4 + 2  # its last draft block (of 4) must fit
+    assert info["max_model_len"] == limits["max_model_len"] == min(
+        v for k, v in limits.items() if k.startswith("max_model_len_by_"))
 
 
 def test_greedy_is_identical_across_spec_methods(servers):
@@ -242,10 +278,10 @@ def test_update_weights_replaces_the_drafter_in_the_same_call_losslessly(servers
 
 def _engine_with_mask_bound_2(config: EngineConfig) -> LLMEngine:
     """An engine process whose mask capture pretends the bound is 2 (runs in the child only)."""
-    import rollout.masks.capture as capture_mod
+    import rollout.engine.capture as capture_mod
 
     capture_mod.mask_width = lambda entries: 2
-    return LLMEngine(config)
+    return build_engine(config)
 
 
 @pytest.mark.parametrize("engine", ["engine-thread", "engine-process"])
@@ -253,7 +289,7 @@ def test_mask_overflow_during_generation_is_failed_precondition(thread_servers, 
                                                                 monkeypatch, engine):
     """A support that exceeds its bound fails that request with FAILED_PRECONDITION (no partial
     masks); a concurrent request on the same engine finishes normally."""
-    import rollout.masks.capture as capture_mod
+    import rollout.engine.capture as capture_mod
 
     if engine == "engine-thread":
         server = thread_servers("none", num_kv_blocks=512)

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer, normalizers
 from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.admission import Admission, longest_token_bytes
-from rollout.server.app import MIN_REQUEST_BYTES, BackgroundServer, ServeConfig
+from rollout.server.app import BackgroundServer
+from rollout.server.config import MIN_REQUEST_BYTES, ServeConfig
 from trainer_client import RolloutClient
 from trainer_client.client import WEIGHT_PIECE_BYTES
 
@@ -59,7 +60,8 @@ def _gated_engine() -> FakeEngine:
 
 @pytest.fixture(scope="module")
 def server():
-    with BackgroundServer(_gated_engine, ServeConfig(port=0, max_request_bytes=MIN_REQUEST_BYTES)) as srv:
+    with BackgroundServer(_gated_engine, ServeConfig(port=0, engine_process=False,
+                                                     max_request_bytes=MIN_REQUEST_BYTES)) as srv:
         yield srv
 
 

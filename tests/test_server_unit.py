@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save_file
 
-from rollout.engine.outputs import SampleOutput
 from rollout.errors import InvalidArgument
+from rollout.outputs import SampleOutput
 from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
 from rollout.server.service import FlushPolicy
@@ -27,7 +27,7 @@ from trainer_client import AsyncRolloutClient, RolloutClient
 
 @pytest.fixture(scope="module")
 def server():
-    config = ServeConfig(port=0, flush=FlushPolicy(rows=4, seconds=0.01))
+    config = ServeConfig(port=0, engine_process=False, flush=FlushPolicy(rows=4, seconds=0.01))
     with BackgroundServer(FakeEngine, config) as srv:
         yield srv
 
@@ -207,6 +207,21 @@ def test_async_client_generate_stream_and_errors(server):
             return (await aclient.server_info())["vocab_size"]
 
     assert asyncio.run(main()) == VOCAB
+
+
+def test_async_stream_left_through_async_with_cancels_the_request(server, client):
+    free0 = client.server_info()["kv_blocks_free"]
+
+    async def main():
+        async with AsyncRolloutClient(server.address, timeout=30) as aclient:
+            async with aclient.stream([[1]] * 4, n=2, sampling=dict(max_tokens=60), request_id="awith") as stream:
+                await asyncio.to_thread(
+                    lambda: _wait_for(lambda: server.engine_call(lambda e: any(k[0] == "awith" for k in e.running))))
+                assert not stream._call.done()
+            assert stream._call.cancelled()  # leaving the block cancelled the call
+
+    asyncio.run(main())
+    _wait_for(lambda: client.server_info()["kv_blocks_free"] == free0)  # aborted, blocks freed
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> None:

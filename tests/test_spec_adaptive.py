@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 from spec_helpers import cost_table
 
+from rollout import build_engine
 from rollout.cli import build_parser, engine_factory
 from rollout.engine import spec_budget
 from rollout.engine.config import EngineConfig
@@ -29,8 +30,8 @@ K = BLOCK - 1
 
 
 def _engine(spec: str, adaptive: bool = True, cost=None) -> LLMEngine:
-    return LLMEngine(EngineConfig(spec=spec, spec_block_size=BLOCK if spec != "none" else None, num_kv_blocks=200,
-                                  block_size=4, spec_adaptive=adaptive), step_cost=cost)
+    return build_engine(EngineConfig(spec=spec, spec_block_size=BLOCK if spec != "none" else None, num_kv_blocks=200,
+                                     block_size=4, spec_adaptive=adaptive), step_cost=cost)
 
 
 def _run(eng: LLMEngine, prompts=PROMPTS, on_step=None) -> list:

@@ -201,7 +201,8 @@ def _step(seqs, drafts: dict) -> SimpleNamespace:
     """What SpecBudget.record reads of a StepBatch: a decode step of these samples."""
     num_draft = [drafts.get(s, 0) for s in seqs]
     meta = SimpleNamespace(slot_mapping=torch.zeros(len(seqs) + sum(num_draft)))
-    return SimpleNamespace(items=seqs, entries=seqs, num_draft=num_draft, meta=meta)
+    return SimpleNamespace(tokens=SimpleNamespace(items=seqs, meta=meta),
+                           rows=SimpleNamespace(entries=seqs, num_draft=num_draft))
 
 
 def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
@@ -211,8 +212,8 @@ def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
         caps = budget.caps(seqs, False, 4096)
         chosen.append(caps)
         step = _step(seqs, caps)
-        accepted = [sum(1 for _ in itertools.takewhile(accept, range(k))) for k in step.num_draft]
-        budget.record(step, torch.tensor(accepted), 1e-3, False)
+        accepted = [sum(1 for _ in itertools.takewhile(accept, range(k))) for k in step.rows.num_draft]
+        budget.record(step, accepted, 1e-3, False)
     return chosen
 
 

@@ -1,7 +1,7 @@
-"""Speculative decoding through the real engine (Contract 2): greedy outputs equal
+"""Speculative decoding through the real engine (docs/verification.md): greedy outputs equal
 non-speculative greedy outputs token for token for DFlash, DSpark and a drafter whose drafts
 are often accepted, across block sizes, batch sizes and preemption; sampled outputs follow
-the exact Contract-1 law (with truncation, penalties and bias on), with a negative control;
+the exact law of docs/sampling.md (with truncation, penalties and bias on), with a negative control;
 mismatched drafters are refused at load."""
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ import math
 
 import pytest
 import torch
-from spec_helpers import RepeatDrafter
+from spec_helpers import RepeatDrafter, factory_of
 
-import rollout.spec.verify as verify_mod
+import rollout.engine.verify as verify_mod
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
+from rollout.engine.drafter import Drafts
 from rollout.engine.loader import load_model
 from rollout.engine.params import SamplingParams
 from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform_of_keys
 from rollout.errors import LoadError
 from rollout.spec.draft_loader import random_drafter, save_drafter
-from rollout.spec.proposer import Drafts
 
 PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42],
            [1, 2, 3, 4, 5, 6], [200, 201], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17], [77, 78, 79, 80]]
@@ -32,7 +32,7 @@ def _generate(model, prompts, params, n=1, spec="none", draft=None, block=None, 
     cfg = EngineConfig(model=str(model), spec=spec, draft=draft, spec_block_size=block, block_size=4,
                        num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                        spec_adaptive=spec_adaptive, **config)
-    eng = LLMEngine(cfg, drafter=drafter)
+    eng = build_engine(cfg, drafter_factory=factory_of(drafter))
     eng.add_request("r", prompts, params, n=n)
     outs = []
     while eng.has_unfinished():
@@ -79,7 +79,7 @@ def test_dspark_confidence_threshold_shortens_drafts_losslessly(tiny_random_qwen
         cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dspark", draft=random_drafters["dspark"],
                            spec_block_size=8, spec_confidence_threshold=threshold, block_size=4, num_kv_blocks=400,
                            spec_adaptive=False)
-        eng = LLMEngine(cfg)
+        eng = build_engine(cfg)
         eng.add_request("r", PROMPTS, GREEDY)
         outs = []
         while eng.has_unfinished():
@@ -102,7 +102,7 @@ NUM_SAMPLES = 2000
 
 
 def _reference_joint(model_dir):
-    """p(t1, t2) from transformers logits with Contract 1 applied (penalties count prompt + t1)."""
+    """p(t1, t2) from transformers logits with the sampling distribution applied (penalties count prompt + t1)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -196,17 +196,17 @@ def test_mismatched_drafter_is_refused(tiny_random_qwen3, tmp_path):
     wide = load_model(other)
     save_drafter(random_drafter(wide, "dflash", block_size=4, mask_token_id=258), tmp_path / "d")
     with pytest.raises(LoadError, match="hidden"):
-        LLMEngine(EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=str(tmp_path / "d"),
+        build_engine(EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=str(tmp_path / "d"),
                                num_kv_blocks=64))
-    own = LLMEngine(EngineConfig(model=str(other), spec="dflash", draft=str(tmp_path / "d"), num_kv_blocks=64))
+    own = build_engine(EngineConfig(model=str(other), spec="dflash", draft=str(tmp_path / "d"), num_kv_blocks=64))
     assert own.drafter.block == 4 and own.drafter_name == "d"
 
 
 def test_generation_up_to_the_context_limit_with_a_drafter(tiny_random_qwen3, random_drafters):
     """The drafter's block reaches block - 1 positions past its anchor: the engine's context
     limit leaves room for it, and a request that fills the context runs to the end."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"],
-                                 block_size=4, num_kv_blocks=400, spec_adaptive=False))
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"],
+                                    block_size=4, num_kv_blocks=400, spec_adaptive=False))
     assert eng.max_model_len == 512 - 4 + 2  # max_position_embeddings 512, drafter block 4
     prompt = [7] * 500
     eng.add_request("edge", [prompt], SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - 500,
@@ -230,8 +230,8 @@ def test_group_whose_prompt_is_cached_forks_before_drafting(tiny_random_qwen3):
             flat = [(expected + [0] * 64)[it.seq.num_output_tokens + j] for it in items for j in range(it.num_draft)]
             return Drafts(torch.tensor(flat, dtype=torch.int64), counts)
 
-    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=200, spec_adaptive=False),
-                    drafter=OracleDrafter(4))
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=200, spec_adaptive=False),
+                       drafter_factory=factory_of(OracleDrafter(4)))
     eng.add_request("warm", [prompt], GREEDY)
     while eng.has_unfinished():
         eng.step()

@@ -1,11 +1,11 @@
-"""Sampled drafts through the real engine where they are accepted often (Contract 2).
+"""Sampled drafts through the real engine where they are accepted often (docs/verification.md).
 
 The embedded DFlash and DSpark drafters propose for the embedded target at temperature 1, top-k 4:
 about 70% of their sampled drafts are accepted, so the law of the committed tokens depends on the q
 each drafter reports with its drafts (a random drafter, accepted ~1% of the time, barely tests q).
 1,500 samples of one prompt run to four tokens; the first comes from the prefill, the second and
 third from verified drafts (block size 3: two drafts). Their joint law of the first three tokens
-must equal the exact Contract-1 law, computed from transformers' logits by the independent
+must equal the exact law of docs/sampling.md, computed from transformers' logits by the independent
 reference (tests/contract1_ref.py): chi-square, fixed seeds.
 
 Under the adaptive draft budget (issue 19), with each sample's drafts per step drawn at random through
@@ -29,6 +29,7 @@ from contract1_ref import reference_policy
 from spec_helpers import cost_table
 
 import rollout.spec.proposer as proposer
+from rollout import build_engine
 from rollout.engine.config import DEFAULT_MODEL, EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
@@ -43,7 +44,7 @@ BLOCK = 3  # two drafts per block: the second and third tokens
 
 @pytest.fixture(scope="module", params=["dflash", "dspark"])
 def engine(request) -> LLMEngine:
-    return LLMEngine(EngineConfig(spec=request.param, spec_block_size=BLOCK, block_size=4,
+    return build_engine(EngineConfig(spec=request.param, spec_block_size=BLOCK, block_size=4,
                                   num_kv_blocks=3 * NUM_SAMPLES, max_num_seqs=NUM_SAMPLES,
                                   max_num_batched_tokens=BLOCK * NUM_SAMPLES, spec_adaptive=False))
 
@@ -101,9 +102,9 @@ def test_often_accepted_sampled_drafts_follow_the_exact_law(engine, exact_joint)
 
 @pytest.mark.parametrize("spec", ["dflash", "dspark"])
 def test_sampled_drafts_follow_the_exact_law_under_a_varying_budget(spec, exact_joint):
-    eng = LLMEngine(EngineConfig(spec=spec, spec_block_size=BLOCK, block_size=4, num_kv_blocks=3 * NUM_SAMPLES,
-                                 max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=BLOCK * NUM_SAMPLES),
-                    step_cost=cost_table(q=BLOCK))
+    eng = build_engine(EngineConfig(spec=spec, spec_block_size=BLOCK, block_size=4, num_kv_blocks=3 * NUM_SAMPLES,
+                                    max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=BLOCK * NUM_SAMPLES),
+                       step_cost=cost_table(q=BLOCK))
     rng, chosen = random.Random(7), Counter()
 
     def random_caps(running, admits, budget):

@@ -1,5 +1,5 @@
 """trainer_client.tensors: padding of a hand-made table, and the mask replay reproducing the
-Contract-1 log-probs of supports computed by hand from known logits, with gradients."""
+log-probs (docs/sampling.md) of supports computed by hand from known logits, with gradients."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rollout.engine.outputs import SampleOutput
+from rollout.outputs import SampleOutput
 from rollout.schema import schema_with_metadata, to_record_batch
 from trainer_client.tensors import masked_logprobs, to_torch
 

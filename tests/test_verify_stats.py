@@ -1,7 +1,7 @@
-"""Exactness of speculative verification (Contract 2), statistically, at the verify level.
+"""Exactness of speculative verification (docs/verification.md), statistically, at the verify level.
 
 A synthetic target over a 6-token vocabulary whose next-token logits depend on the previous
-tokens (so p_2 is conditioned on the first draft), truncated by the real Contract-1 policy
+tokens (so p_2 is conditioned on the first draft), truncated by the real policy (docs/sampling.md)
 (top-k, top-p, min-p, penalties-free here; processors are covered in test_sampler). Many
 independent samples draft two tokens from a proposal q, are verified in one batched call,
 and samples whose block ended after one token draw their second token in a plain K=0 step,
@@ -19,7 +19,7 @@ import torch
 from spec_helpers import proposal
 from spec_helpers import verify_rows as verify
 
-import rollout.spec.verify as verify_mod
+import rollout.engine.verify as verify_mod
 from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform_of_keys
 
 V = 6
@@ -59,7 +59,7 @@ def _mixed_rows(kinds: list[str], kind_of: torch.Tensor) -> RowParams:
 
 
 def _exact_joint(z1, z2, params: dict):
-    """p(t1, t2) = p_1(t1) p_2(t2 | t1) under the Contract-1 policy."""
+    """p(t1, t2) = p_1(t1) p_2(t2 | t1) under the policy (docs/sampling.md)."""
     p1 = policy(z1[None].clone(), _rows(1, **params)).probs()[0]  # [V]
     p2 = policy(z2.clone(), _rows(V, **params)).probs()  # [V, V]
     return p1[:, None] * p2

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollout import build_engine
 from rollout.engine.config import EngineConfig
-from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 from rollout.errors import FailedPrecondition, InvalidArgument
 
@@ -16,7 +16,7 @@ PROMPT = [[5, 6, 7, 8]]
 
 
 def _engine(model, **kw):
-    return LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=100, spec_adaptive=False, **kw))
+    return build_engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=100, spec_adaptive=False, **kw))
 
 
 def _drain(eng):

@@ -30,8 +30,9 @@ from trainer_client.client import (
 
 
 class AsyncBatchStream(CancellingCall):
-    """The record batches of one Generate call (async iterator). `close()` (also on leaving a
-    `with` block or when dropped unfinished) cancels the call and so aborts the request."""
+    """The record batches of one Generate call (async iterator). `close()` (also on leaving an
+    `async with` or `with` block, or when dropped unfinished) cancels the call and so aborts the
+    request."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall):
         self._call = call
@@ -42,6 +43,12 @@ class AsyncBatchStream(CancellingCall):
 
     async def __anext__(self) -> pa.RecordBatch:
         return decode_batch(await self._responses.__anext__())
+
+    async def __aenter__(self) -> AsyncBatchStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
 
 
 class AsyncRolloutClient(ClientBase):
@@ -61,7 +68,7 @@ class AsyncRolloutClient(ClientBase):
         timeout: float | None = None,
     ) -> pa.Table:
         """All samples of all prompts as one table, ordered by (prompt_index, sample_index)."""
-        with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout) as batches:
+        async with self.stream(prompts, n, sampling, mask, grammar, request_id, timeout) as batches:
             return to_table([batch async for batch in batches])
 
     def stream(

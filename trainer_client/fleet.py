@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 
 from rollout.errors import InvalidArgument
 from trainer_client.aio import AsyncRolloutClient
-from trainer_client.client import Prompt, Weights, sampling_to_proto, to_table
+from trainer_client.client import Prompt, Weights, safetensors_files, sampling_to_proto, to_table
 from trainer_client.fleet_replica import RolloutReplica, health_ok
 from trainer_client.fleet_requests import FleetRequest
 from trainer_client.fleet_routing import Replica, WeightHistory
@@ -117,7 +117,7 @@ class RolloutFleet:
     def _boot(self, config: FleetConfig, actors: list, owned: bool) -> None:
         self.config = config
         self.window, self.max_attempts = config.max_outstanding_samples, config.max_attempts
-        self._closed = False
+        self._closed = self._said_stopped = False
         self._history = WeightHistory()
         self._weights_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -135,22 +135,36 @@ class RolloutFleet:
         self._monitor = asyncio.run_coroutine_threadsafe(self._watch_health(), self._loop)
 
     def _started_replicas(self, actors: list, owned: bool) -> list[Replica]:
-        """Waits for every actor's server; on any failure stops them all (if `owned`) and raises."""
-        replicas = []
+        """Waits for every actor's server, logging each as it comes up; on any failure stops them all
+        (if `owned`) and raises RuntimeError with the failed server's own log tail."""
+        replicas: dict[int, Replica] = {}
+        pending = {actor.info.remote(): index for index, actor in enumerate(actors)}
+        deadline = time.monotonic() + self.config.startup_timeout + 60
         try:
-            for index, actor in enumerate(actors):
-                try:
-                    info = ray.get(actor.info.remote(), timeout=self.config.startup_timeout + 60)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                    raise RuntimeError(f"replica {index} did not start: {exc}") from exc
-                if not health_ok(info["address"], timeout=10.0):
-                    raise RuntimeError(f"replica {index}'s server {info['address']} is not reachable from here")
-                replicas.append(Replica(index, actor, info["address"], info["incarnation"], info["server_pid"]))
+            while pending:
+                done, _ = ray.wait(list(pending), timeout=max(deadline - time.monotonic(), 0))
+                if not done:
+                    raise RuntimeError(f"replica(s) {sorted(pending.values())} did not start in "
+                                       f"{self.config.startup_timeout + 60:.0f} s")
+                index = pending.pop(done[0])
+                replicas[index] = self._replica(index, actors[index], done[0])
         except BaseException:
             if owned:
                 stop_actors(actors)
             raise
-        return replicas
+        return [replicas[i] for i in range(len(actors))]
+
+    def _replica(self, index: int, actor, info_ref) -> Replica:
+        try:
+            info = ray.get(info_ref)
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"replica {index} did not start: its actor died ({_first_line(exc)})") from None
+        if info["error"]:
+            raise RuntimeError(f"replica {index} did not start: {info['error']}")
+        if not health_ok(info["address"], timeout=10.0):
+            raise RuntimeError(f"replica {index}'s server {info['address']} is not reachable from here")
+        log.info("replica %d serving at %s (its server started in %.1f s)", index, info["address"], info["startup_s"])
+        return Replica(index, actor, info["address"], info["incarnation"], info["server_pid"])
 
     # ---- what callers use -------------------------------------------------------------------
 
@@ -288,7 +302,6 @@ class RolloutFleet:
             if replica.state != "healthy" or self._closed:
                 return
             replica.state = "recovering"
-        log.warning("replica %d at %s failed; waiting for Ray to restart it", replica.index, replica.address)
         self._loop.call_soon_threadsafe(self.notify)
         threading.Thread(target=self._recover, args=(replica,), name=f"recover-{replica.index}", daemon=True).start()
 
@@ -307,10 +320,18 @@ class RolloutFleet:
     # ---- recovery, on a thread per failed replica ------------------------------------------------
 
     def _recover(self, replica: Replica) -> None:
+        if self._stopped_elsewhere(replica):
+            replica.state = "dead"
+            self._loop.call_soon_threadsafe(self.notify)
+            return
+        log.warning("replica %d at %s failed; waiting for Ray to restart it", replica.index, replica.address)
         deadline = time.monotonic() + self.config.restart_timeout
         while not self._closed and time.monotonic() < deadline:
             try:
                 info = ray.get(replica.actor.info.remote(), timeout=10)
+                if info["error"]:
+                    log.error("replica %d restarted but its server did not start: %s", replica.index, info["error"])
+                    break
                 same_server = info["incarnation"] == replica.incarnation
                 if same_server and not health_ok(info["address"], self.config.health_timeout):
                     time.sleep(0.5)  # dying (Ray will restart it), or NOT_SERVING (its engine stalled)
@@ -327,6 +348,22 @@ class RolloutFleet:
                 break
         replica.state = "dead"
         self._loop.call_soon_threadsafe(self.notify)
+
+    def _stopped_elsewhere(self, replica: Replica) -> bool:
+        """Whether the replica's actor was shut down or killed on purpose (e.g. `launch_fleet.py --stop`
+        from another process) rather than failed: said once per fleet, not as a failure."""
+        try:
+            stopping = ray.get(replica.actor.info.remote(), timeout=10)["stopping"]
+        except ray.exceptions.ActorDiedError as exc:
+            stopping = "ray.kill" in str(exc)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            stopping = False
+        if stopping and not self._said_stopped:
+            self._said_stopped = True
+            log.warning("replica %d at %s was stopped elsewhere (its actor was shut down or killed, e.g. by "
+                        "launch_fleet.py --stop); replicas stopped this way leave the routing", replica.index,
+                        replica.address)
+        return stopping
 
     def _rejoin(self, replica: Replica, info: dict[str, Any]) -> None:
         """Brings a restarted server up to the fleet's weights, then routes to it again."""
@@ -362,11 +399,7 @@ def _state(weights: Weights | None) -> Mapping | None:
         return None
     if isinstance(weights, Mapping):
         return {name: tensor.detach().cpu() for name, tensor in weights.items()}
-    path = Path(weights)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise InvalidArgument("weights", f"{path} is neither a .safetensors file nor a directory holding some")
-    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+    return {name: tensor for file in safetensors_files(Path(weights)) for name, tensor in load_file(file).items()}
 
 
 def named_actors(name: str, namespace: str | None = None) -> list:
@@ -389,3 +422,7 @@ def stop_actors(actors: list) -> None:
             pass  # the actor is dead or stuck: killing it below kills its server (PDEATHSIG)
     for actor in actors:
         ray.kill(actor, no_restart=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)

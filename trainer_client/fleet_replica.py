@@ -2,12 +2,13 @@
 
 `RolloutReplica.__init__` starts a fresh server bound to the node address Ray gives the actor
 (`ray.util.get_node_ip_address()`) on a free port, reads its `rollout serving on HOST:PORT` line
-and waits for gRPC health SERVING; a server that does not come up fails the actor's creation with
-the tail of its log. Once serving, a server that exits on its own takes the actor down with it, so
-Ray restarts the actor and its `__init__` starts a new server. The child gets SIGKILL when the
-actor's process dies (Linux PR_SET_PDEATHSIG), so a killed actor leaves no server behind.
-`push_weights` is how the fleet's Ray object store payloads reach the server.
-"""
+and waits for gRPC health SERVING. A server that does not come up does not fail the actor's
+creation (Ray would bury the reason in its own stack dump): `info()` then reports it as `error`,
+with the tail of the server's log, and the fleet stops the actor. Once serving, a server that
+exits on its own takes the actor down with it, so Ray restarts the actor and its `__init__` starts
+a new server. The child gets SIGKILL when the actor's process dies (Linux PR_SET_PDEATHSIG), so a
+killed actor leaves no server behind. `push_weights` is how the fleet's Ray object store payloads
+reach the server."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -123,15 +125,19 @@ class RolloutReplica:
         args = [sys.executable, "-m", "rollout.cli", "serve", "--host", self.node_ip, "--port", "0",
                 "--device", device, *serve_args]  # fmt: skip
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        self.address, self.error, self.startup_s = "", None, None
+        started = time.monotonic()
         self.server = ServerChild(args, child_env, self._on_server_exit)
         try:
             self.address = self.server.wait_ready(startup_timeout)
             if not health_ok(self.address, timeout=min(startup_timeout, 30.0)):
                 raise RuntimeError(f"rollout serve at {self.address} is not SERVING:\n{self.server.log_tail()}")
-        except BaseException:
+        except Exception as exc:
             self._stopping = True
             self.server.kill()
-            raise
+            self.error = str(exc)
+            return
+        self.startup_s = time.monotonic() - started
         self._serving = True
 
     def _on_server_exit(self, status: int) -> None:
@@ -141,8 +147,11 @@ class RolloutReplica:
             os._exit(1)
 
     def info(self) -> dict[str, Any]:
+        """Where the server is; `error` (its start failed, with its log tail) or `stopping` (someone
+        called `shutdown`) say why it is not serving."""
         return {"address": self.address, "node_ip": self.node_ip, "incarnation": self.incarnation,
-                "server_pid": self.server.proc.pid, "actor_pid": os.getpid()}  # fmt: skip
+                "server_pid": self.server.proc.pid, "actor_pid": os.getpid(), "error": self.error,
+                "stopping": self._stopping and self.error is None, "startup_s": self.startup_s}
 
     def server_info(self, timeout: float = 30.0) -> dict[str, Any]:
         with RolloutClient(self.address, timeout=timeout) as client:

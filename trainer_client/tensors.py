@@ -2,7 +2,7 @@
 
 `to_torch` turns a table in the one rollout schema into a `RolloutBatch` of right-padded
 tensors built with numpy from the Arrow offsets (no per-token Python loop). `masked_logprobs`
-is the replay that removes the truncation mismatch (DESIGN.md Contract 3): the trainer's
+is the replay that removes the truncation mismatch (docs/masks.md): the trainer's
 log-probability of each rollout token renormalised over the support the token was sampled
 from, so the importance ratio compares the same action space on both sides.
 """

@@ -1,22 +1,29 @@
-"""After the step's one host copy: advance the sequences, append committed tokens with
-their logprobs and masks, stop at the finish, fork the samples of freshly prefilled
-prompts, roll back the KV of rejected drafts, and emit finished samples.
+"""After the step's one host copy (and the scheduler's `advance`): append committed tokens with
+their logprobs and masks, stop at the finish, and emit finished samples.
 
-A step's masks reach its samples one step late, unless one of its masked samples finishes
-(then at once): `hand_over_masks` runs while the device computes the next step, so their host
-work (the gather of the committed rows, a support's overflow test, one part per sample) hides
-behind a wait the engine has anyway. Anything that reads a sample's masks hands over first (a
-finish, an abort); a sample whose support overflowed fails as a whole at its next step (or its
-finish)."""
+The mask hand-over, one step late (explained here once; capture and the engine refer here): a
+step's masks reach its samples one step late, unless one of its masked samples finishes (then
+at once). `hand_over_masks` runs while the device computes the next step, so their host work
+(the gather of the committed rows, a support's overflow test, one part per sample) hides behind
+a wait the engine has anyway. Anything that reads a sample's masks hands over first (a finish,
+an abort); a sample whose support overflowed fails as a whole at its next step (or its finish).
+The capture side keeps two staging buffers in turn for this (rollout.engine.capture)."""
 
 from __future__ import annotations
 
-from rollout.engine.batch import StepBatch
-from rollout.engine.outputs import SampleOutput
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from rollout.engine.batch import SampleRows
+from rollout.engine.capture import committed_masks
+from rollout.engine.intake import Intake
+from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Sequence
 from rollout.errors import GrammarRejected
-from rollout.masks.capture import committed_masks
 from rollout.masks.pack import assemble_supports
+from rollout.outputs import SampleOutput
 
 
 class StepMasks:
@@ -30,24 +37,39 @@ class StepMasks:
         self.taken: list[tuple[Sequence, int, int]] = []
 
 
+class HostStep(NamedTuple):
+    """The step's one device -> host copy (`LLMEngine` makes it, `Committer.commit` reads it)."""
+
+    tokens: list[list[int]]  # [E][Kmax+1] committed tokens of each entry, -1 past its end
+    logprobs: list[list[float]]  # [E][Kmax+1] log p of each committed token
+    num_accepted: list[int]  # [E] accepted drafts: entry e commits num_accepted[e] + 1 tokens
+    has_support: list[bool]  # [E] False when the processors left the final row no token
+    masks: np.ndarray | None  # the packed mask rows' host array (MaskCapture.to_host); None without masks
+
+
 class Committer:
-    def __init__(self, engine):
-        self.engine = engine
+    """Appends each entry's committed tokens up to its finish, hands masks over and emits finished
+    samples. `scheduler` frees a finished sample's blocks, `intake` forgets it; `policy_version()`
+    stamps it; `max_model_len` bounds a sample's context."""
+
+    def __init__(self, scheduler: Scheduler, intake: Intake, max_model_len: int, policy_version: Callable[[], int]):
+        self.scheduler, self.intake = scheduler, intake
+        self.max_model_len = max_model_len
+        self.policy_version = policy_version
         self.pending: StepMasks | None = None  # the last step's masks, not yet handed to its samples
 
-    def commit(self, step: StepBatch, host, captured) -> list[SampleOutput]:
-        """`host`: the step's host copies (`_to_host`); `captured`: its packed masks (the last of
-        `host` is their host array), None when no entry asked for masks."""
-        if not host:
-            self._advance(step, [])
+    def commit(self, rows: SampleRows, host: HostStep | None, captured) -> list[SampleOutput]:
+        """After the scheduler advanced the step's sequences: `host` is None when the step had no
+        entries; `captured` its packed masks (their host array is `host.masks`), None when no entry
+        asked for masks."""
+        if host is None:
             return []
-        tokens, logprobs, num_accepted, has_support = (h.tolist() for h in host[:4])
-        self._advance(step, num_accepted)
-        masks = StepMasks(captured, host[4]) if captured is not None else None
+        tokens, logprobs, num_accepted = host.tokens, host.logprobs, host.num_accepted
+        masks = StepMasks(captured, host.masks) if captured is not None else None
         outputs, finishing = [], []
-        for e, seq in enumerate(step.entries):
+        for e, seq in enumerate(rows.entries):
             count = num_accepted[e] + 1
-            if not has_support[e]:
+            if not host.has_support[e]:
                 position = seq.num_output_tokens + num_accepted[e]
                 outputs.append(self.fail(seq, f"no token is allowed at output position {position}: the grammar and "
                                               f"min_tokens / stop_token_ids exclude every token"))
@@ -64,36 +86,7 @@ class Committer:
         self.pending = masks
         if any(seq.mask for seq, _ in finishing):
             self.hand_over_masks()  # a finishing sample's masks are read now
-        outputs += [self.finish(seq, reason) for seq, reason in finishing]
-        for item in step.items:  # only blocks reserved for drafts can lie past the committed tokens
-            if item.num_draft and not item.seq.is_finished:
-                self.engine.block_manager.truncate(item.seq, item.seq.num_tokens)
-        return outputs
-
-    def _advance(self, step: StepBatch, num_accepted: list[int]) -> None:
-        """Computed counts (the tokens fed plus the accepted drafts), prefix-cache registration,
-        and the forks of prompts whose last token was computed (before anyone may finish)."""
-        bm = self.engine.block_manager
-        accepted, forks = {}, []
-        for e, (seq, i) in enumerate(zip(step.entries, step.entry_item)):
-            parent = step.items[i].seq
-            if seq is parent:
-                accepted[i] = num_accepted[e]
-            else:
-                forks.append((parent, seq))
-        for i, item in enumerate(step.items):
-            seq, old = item.seq, item.seq.num_computed_tokens
-            seq.num_computed_tokens = old + item.num_new_tokens + accepted.get(i, 0)
-            bm.register_computed(seq, old)
-        for parent, child in forks:
-            self._fork(parent, child)
-        for i in set(step.entry_item):  # a prompt still mid-prefill keeps its samples to fork
-            step.items[i].seq.children = []
-
-    def _fork(self, parent: Sequence, child: Sequence) -> None:
-        copy = self.engine.scheduler.fork(parent, child)
-        if copy is not None:
-            self.engine.pending_copies.append(copy)
+        return outputs + [self.finish(seq, reason) for seq, reason in finishing]
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], masks, e: int) -> str | None:
         """Append committed tokens (entry e of the step) up to the finish; returns the finish reason
@@ -102,7 +95,7 @@ class Committer:
         # the finish: the token that reaches max_tokens or the context, unless a stop token
         # comes first (or is that token)
         room = seq.params.max_tokens - len(out)
-        context_room = self.engine.max_model_len - len(seq.prompt_token_ids) - len(out)
+        context_room = self.max_model_len - len(seq.prompt_token_ids) - len(out)
         if context_room < room:
             room = context_room
         if room <= n:
@@ -138,8 +131,8 @@ class Committer:
     def finish(self, seq: Sequence, reason: str) -> SampleOutput:
         if seq.mask_error is not None and reason != "error":  # its masks overflowed: the sample fails
             return self.fail(seq, seq.mask_error)
-        self.engine.scheduler.finish(seq)
-        self.engine.intake.done(seq)
+        self.scheduler.finish(seq)
+        self.intake.done(seq)
         seq.finish_reason = reason
         return SampleOutput(
             request_id=seq.request_id, prompt_index=seq.prompt_index, sample_index=seq.sample_index,
@@ -147,7 +140,7 @@ class Committer:
             token_logprobs=seq.output_logprobs, finish_reason=reason,
             supports=None if seq.support_parts is None else assemble_supports(seq.support_parts,
                                                                               seq.mask == "support"),
-            accept_lengths=seq.accept_lengths, policy_version=self.engine.policy_version,
+            accept_lengths=seq.accept_lengths, policy_version=self.policy_version(),
         )
 
     def fail(self, seq: Sequence, error: str) -> SampleOutput:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.errors import InvalidArgument
+from rollout.options import option
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny-qwen3"
@@ -22,32 +23,50 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything `rollout serve` can set. `model=None` / `draft=None` mean the embedded models."""
+    """Everything `rollout serve` can set about the engine; each field is its flag (rollout.options).
+    `model=None` / `draft=None` mean the embedded models."""
 
-    model: str | None = None
-    load_format: str = "safetensors"
-    draft: str | None = None
-    spec: str = "none"
-    spec_block_size: int | None = None
-    spec_confidence_threshold: float = 0.0
-    # per step, verify only the drafts expected to pay (spec_budget.py); False: always full blocks
-    spec_adaptive: bool = True
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_fraction: float = 0.85
-    cpu_kv_bytes: int = 256 << 20
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    max_mask_tokens: int = 4096
-    max_queued_samples: int = 4096
-    enable_prefix_caching: bool = True
-    cuda_graphs: bool = True  # replay uniform decode / verify steps as CUDA graphs (CUDA only)
-    kernel_backend: str = "auto"
-    # Triton backend: KV blocks that several running sequences share (forked samples, cached
-    # prefixes) are read once per step for all of them (prefix_plan.py); False: the plain kernel
-    shared_prefix_attention: bool = True
+    model: str | None = option(None, "HF checkpoint directory of the target model", metavar="DIR",
+                               default_text="the embedded tiny Qwen3")
+    load_format: str = option("safetensors", "how the target's weights are read; random: seeded random weights "
+                              "from config.json alone (benchmarks of a model's shape)", choices=LOAD_FORMATS)
+    draft: str | None = option(None, "drafter checkpoint directory (DFlash or DSpark, matching --spec); refused "
+                               "with --spec none", metavar="DIR", default_text="the embedded drafter of --spec")
+    spec: str = option("none", "speculative decoding: none, or the drafter kind; drafts are verified against "
+                       "the target, so the samples' distribution does not change", choices=SPEC_METHODS)
+    spec_block_size: int | None = option(None, "draft block: tokens per verify step (the drafts plus one), in "
+                                         "[2, 64]", default_text="the drafter checkpoint's")
+    spec_confidence_threshold: float = option(0.0, "DSpark: cut a draft block at the first position the drafter "
+                                              "predicts below this confidence; 0 = full blocks")
+    spec_adaptive: bool = option(True, "verify per step only the drafts expected to pay, from measured "
+                                 "acceptance and step costs (rollout/engine/spec_budget.py); off: always full "
+                                 "draft blocks")
+    device: str = option("cpu", "where the engine runs", choices=("cpu", "cuda"))
+    block_size: int = option(16, "KV cache block size in tokens (a power of two)")
+    num_kv_blocks: int | None = option(None, "KV cache blocks", default_text="what fits once the largest step is "
+                                       "profiled (CUDA, under --gpu-memory-fraction) or --cpu-kv-bytes (CPU)")
+    gpu_memory_fraction: float = option(0.85, "CUDA: fraction of the GPU's memory the process may fill: weights, "
+                                        "the largest step, CUDA graphs, and the KV cache taking what is left")
+    cpu_kv_bytes: int = option(256 << 20, "CPU: bytes of KV cache (target and drafter)",
+                               default_text="256 MiB")
+    max_num_seqs: int = option(256, "most sequences (samples) in one step")
+    max_num_batched_tokens: int = option(2048, "most tokens in one step (prefill chunks, decode and draft tokens)")
+    max_model_len: int | None = option(None, "longest sequence, prompt plus output", default_text="min(the "
+                                       "model's positions, the KV cache's, with a drafter positions - block + 2)")
+    max_mask_tokens: int = option(4096, "largest top_k a mask request may use")
+    max_queued_samples: int = option(4096, "most samples waiting to start; beyond, requests are refused with "
+                                     "RESOURCE_EXHAUSTED")
+    enable_prefix_caching: bool = option(True, "do not reuse the KV blocks of identical prompt prefixes across "
+                                         "requests", flag="--no-prefix-caching", default_text="reused")
+    cuda_graphs: bool = option(True, "CUDA: run decode / verify steps eagerly instead of replaying uniform ones "
+                               "as CUDA graphs", default_text="CUDA graphs")
+    kernel_backend: str = option("auto", "layer kernels: triton (fused, with paged attention reading the block "
+                                 "pool), torch (the reference), auto = triton on CUDA when the head size "
+                                 "suits it, else torch", choices=KERNEL_BACKENDS)
+    shared_prefix_attention: bool = option(True, "Triton backend: read the KV blocks that several running "
+                                           "sequences share (forked samples, cached prefixes) once per step for "
+                                           "all of them; off: the plain paged kernel",
+                                           default_text="on")
 
     def __post_init__(self):
         if self.spec not in SPEC_METHODS:
@@ -59,6 +78,9 @@ class EngineConfig:
                                   f"got {self.kernel_backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument("device", f"must be cpu or cuda, got {self.device!r}")
+        if self.draft is not None and self.spec == "none":
+            raise InvalidArgument("draft", "a drafter needs --spec dflash or --spec dspark (its kind), "
+                                           "got --spec none")
         if self.spec_block_size is not None and not 2 <= self.spec_block_size <= 64:
             raise InvalidArgument("spec_block_size", f"must be in [2, 64], got {self.spec_block_size}")
         if not 0.0 <= self.spec_confidence_threshold < 1.0:
@@ -82,3 +104,4 @@ class EngineConfig:
         if self.spec == "none":
             return None
         return Path(self.draft) if self.draft else DEFAULT_DRAFTS[self.spec]
+

@@ -1,14 +1,19 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    schedule -> draft -> forward -> policy -> verify -> capture -> (last step's masks) -> sync -> commit/emit
+    schedule (with the draft budget) -> draft -> forward -> policy -> verify -> capture
+    -> (last step's masks) -> sync -> advance (scheduler) -> commit/emit (committer)
+    -> truncate drafts (scheduler) -> record (draft budget)
 
-With a drafter, the schedule's draft budget (spec_budget.py, `--spec-adaptive`) decides each step
-how many drafts of each sample to verify, from the acceptance each sample has shown and what steps
-cost here (step_cost.py: profiled at startup, then each step's wall time).
+One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
+blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
+(docs/verification.md), one host synchronisation. The engine is single-threaded: the server
+calls it from one loop. Its parts get what they need as arguments (the scheduler its block
+manager, the intake and the committer the scheduler, the weight updater the modules it loads
+into); the drafter comes from a factory (rollout.engine.drafter), so the engine imports none.
 
-One step is one target forward over a ragged batch (prefill chunks, decode anchors and
-draft blocks mixed), one Contract-1 policy over the rows that sample, one verification, one
-host synchronisation. The engine is single-threaded: the server calls it from one loop.
+With a drafter, the scheduler's draft budget (spec_budget.py, `--no-spec-adaptive` turns it off)
+decides each step how many drafts of each sample to verify, from the acceptance each sample has
+shown and what steps cost here (step_cost.py: profiled at startup, then each step's wall time).
 """
 
 from __future__ import annotations
@@ -16,41 +21,51 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from rollout.engine import triton_ops, triton_prefix_attention
+from rollout.engine import memory, profile, triton_ops, triton_prefix_attention
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
-from rollout.engine.commit import Committer
+from rollout.engine.capture import MaskCapture
+from rollout.engine.commit import Committer, HostStep
 from rollout.engine.config import EngineConfig
+from rollout.engine.drafter import Drafter, Drafts
 from rollout.engine.graphs import StepGraphs
-from rollout.engine.intake import Intake
-from rollout.engine.kv import allocate_kv, copy_blocks, size_kv_blocks
-from rollout.engine.loader import load_model
-from rollout.engine.outputs import SampleOutput
+from rollout.engine.intake import Intake, Limits
+from rollout.engine.kv import allocate_kv, bytes_per_block, copy_blocks
+from rollout.engine.loader import LoadedModel, LoadProgress, load_model
 from rollout.engine.prefix_plan import SharedPrefixPlanner
-from rollout.engine.rows import build_row_params
+from rollout.engine.rows import build_row_params, grammar_bitmask
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.spec_budget import SpecBudget
 from rollout.engine.step_cost import StepCost, profile_step_cost
+from rollout.engine.verify import VerifyResult, verify
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import InvalidArgument
-from rollout.masks.capture import MaskCapture
-from rollout.spec.proposer import Drafter, Drafts
-from rollout.spec.verify import VerifyResult, verify
+from rollout.outputs import SampleOutput
 
 log = logging.getLogger(__name__)
 
+# builds the engine's drafter for the loaded target (rollout.spec.proposer.build_drafter, or a test double)
+DrafterFactory = Callable[[EngineConfig, LoadedModel], Drafter]
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, drafter: Drafter | None = None, step_cost: StepCost | None = None):
-        """`drafter` plugs in a custom `Drafter` instead of the one `config.spec` names; `step_cost`
-        gives the draft budget its cost model instead of the startup profile (tests)."""
+    def __init__(self, config: EngineConfig, drafter_factory: DrafterFactory | None = None,
+                 load_progress: LoadProgress | None = None, step_cost: StepCost | None = None):
+        """`drafter_factory(config, target)` builds the drafter. The engine imports no drafter: a
+        config whose `spec` names one needs a factory (`rollout.build_engine(config)` passes
+        rollout.spec's); one given with `spec="none"` plugs in a custom drafter. `load_progress`
+        shows the target's checkpoint reads; `step_cost` gives the draft budget its cost model
+        instead of the startup profile (tests)."""
         self.config = config
         self.device = torch.device(config.device)
-        self.loaded = load_model(config.model_path, self.device, load_format=config.load_format)
+        self.loaded = load_model(config.model_path, self.device, load_format=config.load_format,
+                                 progress=load_progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.config.vocab_size
@@ -58,34 +73,56 @@ class LLMEngine:
         self.model_name = self.loaded.name
         self.kernel_backend = _kernel_backend(config, self.loaded.config, self.model.embed_tokens.weight)
         self.model.set_kernel_backend(self.kernel_backend)
-        if drafter is not None:
-            self.drafter, self.drafter_name = drafter, type(drafter).__name__
-        else:
-            self.drafter, self.drafter_name = _build_drafter(config, self.loaded)
-        num_blocks = size_kv_blocks(config, self.loaded.config, self.drafter, self.device)
+        self.drafter = _build_drafter(config, self.loaded, drafter_factory)
+        self.drafter_name = (self.drafter.name or type(self.drafter).__name__) if self.drafter else ""
+        self.capture = MaskCapture()
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
+        self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
+        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
+        self.graphs: StepGraphs | None = None
+        self.memory_plan: memory.DeviceMemory | None = None  # what the profile measured (CUDA)
+        limits = memory.context_limits(config, self.loaded.config.max_position_embeddings,
+                                       self.drafter.max_model_len() if self.drafter else None)
+        num_blocks = self._plan_kv_blocks(min(limits.values()))
         # one more block than the manager hands out: the scratch block of padded graph rows
         self.kv_caches = allocate_kv(self.loaded.config, num_blocks + 1, config.block_size, self.device,
                                      self.model.embed_tokens.weight.dtype)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks + 1, config.block_size)  # + the graphs' scratch block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        limits = [config.max_model_len or self.loaded.config.max_position_embeddings,
-                  (num_blocks - 1) * config.block_size, self.drafter and self.drafter.max_model_len()]
-        self.max_model_len = min(x for x in limits if x)
-        self.intake = Intake(self, random.Random())
-        self.capture = MaskCapture()
-        self.weights = WeightUpdater(self)
-        self.committer = Committer(self)
-        self.pending_copies: list[tuple[int, int]] = []
-        self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
-        self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
-        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
-        use_graphs = self.device.type == "cuda" and config.cuda_graphs
-        self.graphs = self.make_step_graphs(capture=True) if use_graphs else None
+        # what bounds a sequence's length, by name (the server reports them); max_model_len is the smallest
+        self.context_limits = {**limits, "max_model_len_by_kv_cache": memory.kv_cache_limit(config, num_blocks)}
+        self.max_model_len = min(self.context_limits.values())
+        num_spec = self.drafter.num_spec if self.drafter else 0
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   num_spec)
+        checks = Limits(self.vocab_size, self.max_model_len, config.max_mask_tokens, config.max_queued_samples)
+        self.intake = Intake(self.scheduler, checks, self.eos_token_ids, self.tokenizer, random.Random())
+        self.weights = WeightUpdater(self.model, getattr(self.drafter, "model", None), self.scheduler,
+                                     self.block_manager)
+        self.committer = Committer(self.scheduler, self.intake, self.max_model_len, lambda: self.weights.version)
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.graphs = self.make_step_graphs(capture=True)
         self._graphed = False  # the last target forward replayed a CUDA graph
         self.spec_budget = self._spec_budget(step_cost) if self.drafter and config.spec_adaptive else None
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.drafter.num_spec if self.drafter else 0, self.spec_budget)
+        self.scheduler.draft_budget = self.spec_budget
+
+    def _plan_kv_blocks(self, max_model_len: int) -> int:
+        """KV blocks for the pool (see rollout.engine.memory): on CUDA what the profile of the largest
+        step leaves under gpu_memory_fraction (or num_kv_blocks, when that fits), on CPU
+        num_kv_blocks or cpu_kv_bytes."""
+        config = self.config
+        per_block = bytes_per_block(self.loaded.config, config.block_size,
+                                    self.model.embed_tokens.weight.element_size())
+        if self.drafter is not None:
+            per_block += self.drafter.bytes_per_block(config.block_size)
+        if self.device.type != "cuda":
+            return config.num_kv_blocks or memory.cpu_kv_blocks(config.cpu_kv_bytes, per_block)
+        measured = self.memory_plan = profile.measure(self, max_model_len)
+        log.info("memory plan: %s held, largest step %s (%s), CUDA graphs %s", memory.gib(measured.held),
+                 memory.gib(measured.step), measured.step_setting, memory.gib(measured.graphs))
+        planned = memory.gpu_kv_blocks(measured, config.gpu_memory_fraction, per_block) - 1  # the scratch block
+        return memory.choose_kv_blocks(config, planned)
 
     # -- public API (see rollout.server) --------------------------------------------------
 
@@ -134,7 +171,8 @@ class LLMEngine:
                     max_model_len=self.max_model_len, max_mask_tokens=self.config.max_mask_tokens,
                     max_queued_samples=self.config.max_queued_samples,
                     max_num_seqs=self.config.max_num_seqs, policy_version=self.policy_version,
-                    kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size)
+                    kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size,
+                    **self.context_limits)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -145,19 +183,20 @@ class LLMEngine:
         if not plan:
             self.committer.hand_over_masks()
             return []
-        self._copy_pending_blocks()  # forked samples' partial blocks, before anyone reads them
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
         drafts = self._draft(plan, table)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table,
                           self.prefix_planner)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
-        self.committer.hand_over_masks()  # the last step's masks, while the device computes this step
+        self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
         host = _to_host(result, masks)
-        outputs = self.committer.commit(step, host, captured)
+        copies = self.scheduler.advance(plan, step.accepted_per_item(None if host is None else host.num_accepted))
+        self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
+        outputs = self.committer.commit(step.rows, host, captured)
+        self.scheduler.truncate_drafts(plan)
         if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
-            self.spec_budget.record(step, host[2] if host else None, time.perf_counter() - start,
-                                    self._graphed)
+            self.spec_budget.record(step, host and host.num_accepted, time.perf_counter() - start, self._graphed)
         return outputs
 
     def _draft(self, plan, table) -> Drafts:
@@ -167,16 +206,28 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _run(self, step: StepBatch, drafts: Drafts):
-        input_ids = step.input_ids.index_put((step.draft_token_index,), drafts.tokens)
-        hidden, _ = self._forward(input_ids, step.meta)  # the drafter's context is updated in there
-        if not step.entries:
+        hidden = self._forward_step(step, drafts)
+        if not step.rows.entries:
             return None, None
-        logits = self.model.compute_logits(hidden[step.logits_index])  # [R, V]
-        bitmask = self.intake.grammar_bitmask(step, drafts)
-        rows = build_row_params(step, drafts.tokens, self.vocab_size, bitmask, self.device)
-        pol = policy(logits, rows, overwrite=True)  # logits are not read again
-        result = verify(pol, drafts.tokens, drafts.q, step)
-        return result, self.capture.capture(pol, step)
+        return self._sample(step, drafts, hidden)
+
+    def _forward_step(self, step: StepBatch, drafts: Drafts) -> torch.Tensor:
+        """The step's tokens with the drafts in their slots -> hidden [T, H]; the drafter's context is
+        updated in there."""
+        tokens = step.tokens
+        input_ids = tokens.input_ids.index_put((tokens.draft_token_index,), drafts.tokens)
+        hidden, _ = self._forward(input_ids, tokens.meta)
+        return hidden
+
+    def _sample(self, step: StepBatch, drafts: Drafts, hidden: torch.Tensor):
+        """The logits of the step's rows, the policy (docs/sampling.md), verification and mask capture."""
+        rows = step.rows
+        logits = self.model.compute_logits(hidden[rows.logits_index])  # [R, V]
+        bitmask = grammar_bitmask(rows, drafts.tokens, self.vocab_size, self.device)
+        params = build_row_params(rows, drafts.tokens, self.vocab_size, bitmask, self.device)
+        pol = policy(logits, params, overwrite=True)  # logits are not read again
+        result = verify(pol, drafts.tokens, drafts.q, rows)
+        return result, self.capture.capture(pol, rows)
 
     def _forward(self, input_ids: torch.Tensor, meta):
         key = self.graphs.key(meta) if self.graphs is not None else None
@@ -199,8 +250,9 @@ class LLMEngine:
         return hidden, aux
 
     def make_step_graphs(self, capture: bool) -> StepGraphs:
-        """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests)."""
-        forward = self._target_forward
+        """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests). The
+        graphs keep the hidden states only: the drafter reads the taps inside the forward."""
+        forward = lambda ids, meta: (self._target_forward(ids, meta)[0], None)  # noqa: E731
         max_q = (self.drafter.num_spec + 1) if self.drafter else 1
         max_blocks = -(-self.max_model_len // self.config.block_size) + 1
         max_batch = min(256, self.config.max_num_seqs)
@@ -216,12 +268,12 @@ class LLMEngine:
         GPU, half a second on CPU)."""
         num_spec = self.drafter.num_spec
         if step_cost is None:
-            draft = getattr(self.drafter, "profile_forward", None)
+            draft = self.drafter.profile_forward
             scratch, block_size = self.block_manager.num_blocks, self.config.block_size
             with torch.inference_mode():
                 step_cost = profile_step_cost(
                     self._target_forward, self.model.compute_logits, self.graphs,
-                    draft and (lambda rows: draft(rows, scratch, block_size)), num_spec + 1, scratch, block_size,
+                    lambda rows: draft(rows, scratch, block_size), num_spec + 1, scratch, block_size,
                     self.device, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                     max_seconds=3.0 if self.device.type == "cuda" else 0.5)
             log.info("step cost profile: %s", step_cost.describe())
@@ -232,28 +284,26 @@ class LLMEngine:
         """The draft budget's summary since the last call (server logs), None without one."""
         return self.spec_budget.summary() if self.spec_budget is not None else None
 
-    def _copy_pending_blocks(self) -> None:
-        if not self.pending_copies:
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Whole-block KV copies (src, dst) in the target's and the drafter's caches."""
+        if not pairs:
             return
-        copy_blocks(self.kv_caches, self.pending_copies)
+        copy_blocks(self.kv_caches, pairs)
         if self.drafter is not None:
-            self.drafter.copy_blocks(self.pending_copies)
-        self.pending_copies = []
+            self.drafter.copy_blocks(pairs)
 
 
-def _to_host(result: VerifyResult | None, masks):
+def _to_host(result: VerifyResult | None, masks: np.ndarray | None) -> HostStep | None:
     """The step's one device -> host synchronisation: committed tokens, logprobs and
-    acceptance counts, plus the packed masks' host array (its copy already started: see
+    acceptance counts, with the packed masks' host array (its copy already started: see
     `MaskCapture.to_host`) when the batch has mask requests."""
     if result is None:
         return None
-    tensors = [result.tokens, result.logprobs, result.num_accepted, result.has_support]
+    tensors = (result.tokens, result.logprobs, result.num_accepted, result.has_support)
     host = [t.to("cpu", non_blocking=True) for t in tensors]
-    if masks is not None:
-        host.append(masks)
-    if tensors[0].is_cuda:
+    if result.tokens.is_cuda:
         torch.cuda.current_stream().synchronize()
-    return host
+    return HostStep(*(h.tolist() for h in host), masks)
 
 
 def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:
@@ -278,14 +328,10 @@ def _prefix_planner(config: EngineConfig, model_config, backend: str) -> SharedP
     return SharedPrefixPlanner(config.block_size, groups, model_config.num_key_value_heads)
 
 
-def _build_drafter(config: EngineConfig, loaded):
-    if config.spec == "none":
-        return None, ""
-    from rollout.spec.draft_loader import load_drafter
-    from rollout.spec.proposer import BlockDrafter
-
-    path = config.draft_path
-    model = load_drafter(path, loaded, kind=config.spec, block_size=config.spec_block_size,
-                         device=loaded.model.embed_tokens.weight.device,
-                         dtype=loaded.model.embed_tokens.weight.dtype)
-    return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold), path.name
+def _build_drafter(config: EngineConfig, loaded: LoadedModel, factory: DrafterFactory | None) -> Drafter | None:
+    if factory is not None:
+        return factory(config, loaded)
+    if config.spec != "none":
+        raise InvalidArgument("spec", f"{config.spec!r} needs a drafter factory: build the engine with "
+                                      f"rollout.build_engine(config)")
+    return None

@@ -11,6 +11,12 @@ query seeing none would make a NaN that reaches the drafter's context through th
 block). Prefill and
 ragged steps run eagerly. With `capture=False` the same static-buffer path runs eagerly, which
 is how the padding is tested on CPU.
+
+Every graph of a set writes its outputs into the set's one `StaticOutputs` (a replay's outputs are
+read before the next replay): a graph's private memory is then its working set, shared with the
+set's other graphs, and not also its outputs, so the pool stays one forward's working set however
+many (batch, q, context) keys get captured, which is what the engine's memory plan reserves
+(rollout/engine/profile.py).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class StepGraphs:
         self.block_tables = torch.full((s, max_blocks_per_seq), scratch_block, **kw)
         self.shared = StaticSharedPrefix(prefix_planner, t, device) if prefix_planner is not None else None
         self.max_q = max_q
+        self.outputs = StaticOutputs(t)
         self.graphs: dict[tuple[int, int, int], tuple] = {}
         self.pool = None
         self.num_replays = 0
@@ -109,29 +116,39 @@ class StepGraphs:
     def _build(self, key):
         t_pad = key[0] * key[1]
         run = lambda: self.forward(self.input_ids[:t_pad], self._static_meta(key))  # noqa: E731
-        replay, (hidden, aux), self.pool = capture_graph(run, self.capture, self.pool)
+        replay, (hidden, aux), self.pool = capture_graph(run, self.capture, self.outputs, self.pool)
         return replay, hidden, aux
 
 
-def capture_graph(run: Callable, capture: bool, pool=None):
+class StaticOutputs:
+    """Output buffers shared by the graphs of one set: `store(results)` copies each result ([n, ...]
+    or None) into the first n rows of its buffer ([rows, ...], made at the first store, which
+    `capture_graph` makes outside any capture) and returns those views."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.buffers: tuple | None = None
+
+    def store(self, results: tuple) -> tuple:
+        if self.buffers is None:
+            self.buffers = tuple(None if r is None else r.new_empty((self.rows, *r.shape[1:])) for r in results)
+        return tuple(None if r is None else b[: r.shape[0]].copy_(r)
+                     for b, r in zip(self.buffers, results, strict=True))
+
+
+def capture_graph(run: Callable, capture: bool, outputs: StaticOutputs, pool=None):
     """(replay, outputs, pool) for `run() -> tuple of tensors or None`: a CUDA graph whose replay
-    rewrites `outputs` in place, or with `capture=False` an eager stand-in (CPU tests) that
-    re-runs `run` and copies into the same fixed output tensors."""
+    rewrites `outputs` (views of the set's StaticOutputs) in place, or with `capture=False` an
+    eager stand-in (CPU tests) that re-runs `run` and stores into the same buffers."""
     if not capture:
-        outputs = tuple(o.clone() if o is not None else None for o in run())
-
-        def replay():
-            for out, new in zip(outputs, run(), strict=True):
-                if out is not None:
-                    out.copy_(new)
-
-        return replay, outputs, pool
+        views = outputs.store(run())
+        return lambda: outputs.store(run()), views, pool
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run()  # warm-up: lazily built tables (RoPE) and Triton compilations happen before capture
+        outputs.store(run())  # warm-up: lazy tables (RoPE), Triton compilations and the buffers before capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        outputs = run()
-    return graph.replay, outputs, graph.pool()
+        views = outputs.store(run())
+    return graph.replay, views, graph.pool()

@@ -4,10 +4,11 @@ grammar states, and the bookkeeping of which samples each request still has runn
 from __future__ import annotations
 
 import random
-
-import torch
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from rollout.engine.params import SamplingParams, validate_mask_request
+from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Sequence
 from rollout.errors import Aborted, InvalidArgument, ResourceExhausted
 
@@ -22,10 +23,27 @@ def sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
     return (x ^ (x >> 31)) >> 1  # 63 bits
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a request is checked against: the model's vocabulary and context, the engine's bounds."""
+
+    vocab_size: int
+    max_model_len: int
+    max_mask_tokens: int
+    max_queued_samples: int
+
+
 class Intake:
-    def __init__(self, engine, rng: random.Random):
-        self.engine = engine
-        self.rng = rng
+    """Admits requests into `scheduler` (n samples per prompt, the first of each prompt queued, the
+    others forked from it once its prompt is computed). `tokenizer` and `eos_token_ids` build the
+    grammar compiler on the first grammar request; `rng` draws the base seed of unseeded ones."""
+
+    def __init__(self, scheduler: Scheduler, limits: Limits, eos_token_ids: Iterable[int], tokenizer=None,
+                 rng: random.Random | None = None):
+        self.scheduler, self.limits = scheduler, limits
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.rng = rng or random.Random()
         self.requests: dict[str, list[Sequence]] = {}
         self.num_unfinished = 0
         self._next_id = 0
@@ -33,7 +51,7 @@ class Intake:
 
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
             mask: str | None, grammar) -> None:
-        eng = self.engine
+        limits = self.limits
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id", "must be a non-empty string")
         if request_id in self.requests:  # (the one check: the server's layers rely on it)
@@ -43,8 +61,8 @@ class Intake:
             raise InvalidArgument("prompts", "at least one prompt is required")
         if not isinstance(n, int) or n < 1:
             raise InvalidArgument("n", f"must be an integer >= 1, got {n!r}")
-        params.validate(eng.vocab_size)
-        validate_mask_request(mask or None, params, eng.config.max_mask_tokens)
+        params.validate(limits.vocab_size)
+        validate_mask_request(mask or None, params, limits.max_mask_tokens)
         for i, prompt in enumerate(prompts):
             self._check_prompt(i, prompt, params)
         if grammar is not None:
@@ -53,10 +71,10 @@ class Intake:
                                                     "sample ends where its grammar ends (EOS or a stop token)")
             self.grammars().compile(grammar)  # refuses a grammar that does not compile
         total = n * len(prompts)
-        if self.num_unfinished + total > eng.config.max_queued_samples:
+        if self.num_unfinished + total > limits.max_queued_samples:
             raise ResourceExhausted(
                 f"queue full: {self.num_unfinished} samples queued, {total} more would exceed "
-                f"max_queued_samples={eng.config.max_queued_samples}")
+                f"max_queued_samples={limits.max_queued_samples}")
         base = params.seed if params.seed is not None else self.rng.getrandbits(63)
         seqs = []
         for p, prompt in enumerate(prompts):
@@ -69,31 +87,27 @@ class Intake:
                 for seq in group:
                     seq.grammar = self.grammars().new_state(grammar, seq.end_ids)
             group[0].children = group[1:]
-            eng.scheduler.add(group[0])
+            self.scheduler.add(group[0])
             seqs += group
         self.requests[request_id] = seqs
         self.num_unfinished += total
 
     def _check_prompt(self, i: int, prompt, params: SamplingParams) -> None:
-        eng = self.engine
+        vocab_size, max_model_len = self.limits.vocab_size, self.limits.max_model_len
         if not prompt:
             raise InvalidArgument(f"prompts[{i}]", "is empty")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < eng.vocab_size]
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise InvalidArgument(f"prompts[{i}]",
-                                  f"token id {bad[0]!r} is outside the vocabulary [0, {eng.vocab_size})")
-        if len(prompt) + params.max_tokens > eng.max_model_len:
+                                  f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt) + params.max_tokens > max_model_len:
             raise InvalidArgument(
                 f"prompts[{i}]", f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed "
-                f"the context of {eng.max_model_len} tokens")
+                f"the context of {max_model_len} tokens")
 
     def new_sequence(self, **kw) -> Sequence:
         self._next_id += 1
-        seq = Sequence(seq_id=self._next_id, **kw)
-        sp, eos = seq.params, self.engine.eos_token_ids
-        seq.end_ids = tuple(dict.fromkeys([*eos, *sp.stop_token_ids]))
-        seq.stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos))
-        return seq
+        return new_sequence(self._next_id, self.eos_token_ids, **kw)
 
     def done(self, seq: Sequence) -> None:
         seqs = self.requests.get(seq.request_id)
@@ -109,27 +123,17 @@ class Intake:
 
     def grammars(self):
         if self._grammars is None:
-            from rollout.spec.grammar import GrammarCompilerCache
+            from rollout.engine.grammar import GrammarCompilerCache
 
-            eng = self.engine
-            self._grammars = GrammarCompilerCache(eng.tokenizer, eng.vocab_size, eng.eos_token_ids)
+            self._grammars = GrammarCompilerCache(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
         return self._grammars
 
-    def grammar_bitmask(self, step, drafts) -> torch.Tensor | None:
-        """One bitmask row per verify row of grammar samples (state after the earlier drafts);
-        None when no sample in the step has a grammar. When a grammar sample verifies drafts, the
-        host-side matcher must walk them: the drafts are read back (the step's one wait besides
-        its synchronisation, tests/test_host_syncs.py); without drafts nothing is read."""
-        with_grammar = [e for e, s in enumerate(step.entries) if s.grammar is not None]
-        if not with_grammar:
-            return None
-        from rollout.spec.grammar import allocate_bitmask, upload_bitmask
 
-        drafted = any(step.num_draft[e] for e in with_grammar)
-        draft_list = drafts.tokens.tolist() if drafted else []
-        offsets = step.first_draft
-        bitmask = allocate_bitmask(step.cu_rows[-1], self.engine.vocab_size)
-        for e in with_grammar:
-            own = draft_list[offsets[e] : offsets[e] + step.num_draft[e]]
-            step.entries[e].grammar.fill_verify_bitmask(own, bitmask, step.cu_rows[e])
-        return upload_bitmask(bitmask, self.engine.device)
+def new_sequence(seq_id: int, eos_token_ids: tuple[int, ...], **kw) -> Sequence:
+    """A `Sequence` (fields `kw`) with the token ids that end it: its stop tokens and, unless its
+    params ignore EOS, the model's EOS tokens."""
+    seq = Sequence(seq_id=seq_id, **kw)
+    sp = seq.params
+    seq.end_ids = tuple(dict.fromkeys([*eos_token_ids, *sp.stop_token_ids]))
+    seq.stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos_token_ids))
+    return seq

@@ -1,36 +1,18 @@
-"""KV-cache memory: how many blocks fit, and the per-layer cache tensors."""
+"""KV-cache memory: the bytes of a block and the per-layer cache tensors (how many blocks fit:
+rollout/engine/memory.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from rollout.engine.config import EngineConfig
 from rollout.engine.model import ModelConfig
 from rollout.engine.transfer import upload
 
 
 def bytes_per_block(mcfg: ModelConfig, block_size: int, elem: int) -> int:
+    """KV bytes of one block of the layers `mcfg` describes (K and V, `elem` bytes each): the
+    target's, and a block drafter's for its own layers."""
     return 2 * mcfg.num_hidden_layers * block_size * mcfg.num_key_value_heads * mcfg.head_dim * elem
-
-
-def size_kv_blocks(config: EngineConfig, mcfg: ModelConfig, drafter, device: torch.device) -> int:
-    """Blocks from --num-kv-blocks, else from --gpu-memory-fraction of the device (CUDA) or
-    the CPU budget. Target and drafter caches share the block ids, so a block costs both."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    elem = 2 if device.type == "cuda" else 4
-    per_block = bytes_per_block(mcfg, config.block_size, elem)
-    if drafter is not None:
-        per_block += drafter.bytes_per_block(config.block_size)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - config.gpu_memory_fraction) * total
-    else:
-        budget = config.cpu_kv_bytes
-    blocks = int(budget // per_block)
-    if blocks < 2:
-        raise RuntimeError(f"KV budget of {budget / 2**20:.0f} MiB holds fewer than 2 blocks of {per_block} B")
-    return blocks
 
 
 def allocate_kv(mcfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,

@@ -13,7 +13,9 @@ serves drafters built from the same blocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,27 +60,36 @@ def _checkpoint_dir(path: str | Path) -> Path:
     return root
 
 
-def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+# `progress(items, description)` wraps the list of tensors a load reads (e.g. a tqdm bar); None: none
+LoadProgress = Callable[[list, str], Iterable]
+
+
+def read_state_dict(path: str | Path, progress: LoadProgress | None = None) -> dict[str, Tensor]:
     """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
     root = Path(path)
+    state: dict[str, Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in _weight_files(root)]
+        names = [(handle, name) for handle in handles for name in handle.keys()]
+        for handle, name in progress(names, f"loading {root.name}") if progress else names:
+            state[name] = handle.get_tensor(name)
+    return state
+
+
+def _weight_files(root: Path) -> list[Path]:
     single, index = root / "model.safetensors", root / "model.safetensors.index.json"
     if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise LoadError(f"{index} has no weight_map")
-        files = [root / name for name in sorted(set(weight_map.values()))]
-    else:
+        return [single]
+    if not index.is_file():
         raise LoadError(f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json")
-    state: dict[str, Tensor] = {}
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise LoadError(f"{index} has no weight_map")
+    files = [root / name for name in sorted(set(weight_map.values()))]
     for file in files:
         if not file.is_file():
             raise LoadError(f"weight shard {file.name} listed in the index is missing from {str(root)!r}")
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                state[name] = f.get_tensor(name)
-    return state
+    return files
 
 
 # Where a checkpoint tensor goes in its parameter: None = the whole parameter, else an index
@@ -240,12 +251,13 @@ def init_random_(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
 
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-    load_format: str = "safetensors",
+    load_format: str = "safetensors", progress: LoadProgress | None = None,
 ) -> LoadedModel:
     """Load an HF Qwen3 / Qwen3-MoE / Llama checkpoint directory. dtype defaults to float32 on CPU, bfloat16 on CUDA.
 
     `load_format="random"` reads config.json (and the tokenizer, if any) but no weights: they
-    are drawn by `init_random_`, for benchmarks of a model shape without its checkpoint."""
+    are drawn by `init_random_`, for benchmarks of a model shape without its checkpoint. `progress`
+    wraps the tensors as they are read (a progress bar)."""
     root = _checkpoint_dir(path)
     raw_config = _read_json(root / "config.json")
     config = ModelConfig.from_hf(raw_config)
@@ -255,7 +267,7 @@ def load_model(
     if load_format == "random":
         init_random_(model)
     else:
-        load_state_into(model, read_state_dict(root))
+        load_state_into(model, read_state_dict(root, progress))
     return LoadedModel(
         model=model,
         config=config,

@@ -1,15 +1,15 @@
-"""Sampling parameters of one request, validated where they enter (DESIGN.md Contract 1).
+"""Sampling parameters of one request, validated where they enter (docs/sampling.md).
 
 Pure Python, no torch: the scheduler and the server import it. Every range check raises
 `InvalidArgument` naming the field and the allowed range.
 
 The ranges are those the engine can compute in float32 (rollout/engine/sampler.py): a value
 that is finite here but not there (`top_p=1e-46` rounds to 0, `temperature=1e39` to inf) or
-that overflows a step of Contract 1 (`logits / 1e-39`, `logits / repetition_penalty=1e-38`)
-is refused here, by name, instead of failing mid-request. With temperature >= 1e-5 and
-repetition_penalty in [1e-3, 1e3], |logits| up to ~1e30 stay finite through every step. A
-nonzero float below float32's smallest normal number (~1.18e-38) is refused: on the device it
-is 0 or a subnormal that fast-math kernels flush to 0.
+that overflows a step of the sampling distribution (`logits / 1e-39`,
+`logits / repetition_penalty=1e-38`) is refused here, by name, instead of failing
+mid-request. With temperature >= 1e-5 and repetition_penalty in [1e-3, 1e3], |logits| up to
+~1e30 stay finite through every step. A nonzero float below float32's smallest normal number
+(~1.18e-38) is refused: on the device it is 0 or a subnormal that fast-math kernels flush to 0.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 from rollout.errors import InvalidArgument
+from rollout.masks import MASK_MODES
 
-MASK_MODES = ("selected", "support")
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 TEMPERATURE_RANGE = (1e-5, 1e5)  # besides 0 (greedy)
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
@@ -27,8 +27,9 @@ REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 @dataclass
 class SamplingParams:
-    """Contract 1 parameters. `top_k <= 0` disables top-k; `top_p == 1` and `min_p == 0`
-    disable theirs; penalties of 1 / 0 / 0 are off. `temperature == 0` is greedy.
+    """The sampling distribution's parameters (docs/sampling.md). `top_k <= 0` disables top-k;
+    `top_p == 1` and `min_p == 0` disable theirs; penalties of 1 / 0 / 0 are off.
+    `temperature == 0` is greedy.
 
     Ranges (`validate`): temperature 0 or [1e-5, 1e5]; top_p (0, 1]; min_p [0, 1];
     repetition_penalty [1e-3, 1e3]; frequency / presence penalties [-2, 2]; logit_bias values
@@ -54,7 +55,7 @@ class SamplingParams:
 
     @property
     def support_bound(self) -> int:
-        """The most tokens a mask of these parameters may hold (Contract 3): top_k, 1 when greedy."""
+        """The most tokens a mask of these parameters may hold (docs/masks.md): top_k, 1 when greedy."""
         return 1 if self.greedy else self.top_k
 
     @property
@@ -88,7 +89,7 @@ class SamplingParams:
 
 
 def validate_mask_request(mask: str | None, params: SamplingParams, max_mask_tokens: int) -> None:
-    """Contract 3 bounds: a mask request needs temperature 0 or 1 <= top_k <= max_mask_tokens."""
+    """The mask bounds (docs/masks.md): a mask request needs temperature 0 or 1 <= top_k <= max_mask_tokens."""
     if mask is None or mask == "":
         return
     if mask not in MASK_MODES:

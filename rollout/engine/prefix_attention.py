@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollout.engine.prefix_plan import ITEM_FIELDS, SHARED_BLOCK_M, HostPlan, SharedPrefixPlanner
+from rollout.engine.prefix_plan import ITEM_FIELDS, SHARED_BLOCK_M, HostPlan, PlanArrays, SharedPrefixPlanner
 
 
 @dataclass
@@ -41,12 +41,12 @@ class SharedPrefixPlan:
     _buffers: tuple[Tensor, Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_host(cls, host: HostPlan, tensors: list[Tensor]) -> SharedPrefixPlan:
-        """`tensors`: host.arrays() on the device, in order."""
-        item_counts, items, unit_tokens, part_start, part_count = tensors
-        return cls(item_counts=item_counts, items=items.view(-1, len(ITEM_FIELDS)), unit_tokens=unit_tokens,
-                   part_start=part_start, part_count=part_count, num_partial_rows=host.num_partial_rows,
-                   max_items=len(host.items), suffix_block_m=host.suffix_block_m)
+    def from_host(cls, host: HostPlan, tensors: PlanArrays) -> SharedPrefixPlan:
+        """`tensors`: host.arrays() on the device."""
+        return cls(item_counts=tensors.item_counts, items=tensors.items.view(-1, len(ITEM_FIELDS)),
+                   unit_tokens=tensors.unit_tokens, part_start=tensors.part_start, part_count=tensors.part_count,
+                   num_partial_rows=host.num_partial_rows, max_items=len(host.items),
+                   suffix_block_m=host.suffix_block_m)
 
     def buffers(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Allocated once per step and reused by every layer: the partial results o [P, Hq, D] in
@@ -144,5 +144,6 @@ def _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale
 
 def plan_to_device(host: HostPlan, device: torch.device) -> SharedPrefixPlan:
     """A host plan on `device` on its own (tests and benchmarks; the engine uploads it with the step)."""
-    tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in host.arrays()]
+    arrays = host.arrays()
+    tensors = arrays._make(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays)
     return SharedPrefixPlan.from_host(host, tensors)

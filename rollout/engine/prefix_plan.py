@@ -42,6 +42,7 @@ CUDA graph captured for a padded token count holds any plan of a smaller step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,6 +62,17 @@ SPLIT_ROWS = 1024
 ITEM_FIELDS = ("tok_start", "tok_count", "row0", "table_row", "key_lo", "key_hi", "slot", "indirect")
 
 
+class PlanArrays(NamedTuple):
+    """A plan's int64 arrays, host numpy arrays until the step's one upload makes them device tensors
+    (rollout.engine.transfer.upload_groups; `items` arrives flat)."""
+
+    item_counts: np.ndarray  # [2] shared units' items, all items
+    items: np.ndarray  # [W, 8] fields ITEM_FIELDS
+    unit_tokens: np.ndarray  # [U]
+    part_start: np.ndarray  # [T]
+    part_count: np.ndarray  # [T]
+
+
 @dataclass
 class HostPlan:
     """One step's shared-prefix plan as host arrays (uploaded with the step's other indices)."""
@@ -75,11 +87,10 @@ class HostPlan:
     shared_keys: int  # keys read by shared units (once each), for benchmarks
     plain_keys: int  # keys the same units' members would read one by one
 
-    def arrays(self) -> list[np.ndarray]:
-        """[shared items, items], items, unit_tokens, part_start, part_count: the order
-        SharedPrefixPlan reads."""
-        return [np.array([self.num_shared_items, len(self.items)], np.int64), self.items, self.unit_tokens,
-                self.part_start, self.part_count]
+    def arrays(self) -> PlanArrays:
+        """The arrays the device plan (prefix_attention.SharedPrefixPlan) reads."""
+        return PlanArrays(np.array([self.num_shared_items, len(self.items)], np.int64), self.items,
+                          self.unit_tokens, self.part_start, self.part_count)
 
 
 @dataclass(frozen=True)

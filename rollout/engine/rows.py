@@ -1,8 +1,9 @@
-"""Per-row sampling parameters for one step (host -> device), the input of Contract 1.
+"""Per-row sampling parameters for one step (host -> device), the input of the sampling
+distribution (docs/sampling.md).
 
 Row r of a step belongs to sampling entry e (a sample) and predicts output index
 `num_output(e) + (r - cu_rows[e])`; its conditioning prefix is the sample's committed
-tokens plus the drafts before it, so penalty counts include those drafts (Contract 2).
+tokens plus the drafts before it, so penalty counts include those drafts (docs/verification.md).
 Processors no row needs are left out entirely.
 """
 
@@ -11,15 +12,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rollout.engine.batch import StepBatch
+from rollout.engine.batch import SampleRows
+from rollout.engine.grammar import allocate_bitmask, upload_bitmask
 from rollout.engine.params import SamplingParams
 from rollout.engine.sampler import RowParams, RowPlan
 from rollout.engine.transfer import upload
 
 
-def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
+def build_row_params(step: SampleRows, drafts: torch.Tensor, vocab_size: int,
                      bitmask: torch.Tensor | None, device: torch.device) -> RowParams:
-    """drafts: [D] int64 flattened draft tokens on the device."""
+    """drafts: [D] int64 flattened draft tokens on the device; bitmask: `grammar_bitmask`'s."""
     truncation: dict[int, tuple] = {}  # id(SamplingParams) -> its rows' (temperature, top_p, min_p, top_k)
     per_entry = []
     bias_r, bias_t, bias_v, ban_r, ban_t = [], [], [], [], []
@@ -62,7 +64,7 @@ def build_row_params(step: StepBatch, drafts: torch.Tensor, vocab_size: int,
     return params
 
 
-def _plan(step: StepBatch, per_entry: list[tuple], vocab_size: int) -> RowPlan:
+def _plan(step: SampleRows, per_entry: list[tuple], vocab_size: int) -> RowPlan:
     """Each row's truncation path, from its entry's (temperature, top_p, min_p, top_k) and mask
     request (a mask row needs the candidates' sorted support), on the host."""
     _, top_p, min_p, top_k = (np.asarray(x) for x in zip(*per_entry))
@@ -79,7 +81,7 @@ def _truncation(sp: SamplingParams, vocab_size: int) -> tuple[float, float, floa
     return sp.temperature, sp.top_p, sp.min_p, sp.top_k if sp.top_k > 0 else vocab_size
 
 
-def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tensor, vocab_size: int,
+def _penalty_counts(step: SampleRows, pen_entries: list[int], drafts: torch.Tensor, vocab_size: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """counts [R, V]: prompt + output tokens of the row's sample plus the drafts before the
     row; penalties [R, 3] (rows of samples without penalties stay neutral). Each sample's
@@ -109,3 +111,23 @@ def _penalty_counts(step: StepBatch, pen_entries: list[int], drafts: torch.Tenso
         counts.index_put_((as_i(draft_rows), drafts[as_i(draft_idx)]),
                           torch.ones(len(draft_rows), device=device), accumulate=True)
     return counts, upload(pen, torch.float32, device)
+
+
+def grammar_bitmask(step: SampleRows, drafts: torch.Tensor, vocab_size: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """The grammar processor's input: one bitmask row per verify row of grammar samples (the state
+    after the earlier drafts), [R, ceil(V/32)] int32 on the device; None when no sample in the step
+    has a grammar. When a grammar sample verifies drafts, the host-side matcher must walk them:
+    `drafts` [D] are read back (the step's one wait besides its synchronisation,
+    tests/test_host_syncs.py); without drafts nothing is read."""
+    with_grammar = [e for e, s in enumerate(step.entries) if s.grammar is not None]
+    if not with_grammar:
+        return None
+    drafted = any(step.num_draft[e] for e in with_grammar)
+    draft_list = drafts.tolist() if drafted else []
+    offsets = step.first_draft
+    bitmask = allocate_bitmask(step.cu_rows[-1], vocab_size)
+    for e in with_grammar:
+        own = draft_list[offsets[e] : offsets[e] + step.num_draft[e]]
+        step.entries[e].grammar.fill_verify_bitmask(own, bitmask, step.cu_rows[e])
+    return upload_bitmask(bitmask, device)

@@ -1,5 +1,5 @@
-"""Contract 1, the sampling distribution: the one definition used by sampling,
-speculative verification and mask capture (DESIGN.md).
+"""The sampling distribution (docs/sampling.md): the one definition used by sampling,
+speculative verification and mask capture.
 
 `policy(logits, rows)` applies the logit processors (bias, penalties, grammar bitmask,
 min_tokens) and the truncation (temperature, top-k, top-p, min-p) to raw float32 logits and
@@ -22,20 +22,16 @@ for p(draft). Random draws come from a counter-based hash of (seed, position, pu
 seeded sample never depends on what else is in the batch, or on preemption.
 
 Memory, in [R, V] float32-sized tensors alive above the step's logits (R rows, E <= R sampling
-entries, D drafts; "chunk": a row chunk's temporaries, <= CHUNK_BYTES = 1 GiB, whatever R):
-* before (every non-greedy row sorted): the copy z, z / T, sorted_z, sorted_ids (int64: 2),
-  softmax, cumsum, cumsum - probs and masks: ~8 at the peak, then the draw's exp and cumsum of
-  the E final sorted rows plus their int64 ids, and the drafter's q [D, V] gathered per judging
-  row ([D, V] again).
-* now, with the engine's `overwrite` (compute_logits' float32 logits become z and then log p):
-  - vocab rows (no truncation, min-p): 0 + a chunk (logsumexp, min-p). Plain sampling (E = R)
-    then copies the rows to exponentiate and sum them: 1.25. With drafts, only the E final rows
-    are read: ~4.25 x [E, V] (p, the rejected draft's q row, the residual, its fallback pick).
-  - cand rows (top-k): 0 + a chunk (the tie mask and its running count) + topk's own; then
-    [R, C]. Draws and verification read [E, C].
-  - top-p rows without top-k: 0 + a chunk of sort temporaries.
-  - a batch mixing cand and vocab rows adds a copy of the cand rows' logits ([Rc, V]).
-  Without `overwrite` add 1 (the copy). The drafter keeps no q beside its logits (`Proposal`).
+entries, D drafts; "chunk": a row chunk's temporaries, <= CHUNK_BYTES = 1 GiB, whatever R),
+with the engine's `overwrite` (compute_logits' float32 logits become z and then log p):
+* vocab rows (no truncation, min-p): 0 + a chunk (logsumexp, min-p). Plain sampling (E = R)
+  then copies the rows to exponentiate and sum them: 1.25. With drafts, only the E final rows
+  are read: ~4.25 x [E, V] (p, the rejected draft's q row, the residual, its fallback pick).
+* cand rows (top-k): 0 + a chunk (the tie mask and its running count) + topk's own; then
+  [R, C]. Draws and verification read [E, C].
+* top-p rows without top-k: 0 + a chunk of sort temporaries.
+* a batch mixing cand and vocab rows adds a copy of the cand rows' logits ([Rc, V]).
+Without `overwrite` add 1 (the copy). The drafter keeps no q beside its logits (`Proposal`).
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollout.engine.grammar import apply_bitmask
 from rollout.engine.transfer import upload
 from rollout.engine.truncation import (
     NEG_INF,
@@ -56,7 +53,6 @@ from rollout.engine.truncation import (
     top_p_by_sort,
     truncate_sorted,
 )
-from rollout.spec.grammar import apply_bitmask
 
 PURPOSE_SAMPLE = 1  # the token drawn from p (or from the residual after a rejection)
 PURPOSE_ACCEPT = 2  # the acceptance test of a draft token
@@ -227,7 +223,7 @@ def draw_index(weights: Tensor, u: Tensor) -> Tensor:
 
 
 def apply_processors(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """Contract 1 step 1, in order: logit bias, penalties, grammar bitmask, min_tokens.
+    """The processors (docs/sampling.md, step 1), in order: logit bias, penalties, grammar bitmask, min_tokens.
     logits: [N, V] float32, modified in place and returned."""
     if rows.bias is not None:
         r, t, v = rows.bias
@@ -246,7 +242,7 @@ def apply_processors(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
 
 
 def policy(logits: Tensor, rows: RowParams, overwrite: bool = False) -> Policy:
-    """Contract 1: raw logits [R, V] -> p_j of every row (module docstring). `overwrite`: the
+    """The sampling distribution: raw logits [R, V] -> p_j of every row (module docstring). `overwrite`: the
     caller does not read float32 `logits` again, so they are worked on in place."""
     z = logits.float()
     if z is logits and not overwrite:

@@ -8,6 +8,11 @@ once caught up but for its last token, by that token plus up to `num_spec` draft
 recently admitted sequence is preempted (blocks freed, recomputed later), so the oldest
 work always progresses and nothing deadlocks.
 
+A step also has at most `max_rows` logits rows (min(max_num_batched_tokens, max_num_seqs x
+(num_spec + 1)): what its sequences' own rows can reach), the bound the engine's memory plan
+reserves for. The samples forked from a prompt read its last row too; those that do not fit
+start later as sequences of their own (their prompt's full blocks come from the prefix cache).
+
 How many drafts a decode step verifies is the draft budget's (`draft_budget`, spec_budget.py:
 per-sample caps chosen once per step from measured acceptance and step costs); without one,
 full blocks.
@@ -44,6 +49,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec = num_spec
+        self.max_rows = min(max_num_batched_tokens, max_num_seqs * (num_spec + 1))
         self.draft_budget = draft_budget  # a SpecBudget, or None: full blocks
         self._draft_caps: dict[Sequence, int] | None = None  # this step's, from draft_budget
         self.waiting: deque[Sequence] = deque()
@@ -51,6 +57,7 @@ class Scheduler:
         self.admission_paused = False
         self.num_preemptions = 0
         self._fork_blocks = 0  # free blocks promised to this step's forks (copies of partial blocks)
+        self._forking = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,10 +73,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         self._fork_blocks = 0
-        self._draft_caps = None
-        if self.draft_budget is not None and self.num_spec:
-            admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
-            self._draft_caps = self.draft_budget.caps(self.running, admits, budget)
+        self._forking = False  # some item forks samples this step (their rows are capped)
+        self._draft_caps = self._budget_caps(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -81,6 +86,8 @@ class Scheduler:
             elif not self._preempt_last(keep=seq):
                 break
         self._admit(batch, budget)
+        if self._forking:
+            self._cap_rows(batch)
         return batch
 
     def finish(self, seq: Sequence) -> None:
@@ -91,6 +98,36 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def advance(self, items: list[ScheduledSeq], num_accepted: list[int]) -> list[tuple[int, int]]:
+        """After a step's host copy, before its tokens are appended: each item's computed count
+        grows by the tokens it fed plus the drafts it accepted (`num_accepted[i]`), prompt blocks
+        that became full are registered for prefix reuse, and the samples of a prompt whose last
+        token was computed are forked (before any sample may finish). Returns the (src, dst) block
+        copies those forks need, for the engine to make before the next forward reads the blocks."""
+        sampled = [item.samples for item in items]  # before the counts move
+        for item, accepted in zip(items, num_accepted):
+            seq, old = item.seq, item.seq.num_computed_tokens
+            seq.num_computed_tokens = old + item.num_new_tokens + accepted
+            self.bm.register_computed(seq, old)
+        copies = []
+        for item, samples in zip(items, sampled):
+            if not samples:  # a prompt still mid-prefill keeps its samples to fork
+                continue
+            parent = item.seq
+            for child in parent.children if parent.num_output_tokens == 0 else []:
+                copy = self.fork(parent, child)
+                if copy is not None:
+                    copies.append(copy)
+            parent.children = []
+        return copies
+
+    def truncate_drafts(self, items: list[ScheduledSeq]) -> None:
+        """After the step's tokens are appended: free the blocks reserved for drafts that were not
+        accepted (only they can lie past a running sequence's tokens; KV rollback)."""
+        for item in items:
+            if item.num_draft and not item.seq.is_finished:
+                self.bm.truncate(item.seq, item.seq.num_tokens)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Start a sample forked from its prompt's first sample once the prompt is computed:
@@ -111,6 +148,13 @@ class Scheduler:
 
     # -- internals ---------------------------------------------------------------------
 
+    def _budget_caps(self, budget: int) -> dict[Sequence, int] | None:
+        """This step's most drafts per running sample, from the draft budget (None: full blocks)."""
+        if self.draft_budget is None or not self.num_spec:
+            return None
+        admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        return self.draft_budget.caps(self.running, admits, budget)
+
     def _plan(self, seq: Sequence, budget: int) -> ScheduledSeq:
         behind = seq.num_tokens - seq.num_computed_tokens
         if behind > 1:
@@ -128,8 +172,9 @@ class Scheduler:
             return False
         if seq.children and item.samples:
             # hold one block per forked sample (for its partial-block copy) as far as they go;
-            # a sample left without one waits and recomputes its prompt (Committer._fork)
+            # a sample left without one waits and recomputes its prompt (`fork`)
             self._fork_blocks += min(len(seq.children), self.bm.num_free_blocks - self._fork_blocks)
+            self._forking = True
         return True
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
@@ -151,6 +196,22 @@ class Scheduler:
             self.running.append(seq)
             batch.append(item)
             budget -= item.num_new_tokens + item.num_draft
+
+    def _cap_rows(self, batch: list[ScheduledSeq]) -> None:
+        """Keep the forked samples' rows within `max_rows`; the rest wait as sequences of their own
+        (started: they belong to their request's weights)."""
+        sampling = [it for it in batch if it.samples]
+        left = self.max_rows - sum(1 + it.num_draft for it in sampling)
+        for item in sampling:
+            seq = item.seq
+            if seq.num_output_tokens or not seq.children:
+                continue
+            keep = max(0, left)
+            for child in reversed(seq.children[keep:]):
+                child.started = True
+                self.waiting.appendleft(child)
+            seq.children = seq.children[:keep]
+            left -= len(seq.children)
 
     def _preempt_last(self, keep: Sequence) -> bool:
         """Preempt the newest running sequence (recompute later). Returns False when

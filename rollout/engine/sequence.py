@@ -30,7 +30,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     mask: str | None = None
-    grammar: Any = None  # rollout.spec.grammar.GrammarState
+    grammar: Any = None  # rollout.engine.grammar.GrammarState
     children: list[Sequence] = field(default_factory=list)  # samples forked once the prompt is computed
     started: bool = False  # admitted at least once (its tokens belong to policy_version)
     end_ids: tuple[int, ...] = ()  # EOS + stop_token_ids: banned by min_tokens, a grammar's ends

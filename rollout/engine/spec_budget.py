@@ -262,15 +262,16 @@ class SpecBudget:
         self.totals["probes"] += 1
         return True
 
-    def record(self, step, num_accepted, seconds: float, graphed: bool) -> None:
-        """After a step: `step` (a StepBatch), its entries' accepted drafts (a [E] tensor of the step's
-        host copy; None when no entry sampled), its wall time and whether its target forward replayed
-        a CUDA graph. Kept until the next full choice learns from it."""
-        num_draft = step.num_draft  # [E] host list
-        drafting = len(num_draft) - num_draft.count(0)
-        self._timings.append((len(step.items), step.meta.slot_mapping.shape[0], graphed, drafting, seconds))
+    def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool) -> None:
+        """After a step: `step` (a StepBatch), its entries' accepted drafts ([E], the step's host
+        copy; None when no entry sampled), its wall time and whether its target forward replayed a
+        CUDA graph. Kept until the next full choice learns from it."""
+        rows = step.rows
+        drafting = len(rows.num_draft) - rows.num_draft.count(0)
+        tokens = step.tokens.meta.slot_mapping.shape[0]
+        self._timings.append((len(step.tokens.items), tokens, graphed, drafting, seconds))
         if num_accepted is not None and drafting:
-            self._verified.append((step.entries, num_draft, num_accepted.numpy()))  # a view of the host copy
+            self._verified.append((rows.entries, rows.num_draft, num_accepted))
 
     def _learn(self) -> None:
         """The recorded steps into the cost model and the acceptance estimates."""
@@ -281,7 +282,7 @@ class SpecBudget:
             return
         seqs = [s for entries, num_draft, _ in self._verified for s, k in zip(entries, num_draft) if k]
         num_draft = np.fromiter((k for _, nd, _ in self._verified for k in nd), np.int64)  # [E'] all steps
-        num_accepted = np.concatenate([a for _, _, a in self._verified])  # [E']
+        num_accepted = np.fromiter((a for _, _, na in self._verified for a in na), np.int64)  # [E']
         verified = num_draft > 0
         self.acceptance.observe(seqs, num_draft[verified], num_accepted[verified], len(self._verified))
         self._verified = []

@@ -170,8 +170,8 @@ def profile_step_cost(forward: Callable, logits: Callable, graphs, draft_forward
     """Time the target step (`forward(input_ids [T], meta)` then `logits(hidden)`) over PROFILE_ROWS
     rows up to `max_rows`, as decode steps (1 token a row) and verify steps (`q` a row, while within
     `max_tokens`), eagerly and (with `graphs`, the engine's StepGraphs) replayed as graphs; and
-    `draft_forward(rows)` (a thunk of the drafter's block forward over that many rows; None: no
-    drafter cost). Every token reads and writes the scratch block only. Past `max_seconds` no more
+    `draft_forward(rows)` (a thunk of the drafter's block forward over that many rows; it or the thunk
+    None: no drafter cost). Every token reads and writes the scratch block only. Past `max_seconds` no more
     row counts are added (two at least)."""
     deadline = time.perf_counter() + max_seconds
     points = {"eager": [], "graph": [], "drafter": []}
@@ -187,8 +187,9 @@ def profile_step_cost(forward: Callable, logits: Callable, graphs, draft_forward
         points["eager"].append(eager)
         if None not in graph:
             points["graph"].append(graph)
-        if draft_forward is not None:
-            points["drafter"].append((rows, _time(draft_forward(rows), device)))
+        thunk = draft_forward(rows) if draft_forward is not None else None
+        if thunk is not None:
+            points["drafter"].append((rows, _time(thunk, device)))
     tables = {k: TargetCost(*zip(*v), q) if v else None for k, v in points.items() if k != "drafter"}
     drafter = Curve(*zip(*points["drafter"])) if points["drafter"] else ZERO
     return StepCost(tables["eager"], tables["graph"], drafter)

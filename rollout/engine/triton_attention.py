@@ -12,7 +12,7 @@ that sees no key (position < 0) gets 0, as the torch path's SDPA gives.
 Triton compiles a variant per constexpr combination and per integer argument that equals 1 or
 is divisible by 16. The token count and the block table's width change with every batch, so
 those two are not specialised. Otherwise a serving engine kept meeting new variants, each
-compiled inside a step (~0.5 s on the H200; see BENCHMARKS.md, issue 5).
+compiled inside a step, which stalls it (BENCHMARKS.md, issue 5).
 
 Decode and verify steps have few query rows per sequence, so at small batch a (sequence, head)
 grid leaves most of the GPU idle; the key range is then split over several programs whose
@@ -62,11 +62,12 @@ if triton is not None:
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        seq = tl.program_id(0)
+        # 64-bit offsets: a row or block index times its stride can pass 2**31 in a large step / pool
+        seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         tile = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
         q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
         ctx = tl.load(context_lens_ptr + seq)
         if tile * BLOCK_M < q_len * GROUPS:
@@ -89,7 +90,8 @@ if triton is not None:
             for n0 in range(lo, hi, BLOCK_N):
                 keys = n0 + tl.arange(0, BLOCK_N)  # [N]
                 key_ok = keys < hi
-                block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
+                block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok,
+                                other=0).to(tl.int64)
                 slot = keys % BLOCK_SIZE
                 k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
                             + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
@@ -121,7 +123,7 @@ if triton is not None:
         out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         splits = tl.arange(0, NUM_SPLITS)
         base = (splits * num_tokens + token) * NUM_HEADS + head  # [P]

@@ -1,9 +1,10 @@
 """Fused elementwise kernels of a decoder layer, in Triton, each replacing several torch kernels.
 
-At batch 1 an 8B-shaped step reads its 16 GB of weights in ~3.9 ms, but the torch layer adds
-~28 small kernels per layer (norms, RoPE's roll/mul/addcmul, cache writes, SiLU and product,
-residual adds) that cost ~2.5 ms more even inside a CUDA graph. These kernels do the same
-arithmetic in three launches per layer pair:
+At small batches a step is bound by reading the weights, and the torch layer adds dozens of
+small kernels per layer (norms, RoPE's roll/mul/addcmul, cache writes, SiLU and product,
+residual adds) whose launches cost a large share of that again, even inside a CUDA graph
+(BENCHMARKS.md, "Figures once quoted in code comments"). These kernels do the same arithmetic
+in three launches per layer pair:
 
 * `qk_norm_rope_store`: from the packed qkv projection, per token: q/k RMSNorm (Qwen3), RoPE
   from the engine's cos / signed-sin table, q out, k and v written into the paged cache;
@@ -33,7 +34,7 @@ if triton is not None:
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEADS_P2: tl.constexpr, QK_NORM: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         heads = tl.arange(0, HEADS_P2)  # q heads, then k heads, then v heads
         dims = tl.arange(0, HEAD_DIM)
         total = NUM_HEADS + 2 * NUM_KV_HEADS
@@ -73,7 +74,7 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, stride_x, stride_res,
                              SIZE: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         cols = tl.arange(0, BLOCK)
         ok = cols < SIZE
         s = (tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
@@ -87,7 +88,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, SIZE: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # 262,144 tokens x 2 x 12,288 (8B's gate|up) passes 2**31
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < SIZE
         gate = tl.load(gate_up_ptr + t * stride_in + cols, mask=ok, other=0.0).to(tl.float32)

@@ -1,4 +1,5 @@
-"""Contract 1 step 3, the truncation, on the paths `rollout.engine.sampler.policy` picks per row.
+"""The truncation (docs/sampling.md, step 3), on the paths `rollout.engine.sampler.policy`
+picks per row.
 
 * `top_candidates`: the k most probable tokens of each row without sorting the vocabulary: a
   `topk`, whose choice among the tokens tied at the k-th value (`torch.topk` picks as it likes)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from rollout.engine.block_manager import BlockManager
 from rollout.engine.loader import load_state_into, param_slots
+from rollout.engine.scheduler import Scheduler
 from rollout.errors import FailedPrecondition, InvalidArgument
 
 
@@ -34,8 +36,14 @@ def validate_state(model: torch.nn.Module, state: dict[str, torch.Tensor], field
 
 
 class WeightUpdater:
-    def __init__(self, engine):
-        self.engine = engine
+    """Updates `model` (and `draft_model`, the drafter's module, None without a loadable drafter)
+    between steps: `scheduler` pauses admission and says when started samples have drained;
+    `block_manager` forgets the cached prefixes."""
+
+    def __init__(self, model: torch.nn.Module, draft_model: torch.nn.Module | None, scheduler: Scheduler,
+                 block_manager: BlockManager):
+        self.model, self.draft_model = model, draft_model
+        self.scheduler, self.block_manager = scheduler, block_manager
         self.version = 0
         self._pending: tuple[dict, dict | None] | None = None
 
@@ -44,31 +52,29 @@ class WeightUpdater:
         return self._pending is not None
 
     def submit(self, state: dict[str, torch.Tensor], draft_state: dict | None = None) -> None:
-        eng = self.engine
         if not state and not draft_state:
             raise InvalidArgument("weights", "no tensors given")
         if state:
-            validate_state(eng.model, state, "weights")
+            validate_state(self.model, state, "weights")
         if draft_state:
-            if eng.drafter is None or not hasattr(eng.drafter, "model"):
+            if self.draft_model is None:
                 raise InvalidArgument("draft_weights", "this server runs no loadable drafter (--spec none)")
-            validate_state(eng.drafter.model, draft_state, "draft_weights")
+            validate_state(self.draft_model, draft_state, "draft_weights")
         if self._pending is not None:
             raise FailedPrecondition("another weight update is still draining; retry when it has applied")
         self._pending = (state, draft_state)
-        eng.scheduler.admission_paused = True
+        self.scheduler.admission_paused = True
 
     def apply_if_drained(self) -> bool:
-        eng = self.engine
-        if self._pending is None or eng.scheduler.has_started_work():
+        if self._pending is None or self.scheduler.has_started_work():
             return False
         state, draft_state = self._pending
         if state:
-            load_state_into(eng.model, state, strict=False)
+            load_state_into(self.model, state, strict=False)
         if draft_state:
-            load_state_into(eng.drafter.model, draft_state, strict=False)
-        eng.block_manager.reset_prefix_cache()
+            load_state_into(self.draft_model, draft_state, strict=False)
+        self.block_manager.reset_prefix_cache()
         self.version += 1
         self._pending = None
-        eng.scheduler.admission_paused = False
+        self.scheduler.admission_paused = False
         return True

@@ -1,4 +1,4 @@
-"""The Contract 3 validator: checks a rollout table's tokens, log-probs and masks, for CI.
+"""The mask contract's validator (docs/masks.md): checks a rollout table's tokens, log-probs and masks, for CI.
 
 `check_table` walks a `pyarrow.Table` in the one rollout schema, one sample at a time, with
 numpy over the sample's flattened supports (no per-token Python loop), and returns a
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from rollout.engine.params import MASK_MODES
 from rollout.errors import InvalidArgument
+from rollout.masks import MASK_MODES
 from rollout.schema import MASK_TOP_K_KEY, ROLLOUT_SCHEMA, VOCAB_SIZE_KEY
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -114,7 +114,7 @@ class _Meta:
 
 
 def check_table(table: pa.Table, tol: float = 1e-3, max_width: int | None = None) -> CheckReport:
-    """Check every sample of `table` against Contract 3 (see the module docstring).
+    """Check every sample of `table` against docs/masks.md (see the module docstring).
 
     max_width bounds the support width (the requests' top_k); the schema metadata key
     "max_mask_tokens" or "mask_top_k" (the server writes the request's top_k), when present, is
@@ -364,7 +364,7 @@ def read_table(path: str) -> pa.Table:
 def main(argv: list[str]) -> int:
     """`rollout validate FILE`: 0 clean, 1 violations, 2 the input cannot be checked."""
     parser = argparse.ArgumentParser(
-        prog="rollout validate", description="Check a rollout against Contract 3."
+        prog="rollout validate", description="Check a rollout against the mask contract (docs/masks.md)."
     )
     parser.add_argument("file", help="Arrow IPC file or stream in the rollout schema")
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""The one mask packer (DESIGN.md Contract 3): device-side supports -> fixed-width rows -> flat
+"""The one mask packer (docs/masks.md): device-side supports -> fixed-width rows -> flat
 host arrays (`Supports`) that go into the Arrow columns as they are.
 
 After acceptance the engine holds, for every committed position that asked for a mask, the

@@ -4,7 +4,8 @@ server.
 
 `serve` is `rollout serve`: it binds its port for itself alone (a port another process listens on
 is refused, naming it, before the engine is built), prints `rollout serving on HOST:PORT` once the
-engine is built, then runs until SIGTERM or SIGINT (handled from the start), when it reports
+engine is built (after `rollout metrics on URL` when its metrics endpoint is on, see
+rollout.server.metrics), then runs until SIGTERM or SIGINT (handled from the start), when it reports
 NOT_SERVING, refuses new RPCs, lets in-flight requests finish (up to `drain_seconds`; then they
 are cancelled) and returns 0. A second signal during the drain cancels the in-flight requests at
 once and returns 1. `BackgroundServer` runs the same server on a private event loop in a thread,
@@ -30,64 +31,30 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout.errors import InvalidArgument
 from rollout.server.admission import Admission, engine_prompt_setup
+from rollout.server.config import ServeConfig
 from rollout.server.engine_process import EngineProcess
 from rollout.server.liveness import Health, Watchdog
 from rollout.server.logs import log_event
 from rollout.server.loop import EngineLoop
-from rollout.server.service import FlushPolicy, Identity, RolloutService
+from rollout.server.metrics import Metrics, RequestCounter, serve_metrics
+from rollout.server.service import Identity, RolloutService
+from rollout.server.stats_log import log_stats
 from rollout.server.wire import SERVICE_NAME, add_rollout_service
-
-MIN_REQUEST_BYTES = 16 << 20  # room for trainer_client's 8 MiB weight pieces (one WeightChunk each)
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Front-end settings of `rollout serve` (the engine has its own EngineConfig).
-
-    `max_request_bytes` bounds each message a client sends: a GenerateRequest, and each WeightChunk
-    of an UpdateWeights stream (trainer_client sends 8 MiB pieces); a larger one is refused with
-    RESOURCE_EXHAUSTED before it is read. `liveness_seconds`: see rollout.server.liveness (0: off)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    drain_seconds: float = 300.0
-    flush: FlushPolicy = field(default_factory=FlushPolicy)
-    # the engine in a child process (EngineProcess; the factory must then be picklable) rather than
-    # a thread of this one (EngineLoop): `rollout serve` does, see rollout.server.engine_process
-    engine_process: bool = False
-    max_request_bytes: int = 64 << 20
-    liveness_seconds: float = 60.0
-
-    def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise InvalidArgument("port", f"must be in [0, 65535] (0 = pick a free one), got {self.port}")
-        if not self.drain_seconds >= 0:
-            raise InvalidArgument("drain_seconds", f"must be >= 0, got {self.drain_seconds}")
-        if not MIN_REQUEST_BYTES <= self.max_request_bytes < 2**31:
-            raise InvalidArgument("max_request_bytes", f"must be in [{MIN_REQUEST_BYTES}, 2**31), "
-                                                       f"got {self.max_request_bytes}")
-        if not self.liveness_seconds >= 0:
-            raise InvalidArgument("liveness_seconds", f"must be >= 0 (0 = no watchdog), got {self.liveness_seconds}")
-
-    def address(self, port: int) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{port}"
-
-    def grpc_options(self) -> list[tuple[str, Any]]:
-        return [("grpc.so_reuseport", 0),  # (grpc's default lets a second server share the port)
-                ("grpc.max_receive_message_length", self.max_request_bytes),
-                ("grpc.max_send_message_length", -1)]
 
 
 @dataclass
 class RunningServer:
-    """A started server. `address` is HOST:PORT with the bound port."""
+    """A started server. `address` is HOST:PORT with the bound port; `metrics_address` the URL of
+    its Prometheus endpoint ("" without --metrics-port)."""
 
     server: grpc.aio.Server
     engine_loop: EngineLoop | EngineProcess
     health: Health
     address: str
+    metrics: Metrics
+    metrics_address: str = ""
     watchdog: asyncio.Task | None = None
+    closers: list[Callable[[], Any]] = field(default_factory=list)  # the metrics endpoint, the stats log
 
     async def stop(self, grace: float | None) -> None:
         """NOT_SERVING, refuse new RPCs, wait up to `grace` s for running ones, stop the engine."""
@@ -96,15 +63,18 @@ class RunningServer:
             self.watchdog.cancel()
         await self.server.stop(grace)
         await self.engine_loop.stop()
+        for close in self.closers:
+            close()
 
 
 async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -> RunningServer:
     """Binds the port, builds the engine (on its own thread or in its own process) and starts serving."""
-    server = grpc.aio.server(options=config.grpc_options())
+    metrics = Metrics(lambda: 0)  # requests counted once the engine loop exists (_start)
+    server = grpc.aio.server(options=config.grpc_options(), interceptors=[RequestCounter(metrics)])
     try:
         port = bind(server, config)
         log_event("server_starting", address=config.address(port), engine_process=config.engine_process)
-        return await _start(server, port, engine_factory, config)
+        return await _start(server, port, engine_factory, config, metrics)
     except BaseException:
         await server.stop(None)
         raise
@@ -140,19 +110,21 @@ def _port_taken(host: str, port: int) -> bool:
 
 
 async def _start(server: grpc.aio.Server, port: int, engine_factory: Callable[[], Any],
-                 config: ServeConfig) -> RunningServer:
+                 config: ServeConfig, metrics: Metrics) -> RunningServer:
     loop_type = EngineProcess if config.engine_process else EngineLoop
     engine_loop = loop_type(engine_factory, asyncio.get_running_loop())
+    metrics.running_requests = engine_loop.num_requests
+    engine_loop.on_stats = metrics.update
     await engine_loop.start()
     try:
-        return await _start_serving(server, port, engine_loop, config)
+        return await _start_serving(server, port, engine_loop, config, metrics)
     except BaseException:
         await engine_loop.stop()
         raise
 
 
 async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: EngineLoop | EngineProcess,
-                         config: ServeConfig) -> RunningServer:
+                         config: ServeConfig, metrics: Metrics) -> RunningServer:
     identity = Identity(*await engine_loop.call(engine_names), instance_id=uuid.uuid4().hex)
     admission = Admission(*await engine_loop.call(engine_prompt_setup))
     add_rollout_service(RolloutService(engine_loop, identity, admission, config.flush), server)
@@ -164,12 +136,28 @@ async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: Engine
     await server.start()
     await health_state.serving(True)
     address = config.address(port)
-    running = RunningServer(server, engine_loop, health_state, address)
+    running = RunningServer(server, engine_loop, health_state, address, metrics)
     if config.liveness_seconds > 0:
         running.watchdog = asyncio.ensure_future(Watchdog(engine_loop, health_state, config.liveness_seconds).run())
+    try:
+        _observe(running, config)
+    except OSError as exc:
+        await running.stop(0)
+        raise InvalidArgument("metrics_port", f"cannot listen on {config.metrics_host}:{config.metrics_port}: "
+                                              f"{exc.strerror or exc}") from exc
     log_event("server_started", address=address, model=identity.model, spec=identity.spec_method,
-              instance_id=identity.instance_id)
+              instance_id=identity.instance_id, metrics=running.metrics_address or None)
     return running
+
+
+def _observe(running: RunningServer, config: ServeConfig) -> None:
+    """The metrics endpoint (--metrics-port) and the periodic stats line (--stats-interval)."""
+    if config.metrics_port is not None:
+        stop, running.metrics_address = serve_metrics(running.metrics, config.metrics_host, config.metrics_port)
+        running.closers.append(stop)
+    if config.stats_interval > 0:
+        task = asyncio.ensure_future(log_stats(running.metrics, config.stats_interval))
+        running.closers.append(task.cancel)
 
 
 async def serve(engine_factory: Callable[[], Any], config: ServeConfig) -> int:
@@ -177,6 +165,8 @@ async def serve(engine_factory: Callable[[], Any], config: ServeConfig) -> int:
     second signal cut the drain short)."""
     signals = _Signals(asyncio.get_running_loop())  # before anything: a signal never kills it outright
     running = await start_server(engine_factory, config)
+    if running.metrics_address:
+        print(f"rollout metrics on {running.metrics_address}", flush=True)
     print(f"rollout serving on {running.address}", flush=True)
     await signals.first.wait()
     log_event("draining", requests=running.engine_loop.num_requests(), grace_s=config.drain_seconds)
@@ -211,14 +201,17 @@ def engine_names(engine) -> tuple[str, str, str, int]:
     return engine.model_name, engine.drafter_name, str(engine.info()["spec_method"]), engine.vocab_size
 
 
+BACKGROUND = ServeConfig(port=0, engine_process=False, stats_interval=0)  # BackgroundServer's default
+
+
 class BackgroundServer:
     """A server on a private event loop in a daemon thread; a context manager.
 
-    with BackgroundServer(lambda: LLMEngine(EngineConfig())) as server:
+    with BackgroundServer(lambda: rollout.build_engine(EngineConfig())) as server:
         client = RolloutClient(server.address)
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], config: ServeConfig = ServeConfig()):
+    def __init__(self, engine_factory: Callable[[], Any], config: ServeConfig = BACKGROUND):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-server", daemon=True)
         self._factory, self._config = engine_factory, config

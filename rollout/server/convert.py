@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from rollout.engine.outputs import SampleOutput
+from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
+from rollout.outputs import SampleOutput
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.schema import to_record_batch
-from rollout.spec.grammar import GrammarSpec
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "temperature",
@@ -108,7 +108,7 @@ class StreamEncoder:
 
     def encode(self, samples: Sequence[SampleOutput]) -> pb.GenerateResponse:
         batch = to_record_batch(samples, self.schema(max(s.policy_version for s in samples)))
-        stream = b"".join((self._schema_message, batch.serialize().to_pybytes(), _END_OF_STREAM))
+        stream = b"".join((self._schema_message, batch.serialize(), _END_OF_STREAM))  # (Arrow's buffer, not a copy)
         return pb.GenerateResponse(arrow_ipc=stream, num_rows=batch.num_rows)
 
 

@@ -2,7 +2,7 @@
 
 Starts `rollout serve` on a free 127.0.0.1 port with the embedded models and a speculative
 drafter, sends one GRPO-style group (one prompt, n samples, support masks at top_k 64) through
-`trainer_client`, validates the result against Contract 3, collates it with `to_torch`, and
+`trainer_client`, validates the result against the mask contract (docs/masks.md), collates it with `to_torch`, and
 prints the decoded completions with their token counts, acceptance lengths and mask widths,
 plus throughput. Then stops the server with SIGTERM and reports its exit status.
 """

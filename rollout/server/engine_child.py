@@ -22,6 +22,8 @@ from typing import Any
 from rollout.server import logs
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, EngineLoop, Sink
+from rollout.server.outbox import Outbox
+from rollout.server.pipe import send_message
 
 READY = 0  # the id of the child's first answer: its engine is built (or failed to build)
 
@@ -30,7 +32,7 @@ def child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval
     """The child's entry point: the engine loop runs on this, the main thread, and the asyncio side
     (commands in, results and deliveries out) on a second one. The main thread matters: glibc
     gives other threads their own malloc arenas, which return memory to the system and take it
-    back (tens of page faults per step of a small model, measured on CPU); the main heap does not.
+    back (page faults in every step; BENCHMARKS.md, issue 5); the main heap does not.
     SIGINT / SIGTERM are the parent's to handle: it drains, then sends `stop`. A parent that goes
     away closes the pipe, which stops the child too. `progress` is the shared counter the engine
     loop ticks (the parent's liveness watchdog reads it)."""
@@ -47,50 +49,43 @@ def child_main(factory: Callable[[], Any], conn, log_level: str, switch_interval
     front.join(60)
 
 
-class _Outbox:
-    """The child's messages to the parent, sent as one pickled batch per event-loop iteration."""
+class _Replies:
+    """The child's messages to the parent (results, deliveries, stats): one pickled batch per
+    event-loop iteration, through an `Outbox`, its large arrays out of band (rollout.server.pipe)."""
 
     def __init__(self, conn, loop: asyncio.AbstractEventLoop):
-        self._conn, self._loop = conn, loop
-        self._batch: list[tuple] = []
+        self._conn = conn
+        self._outbox: Outbox[tuple] = Outbox(self._send, loop, on_error=self._unsent)
 
     def post(self, kind: str, key: Any, value: Any = None, error: BaseException | None = None) -> None:
-        if not self._batch:
-            self._loop.call_soon(self.flush)
         if isinstance(value, Delivery) and value.error is not None:
             value.error = _picklable(value.error)
-        self._batch.append((kind, key, value, _picklable(error)))
+        self._outbox.post((kind, key, value, _picklable(error)))
 
     def flush(self) -> None:
-        batch, self._batch = self._batch, []
-        if not batch:
-            return
-        try:
-            self._conn.send(batch)
-        except OSError:  # the parent is gone; the reader sees EOF and stops the child
-            pass
-        except Exception:  # something in the batch does not pickle: send the rest, fail that one
-            log_event("engine_message_unpicklable", logging.ERROR, exc_info=True)
-            for kind, key, value, error in batch:
-                self._send_one(kind, key, value, error)
+        self._outbox.flush()
 
-    def _send_one(self, kind: str, key: Any, value: Any, error: BaseException | None) -> None:
-        try:
-            self._conn.send([(kind, key, value, error)])
-        except OSError:
-            pass
-        except Exception as exc:
-            failure = RuntimeError(f"the engine's answer could not be sent: {type(exc).__name__}: {exc}")
-            if kind == "result":
-                self._conn.send([(kind, key, None, failure)])
-            else:
-                self._conn.send([(kind, key, Delivery([], done=True, error=failure), None)])
+    def _send(self, batch: list[tuple]) -> None:
+        send_message(self._conn, batch)
+
+    def _unsent(self, message: tuple, exc: Exception) -> None:
+        """A message the pipe refuses: the parent is gone (the reader sees EOF and stops the
+        child); one that does not pickle: its command or request fails instead."""
+        if isinstance(exc, OSError):
+            return
+        log_event("engine_message_unpicklable", logging.ERROR, exc_info=True)
+        kind, key, _, _ = message
+        failure = RuntimeError(f"the engine's answer could not be sent: {type(exc).__name__}: {exc}")
+        if kind == "result":
+            self._send([(kind, key, None, failure)])
+        else:
+            self._send([(kind, key, Delivery([], done=True, error=failure), None)])
 
 
 class _Admissions:
     """The sinks of the admissions still running here, by the parent's admission key."""
 
-    def __init__(self, out: _Outbox):
+    def __init__(self, out: _Replies):
         self._out = out
         self._sinks: dict[int, Sink] = {}
 
@@ -112,7 +107,8 @@ class _Admissions:
 
 async def _serve_engine(engine_loop: EngineLoop, conn) -> None:
     loop = asyncio.get_running_loop()
-    out = _Outbox(conn, loop)
+    out = _Replies(conn, loop)
+    engine_loop.on_stats = lambda snapshot: out.post("stats", None, snapshot)
     try:
         await engine_loop.start()
     except BaseException as exc:
@@ -158,7 +154,7 @@ def _put_all(commands: asyncio.Queue, batch: list) -> None:
         commands.put_nowait(message)
 
 
-async def _execute(engine_loop: EngineLoop, message: tuple, admissions: _Admissions, out: _Outbox) -> None:
+async def _execute(engine_loop: EngineLoop, message: tuple, admissions: _Admissions, out: _Replies) -> None:
     op, cmd_id, *args = message
     try:
         if op == "add":

@@ -21,7 +21,8 @@ Each `add` is an admission with a key of its own, and the child sends its delive
 key: a request id whose abort has run in the child can be admitted again at once, while the old
 admission's last delivery is still on its way here. The one check that an id is not running twice
 is the engine's (`Aborted`). A shared counter that the child's engine loop ticks tells the
-liveness watchdog (rollout.server.liveness) whether it makes progress.
+liveness watchdog (rollout.server.liveness) whether it makes progress. The child's batches carry
+their large arrays (the samples' masks) out of band (rollout.server.pipe).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rollout.errors import Unavailable
+from rollout.errors import InvalidArgument, Unavailable
 from rollout.server import logs
 from rollout.server.convert import GenerateCall
 from rollout.server.engine_child import READY, child_main
 from rollout.server.logs import log_event
 from rollout.server.loop import Delivery, Sink, discard
+from rollout.server.outbox import Outbox
+from rollout.server.pipe import recv_message
 
 STOP_TIMEOUT_S = 60.0  # how long `stop` waits for the child's answer, then for its exit
 
@@ -59,17 +62,24 @@ class EngineProcess:
         self._admitted: dict[int, tuple[str, Sink]] = {}  # admission key -> (request id, sink)
         self._keys: dict[Sink, int] = {}  # sink -> admission key
         self._send_lock = threading.Lock()
-        self._batch: list[tuple] = []  # commands of this event-loop iteration, sent together
+        # commands of one event-loop iteration, sent together (`_send` is looked up at each send)
+        self._outbox: Outbox[tuple] = Outbox(lambda batch: self._send(batch), loop, on_error=self._unsent)
         self._dead: BaseException | None = None
         self._stopping = False
         self._conn = None
         self._proc = None
         self._progress = None  # the child engine loop's tick counter, in shared memory
         self.on_death: Callable[[], None] | None = None  # called on the event loop if the child dies
+        self.on_stats: Callable[[Any], None] | None = None  # the child's StatsSnapshots, on the event loop
 
     async def start(self) -> None:
         """Starts the child and waits until its engine is built; raises what the factory raised."""
-        pickle.dumps(self._factory)  # fail here, clearly, rather than in the child
+        try:  # fail here, clearly, rather than in the child
+            pickle.dumps(self._factory)
+        except Exception as exc:
+            raise InvalidArgument("engine_process", f"the engine factory cannot be sent to a child process "
+                                  f"({exc}); use a module-level function or functools.partial, or run the "
+                                  f"engine on a thread (ServeConfig(engine_process=False))") from exc
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_conn = ctx.Pipe()
         self._progress = ctx.RawValue("q", 0)
@@ -156,21 +166,13 @@ class EngineProcess:
             task = self._loop.create_task(asyncio.to_thread(self._send, [message]))
             task.add_done_callback(lambda t: self._settle(cmd_id, None, _send_error(t)) if _send_error(t) else None)
         else:  # one pickle and one write per event-loop iteration (a burst of Generate calls)
-            if not self._batch:
-                self._loop.call_soon(self._flush)
-            self._batch.append(message)
+            self._outbox.post(message)
         return fut
 
-    def _flush(self) -> None:
-        batch, self._batch = self._batch, []
-        try:
-            self._send(batch)
-        except Exception:  # a command that does not pickle (nothing was written), or the pipe is gone
-            for message in batch:
-                try:
-                    self._send([message])
-                except Exception as exc:
-                    self._settle(message[1], None, self._died() if isinstance(exc, OSError) else exc)
+    def _unsent(self, message: tuple, exc: Exception) -> None:
+        """A command that does not pickle (nothing was written) fails; so does one the pipe refuses
+        (the child is gone)."""
+        self._settle(message[1], None, self._died() if isinstance(exc, OSError) else exc)
 
     def _send(self, batch: list[tuple]) -> None:
         with self._send_lock:
@@ -181,7 +183,7 @@ class EngineProcess:
         try:
             while True:
                 try:
-                    batch = self._conn.recv()
+                    batch = recv_message(self._conn)
                 except (EOFError, OSError):
                     break
                 self._loop.call_soon_threadsafe(self._on_batch, batch)
@@ -193,6 +195,9 @@ class EngineProcess:
         for kind, key, value, error in batch:
             if kind == "result":
                 self._settle(key, value, error)
+            elif kind == "stats":
+                if self.on_stats is not None:
+                    self.on_stats(value)
             else:  # a delivery for admission `key`
                 entry = self._admitted.get(key)
                 if entry is None:

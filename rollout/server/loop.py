@@ -7,10 +7,11 @@ results back as asyncio futures. Finished samples are routed to the request's si
 invoked on the event loop, once per request per step, so the event loop never blocks on the
 engine and the engine never waits for a client.
 
-What the engine thread hands back (command results, deliveries) collects in an outbox that
-goes to the event loop in one `loop.call_soon_threadsafe` per batch of commands and per step:
-each wake-up of the loop is a socket write that lets go of the GIL, and getting it back while
-the event loop runs costs the engine thread up to the interpreter's switch interval (5 ms).
+What the engine thread hands back (command results, deliveries) collects in an outbox
+(rollout.server.outbox) that goes to the event loop in one `loop.call_soon_threadsafe` per batch
+of commands and per step: each wake-up of the loop is a socket write that lets go of the GIL,
+and getting it back while the event loop runs costs the engine thread up to the interpreter's
+switch interval.
 
 With a draft budget (adaptive speculation), a `spec_budget` line says every SPEC_LOG_SECONDS of
 busy time and at the end of each busy period what it chose since the last line (drafts verified per
@@ -34,10 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engine.outputs import SampleOutput
 from rollout.errors import FailedPrecondition, Unavailable
+from rollout.outputs import SampleOutput
 from rollout.server.convert import GenerateCall
+from rollout.server.engine_stats import EngineStats, StatsSnapshot
 from rollout.server.logs import elapsed_ms, log_event
+from rollout.server.outbox import Outbox
 
 SPEC_LOG_SECONDS = 30.0
 
@@ -74,7 +77,8 @@ class EngineLoop:
         self._progress = progress if progress is not None else ctypes.c_int64(0)
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: list[Callable[[], None]] = []  # run on the event loop, in order
+        # what the engine thread hands back, run on the event loop in order
+        self._outbox: Outbox[Callable[[], None]] = Outbox(lambda calls: loop.call_soon_threadsafe(_run_all, calls))
         self._routes: dict[str, _Route] = {}
         self._weight_waiters: list[asyncio.Future] = []
         self._stopping = False
@@ -84,6 +88,9 @@ class EngineLoop:
         self._busy_period: _BusyPeriod | None = None
         self._spec_log_at = 0.0  # perf_counter time of the next spec_budget line
         self.engine: Any = None
+        self.stats = EngineStats()
+        # called on the event loop with a StatsSnapshot now and then (rollout.server.engine_stats)
+        self.on_stats: Callable[[StatsSnapshot], None] | None = None
 
     async def start(self) -> None:
         """Builds the engine on the loop thread; raises whatever the factory raised."""
@@ -144,18 +151,24 @@ class EngineLoop:
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
+        self._ship_stats()
+        self._send_outbox()
         while not self._stopping:
             busy = self._busy()
             if not busy and self._busy_period is not None:  # idle again: one log line for the period
                 self._busy_period.log(self.engine.compiled())
                 self._busy_period = None
                 self._log_spec_budget()
+                self._ship_stats()
+                self._send_outbox()
             self._run_commands(block=not busy)
             if self._busy_period is None and self._busy():  # left idle (a request came in): a period begins
                 self._busy_period = _BusyPeriod(time.perf_counter(), self.engine.compiled())
             self._send_outbox()
             if self._busy() and not self._stopping:
                 self._step()
+                if time.perf_counter() >= self.stats.due:
+                    self._ship_stats()
                 self._send_outbox()
             self._progress.value += 1
         for request_id in list(self._routes):
@@ -213,12 +226,23 @@ class EngineLoop:
             else:
                 fut.set_result(result)
 
-        self._outbox.append(settle)
+        self._outbox.post(settle)
 
     def _send_outbox(self) -> None:
-        if self._outbox:
-            calls, self._outbox = self._outbox, []
-            self._loop.call_soon_threadsafe(_run_all, calls)
+        self._outbox.flush()
+
+    def _ship_stats(self) -> None:
+        """Hands a snapshot of the counters to `on_stats` with the next outbox (if anyone listens)."""
+        on_stats = self.on_stats
+        if on_stats is None:
+            return
+        try:
+            snapshot = self.stats.snapshot(self.engine)
+        except Exception:  # metrics must not stop the engine
+            log_event("engine_stats_failed", logging.ERROR, exc_info=True)
+            self.on_stats = None
+            return
+        self._outbox.post(lambda: on_stats(snapshot))
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -231,6 +255,9 @@ class EngineLoop:
             log_event("engine_step_failed", logging.ERROR, exc_info=True)
             self._fail_all(exc)
             return
+        self.stats.record_step(time.perf_counter() - start)
+        if finished:
+            self.stats.record_samples(finished)
         self._dispatch(finished)
         self._settle_weight_updates()
         if time.perf_counter() >= self._spec_log_at:
@@ -264,7 +291,7 @@ class EngineLoop:
             self._post(route.sink, Delivery(samples, done=done))
 
     def _post(self, sink: Sink, delivery: Delivery) -> None:
-        self._outbox.append(lambda: sink(delivery))
+        self._outbox.post(lambda: sink(delivery))
 
     def _add(self, engine: Any, call: GenerateCall, sink: Sink) -> None:
         # the engine refuses an id it still runs (Aborted), so a route is never replaced; an id whose
@@ -282,6 +309,7 @@ class EngineLoop:
             return 0
         del self._routes[request_id]
         aborted = engine.abort(request_id)
+        self.stats.record_samples(aborted)
         log_event("request_aborted", request_id=request_id, reason=reason, samples=len(aborted))
         failed = _failure(aborted)  # (a sample whose masks overflowed fails even when aborted)
         self._post(route.sink, Delivery([] if failed else aborted, done=True, error=failed))
@@ -290,7 +318,7 @@ class EngineLoop:
     def _fail(self, request_id: str, error: BaseException) -> None:
         route = self._routes.pop(request_id)
         try:
-            self.engine.abort(request_id)
+            self.stats.record_samples(self.engine.abort(request_id))
         except Exception:
             log_event("abort_failed", logging.ERROR, exc_info=True, request_id=request_id)
         log_event("request_failed", logging.WARNING, request_id=request_id, error=str(error))

@@ -14,6 +14,10 @@ import threading
 READY_PREFIX = "rollout serving on "
 
 
+class ServerStartError(RuntimeError):
+    """`rollout serve` exited or stayed silent instead of serving; the message ends with its log tail."""
+
+
 class ServerProcess:
     """`with ServerProcess(["--spec", "dflash"]) as proc: RolloutClient(proc.address)`.
     Its JSON logs go to `proc.log_path`."""
@@ -35,7 +39,7 @@ class ServerProcess:
         if not ready.wait(self.startup_timeout) or not self.address:
             self.proc.kill()
             self.proc.wait()
-            raise RuntimeError(f"rollout serve did not start: {self.log_tail()}")
+            raise ServerStartError(f"rollout serve did not start: {self.log_tail()}")
         return self
 
     def _watch_stdout(self, ready: threading.Event) -> None:

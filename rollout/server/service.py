@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from rollout.engine.outputs import SampleOutput
-from rollout.errors import InvalidArgument
+from rollout.outputs import SampleOutput
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import schema_with_metadata
 from rollout.server.admission import Admission
+from rollout.server.config import FlushPolicy
 from rollout.server.convert import GenerateCall, StreamEncoder, server_info_message
 from rollout.server.engine_process import EngineProcess
 from rollout.server.logs import log_event
@@ -34,20 +34,6 @@ from rollout.server.loop import Delivery, EngineLoop, discard
 from rollout.server.status import to_status
 from rollout.server.weights import assemble
 from rollout.server.wire import parse_request
-
-
-@dataclass(frozen=True)
-class FlushPolicy:
-    """When a Generate stream sends the samples it holds: at `rows` samples or after `seconds`."""
-
-    rows: int = 32
-    seconds: float = 0.02
-
-    def __post_init__(self):
-        if self.rows < 1:
-            raise InvalidArgument("flush_rows", f"must be >= 1, got {self.rows}")
-        if not self.seconds >= 0:
-            raise InvalidArgument("flush_seconds", f"must be >= 0, got {self.seconds}")
 
 
 @dataclass(frozen=True)
@@ -126,7 +112,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         except asyncio.CancelledError:
             discard(self.engine_loop.abort(call.request_id, "client went away during admission", sink))
             raise
-        log_event(  # debug: at info, a burst of requests would spend ~40 us each formatting and writing it
+        log_event(  # debug: at info, a burst of requests would format and write a line each on the event loop
             "request_admitted",
             logging.DEBUG,
             request_id=call.request_id,

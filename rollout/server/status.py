@@ -1,4 +1,4 @@
-"""The one place where errors become gRPC status codes (DESIGN.md Contract 4).
+"""The one place where errors become gRPC status codes (docs/wire.md, "Errors").
 
 Everything the service raises or receives from the engine loop passes through `to_status`;
 handlers never pick a status code themselves. Messages of INVALID_ARGUMENT start with the

@@ -1,5 +1,5 @@
 """CUDA graphs of a block drafter's forward: context gather, block layers and head, replayed for a
-(batch bucket, context bucket) instead of launching ~80 small kernels per step.
+(batch bucket, context bucket) instead of launching its many small kernels one by one every step.
 
 The block forward of S sequences is a function of three small inputs: each block's anchor token,
 the anchor's position (= the sequence's context length) and the block table. They are copied into
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from rollout.engine.graphs import BATCH_BUCKETS, bucket, capture_graph, context_bucket
+from rollout.engine.graphs import BATCH_BUCKETS, StaticOutputs, bucket, capture_graph, context_bucket
 
 MIN_CONTEXT_BUCKET = 64
 
@@ -34,6 +34,7 @@ class DraftGraphs:
         self.anchors = torch.zeros(s, dtype=torch.int64, device=device)
         self.anchor_pos = torch.zeros(s, dtype=torch.int64, device=device)
         self.table = torch.full((s, max_blocks_per_seq), scratch_block, dtype=torch.int64, device=device)
+        self.outputs = StaticOutputs(s)
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
         self.num_replays = 0
@@ -59,7 +60,7 @@ class DraftGraphs:
         self.table[s:s_pad].fill_(self.scratch_block)
         if key not in self.graphs:
             self.graphs[key] = self._build(key)
-        replay, outputs = self.graphs[key]
+        replay, *outputs = self.graphs[key]
         replay()
         self.num_replays += 1
         return tuple(o[:s] for o in outputs)
@@ -67,5 +68,5 @@ class DraftGraphs:
     def _build(self, key):
         s_pad, ctx = key
         run = lambda: self.forward(self.anchors[:s_pad], self.anchor_pos[:s_pad], self.table[:s_pad], ctx)  # noqa: E731
-        replay, outputs, self.pool = capture_graph(run, self.capture, self.pool)
-        return replay, outputs
+        replay, outputs, self.pool = capture_graph(run, self.capture, self.outputs, self.pool)
+        return replay, *outputs

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from rollout.engine.loader import LoadedModel, load_state_into, read_state_dict
+from rollout.engine.loader import LoadedModel, LoadProgress, load_state_into, read_state_dict
 from rollout.engine.model import ModelConfig, PackedLinear
 from rollout.errors import InvalidArgument, LoadError
 from rollout.spec.draft_model import DRAFT_KINDS, DraftConfig, DraftModel, TargetHeads
@@ -139,13 +139,15 @@ def _target_placement(target: LoadedModel, device, dtype) -> tuple[torch.device,
 
 def load_drafter(path: str | Path, target: LoadedModel, kind: str | None = None,
                  block_size: int | None = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> DraftModel:
+                 dtype: torch.dtype | None = None, progress: LoadProgress | None = None) -> DraftModel:
     """Load a DFlash / DSpark checkpoint directory for `target` (default placement: the target's).
 
     `kind` (if given) must match the checkpoint; `block_size` overrides the trained one.
     Raises LoadError naming any mismatch with the target or the checkpoint's tensors.
     """
     root = Path(path)
+    if not root.is_dir():
+        raise LoadError(f"drafter directory {str(root)!r} does not exist")
     if not (root / "config.json").is_file():
         raise LoadError(f"drafter directory {str(root)!r} has no config.json")
     try:
@@ -153,7 +155,7 @@ def load_drafter(path: str | Path, target: LoadedModel, kind: str | None = None,
     except (OSError, json.JSONDecodeError) as e:
         raise LoadError(f"cannot read {root / 'config.json'}: {e}") from e
     cfg = draft_config_from_hf(d, target.config, kind, block_size)
-    state = read_state_dict(root)
+    state = read_state_dict(root, progress)
     check_fit(cfg, target.config, state)
     device, dtype = _target_placement(target, device, dtype)
     with torch.device("meta"):

@@ -200,8 +200,12 @@ class DraftModel(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [..., H]. Returns float32 logits [..., V] (target head for DFlash, own for DSpark)."""
+        return self.head_logits(hidden).float()
+
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """`logits` in the head's dtype (half the bytes for a CUDA graph's static output)."""
         head = self.shared.lm_head
-        return head(hidden.to(head.weight.dtype)).float()
+        return head(hidden.to(head.weight.dtype))
 
     # ---- DSpark heads ------------------------------------------------------------------------
 

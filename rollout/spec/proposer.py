@@ -1,10 +1,5 @@
-"""Drafters on the engine side: the extension point, and the DFlash / DSpark block drafter.
-
-A `Drafter` proposes, in one batched call, a draft block for every sample in a decode step
-(anchor = its last committed token, context = what the target already processed) together
-with the distributions `q` the drafts were drawn from (None = deterministic, one-hot q), and
-keeps its own context state up to date from the target's hidden states after each step.
-New drafter kinds subclass `Drafter`.
+"""The DFlash / DSpark block drafter behind the engine's `Drafter` interface
+(rollout.engine.drafter), and `build_drafter`, the factory `rollout.build_engine` hands the engine.
 
 `BlockDrafter` runs a `DraftModel` (DFlash, or DSpark with its Markov and confidence heads).
 Its per-layer context K/V live in a paged cache indexed by the target's own block tables
@@ -16,76 +11,44 @@ block's context stops before its anchor) and are overwritten when that position 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata, gather_kv, write_kv
-from rollout.engine.kv import copy_blocks
+from rollout.engine.config import EngineConfig
+from rollout.engine.drafter import Drafter, Drafts
+from rollout.engine.kv import bytes_per_block, copy_blocks
+from rollout.engine.loader import LoadedModel, LoadProgress
 from rollout.engine.sampler import PURPOSE_DRAFT, draw_index, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
 from rollout.engine.truncation import chunk_rows, logsumexp_rows
+from rollout.engine.verify import Proposal
 from rollout.spec.draft_graphs import MIN_CONTEXT_BUCKET, DraftGraphs
+from rollout.spec.draft_loader import load_drafter
 from rollout.spec.draft_model import DraftModel
-from rollout.spec.verify import Proposal
+
+GATHER_BYTES = 1 << 30  # the most context K (or V) one draft layer gathers at once
 
 
-@dataclass
-class Drafts:
-    tokens: torch.Tensor  # [D] int64 drafts of all decode items, flattened in item order
-    num_per_item: list[int]  # drafts carried by each scheduled item (0 for prefill chunks)
-    q: Proposal | None = None  # [D] proposal distributions, None = all one-hot
-
-
-class Drafter(ABC):
-    """The drafter extension point (see module docstring)."""
-
-    num_spec: int  # the most drafts per block
-    target_layer_ids: tuple[int, ...]
-
-    @abstractmethod
-    def bytes_per_block(self, block_size: int) -> int: ...
-
-    def max_model_len(self) -> int | None:
-        """The longest sequence this drafter can draft for (None = no limit of its own)."""
-        return None
-
-    @abstractmethod
-    def allocate(self, num_blocks: int, block_size: int) -> None: ...
-
-    @abstractmethod
-    def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
-        """Drafts for the items with num_draft > 0; block_table: [len(items), W] host array of
-        their padded block tables (batch.padded_block_table)."""
-
-    @abstractmethod
-    def update_context(self, target_aux: torch.Tensor, meta: AttentionMetadata) -> None: ...
-
-    @abstractmethod
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
-
-    def use_graphs(self, max_batch: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
-                   capture: bool) -> None:
-        """Replay the drafter's forward as CUDA graphs (`capture=False`: the same static-buffer
-        path eagerly, for tests). Optional: a drafter may ignore it."""
-        return None
-
-    def profile_forward(self, rows: int, scratch_block: int, block_size: int) -> Callable[[], object] | None:
-        """A thunk that drafts for `rows` samples whose context is the scratch block, as one proposal
-        does, for the draft budget's startup profile (rollout.engine.step_cost); None: drafting
-        costs nothing worth measuring. Optional."""
-        return None
-
+def build_drafter(config: EngineConfig, target: LoadedModel, progress: LoadProgress | None = None) -> BlockDrafter:
+    """The drafter `config.spec` names, loaded from `config.draft_path` for `target` (the engine's
+    drafter factory: see rollout.build_engine); `progress` shows its checkpoint reads."""
+    path = config.draft_path
+    weight = target.model.embed_tokens.weight
+    model = load_drafter(path, target, kind=config.spec, block_size=config.spec_block_size,
+                         device=weight.device, dtype=weight.dtype, progress=progress)
+    return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold, name=path.name)
 
 class BlockDrafter(Drafter):
     """DFlash / DSpark: one non-causal forward drafts a whole block."""
 
-    def __init__(self, model: DraftModel, block_size: int | None = None, confidence_threshold: float = 0.0):
+    def __init__(self, model: DraftModel, block_size: int | None = None, confidence_threshold: float = 0.0,
+                 name: str = ""):
         self.model = model
+        self.name = name
         self.block = block_size or model.config.block_size
         self.num_spec = self.block - 1
         self.target_layer_ids = tuple(model.config.target_layer_ids)
@@ -104,9 +67,7 @@ class BlockDrafter(Drafter):
         return self.model.rotary.max_positions - self.block + 2
 
     def bytes_per_block(self, block_size: int) -> int:
-        bb = self.model.config.backbone
-        elem = self.model.fc.weight.element_size()
-        return 2 * bb.num_hidden_layers * block_size * bb.num_key_value_heads * bb.head_dim * elem
+        return bytes_per_block(self.model.config.backbone, block_size, self.model.fc.weight.element_size())
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         bb = self.model.config.backbone
@@ -163,6 +124,7 @@ class BlockDrafter(Drafter):
             hidden, logits = self.graphs.run(key, anchors, anchor_pos, table)
         else:
             hidden, logits = self._block_forward(anchors, anchor_pos, table, ctx_len)
+        logits = logits.float()  # [S, B-1, V]
         temps = [s.params.temperature for s in seqs]
         drafts, q, keep = self._choose(logits, hidden, anchors, temps, seqs, anchor_pos + 1)
         limit = [items[i].num_draft for i in rows]
@@ -177,7 +139,21 @@ class BlockDrafter(Drafter):
     def _block_forward(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, table: torch.Tensor, ctx_len: int):
         """The block forward: anchors, anchor_pos [S]; table [S, W]; keys of the first ctx_len
         positions gathered (those at or past a sequence's anchor position are masked). Returns the
-        hidden states [S, B-1, H] and float32 logits [S, B-1, V] of the drafted positions."""
+        hidden states [S, B-1, H] and the logits [S, B-1, V] (in the head's dtype) of the drafted
+        positions. The sequences go in groups whose gathered context stays within GATHER_BYTES per
+        tensor: the gather pads every sequence to ctx_len, so a step's memory would otherwise grow
+        as S x the longest context (43 GB per layer at 256 x 40,960 for a Qwen3-8B-shaped drafter)."""
+        bb = self.model.config.backbone
+        row_bytes = max(ctx_len, 1) * bb.num_key_value_heads * bb.head_dim * self.model.fc.weight.element_size()
+        group = max(1, GATHER_BYTES // row_bytes)
+        if anchors.shape[0] <= group:
+            return self._block_group(anchors, anchor_pos, table, ctx_len)
+        parts = [self._block_group(anchors[i:i + group], anchor_pos[i:i + group], table[i:i + group], ctx_len)
+                 for i in range(0, anchors.shape[0], group)]
+        return torch.cat([h for h, _ in parts]), torch.cat([z for _, z in parts])
+
+    def _block_group(self, anchors: torch.Tensor, anchor_pos: torch.Tensor, table: torch.Tensor, ctx_len: int):
+        """`_block_forward` of one group of sequences."""
         ctx_k = [gather_kv(k, table, ctx_len) for k, _ in self.caches]  # each [S, C, Hkv, D]
         ctx_v = [gather_kv(v, table, ctx_len) for _, v in self.caches]
         block_ids = torch.full((anchors.shape[0], self.block), self.model.config.mask_token_id,
@@ -185,7 +161,7 @@ class BlockDrafter(Drafter):
         block_ids[:, 0] = anchors
         positions = anchor_pos[:, None] + torch.arange(self.block, device=anchors.device)  # [S, B]
         hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
-        return hidden, self.model.logits(hidden)
+        return hidden, self.model.head_logits(hidden)
 
     def _choose(self, logits, hidden, anchors, temps, seqs, first_pos):
         """Greedy samples draft the argmax (one-hot q); sampled ones draw from q =

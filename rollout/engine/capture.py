@@ -1,13 +1,13 @@
-"""Mask capture after acceptance (DESIGN.md Contract 3).
+"""Mask capture after acceptance (docs/masks.md).
 
 Reads the very policy rows verification used (no recomputation: the top-k candidates, sorted
 by probability, of the cand layout, rollout.engine.sampler), for the samples that asked for
 masks only, packs them on the device to the batch's largest requested width and
 hands them to the step's host copy (asynchronous, into a pinned buffer: the step's one
-synchronisation completes it). Then, during the next step (see rollout.engine.commit),
-`committed_masks` takes the committed rows out of that buffer (a rejected draft's row is never
-kept) and each masked sample keeps a (rows, first row, count) reference per step until it
-finishes, when its supports are flattened once.
+synchronisation completes it). `committed_masks` then takes the committed rows out of that
+buffer (a rejected draft's row is never kept), one step late (rollout.engine.commit explains
+the hand-over), and each masked sample keeps a (rows, first row, count) reference per step
+until it finishes, when its supports are flattened once.
 A batch without mask requests runs none of this: `capture` returns before touching a tensor.
 """
 
@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from rollout.engine.batch import SampleRows
 from rollout.engine.sampler import Policy
 from rollout.engine.transfer import upload
 from rollout.masks.pack import PackedRows, pack_supports
@@ -51,11 +52,11 @@ class MaskCapture:
     def __init__(self):
         self.num_captures = 0
         # pinned host memory the packed rows are copied into: two, used in turn, since a step's
-        # rows are read during the next step (see rollout.engine.commit)
+        # rows are read one step late (rollout.engine.commit)
         self._staging: list[torch.Tensor | None] = [None, None]
         self._turn = 0
 
-    def capture(self, pol: Policy, step) -> Captured | None:
+    def capture(self, pol: Policy, step: SampleRows) -> Captured | None:
         if not any(s.mask for s in step.entries):
             return None
         self.num_captures += 1

@@ -1,4 +1,4 @@
-"""Lossless verification of draft tokens (DESIGN.md Contract 2), batched and ragged.
+"""Lossless verification of draft tokens (docs/verification.md), batched and ragged.
 
 Terms. Sample e drafted `d_1..d_K` (K = num_draft[e], possibly 0) from distributions `q_i`
 (one-hot for deterministic drafts). Its logits rows `cu_rows[e] + i`, i = 0..K, carry the
@@ -72,9 +72,10 @@ class VerifyResult:
 
 def verify(pol: Policy, drafts: torch.Tensor, draft_q: Proposal | None, step) -> VerifyResult:
     """pol: rows [R]; drafts: [D] flat draft tokens; draft_q: their q, or None (all one-hot). `step`
-    (a StepBatch) lays the rows out: num_draft [E] (host), judge_row / draft_of_row [D'] (row
-    judging a draft, that draft's flat index), row_seed / row_position [R] (seed and predicted
-    position of each row), entry_first_row / entry_num_draft / entry_first_draft [E]."""
+    (the step's row view, rollout.engine.batch.SampleRows) lays the rows out: num_draft [E]
+    (host), judge_row / draft_of_row [D'] (row judging a draft, that draft's flat index),
+    row_seed / row_position [R] (seed and predicted position of each row), entry_first_row /
+    entry_num_draft / entry_first_draft [E]."""
     num_draft, judge_row, draft_of_row = step.num_draft, step.judge_row, step.draft_of_row
     row_seed, row_position = step.row_seed, step.row_position
     if not any(num_draft):

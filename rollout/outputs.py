@@ -15,7 +15,7 @@ from rollout.masks.pack import Supports
 
 @dataclass
 class SampleOutput:
-    """One finished sample, aligned per committed token (DESIGN.md Contract 3).
+    """One finished sample, aligned per committed token (docs/masks.md).
 
     `supports` is None unless the request asked for masks; its log-probs are None unless mask
     mode is "support". `error` is set (and the token lists are empty) when the sample failed as

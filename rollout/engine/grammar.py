@@ -7,12 +7,12 @@ compiles each distinct grammar once (LRU). Every sequence with a grammar owns a
 state after the committed prefix plus d_1..d_{i-1}), tentatively accepting the drafts and
 rolling them back, so a draft the grammar rejects becomes an ordinary rejection; after
 verify it commits what was accepted. `apply_bitmask` sets disallowed logits to -inf on the
-device (DESIGN.md Contract 1, step 1: the grammar is one of the processors).
+device (docs/sampling.md, step 1: the grammar is one of the processors).
 
 Special tokens (MASK, padding, reserved, EOS) enter xgrammar with an empty spelling, which
 makes them special: never allowed inside the grammar's text; stop tokens only where the
-grammar may end. Needs an xgrammar whose matcher rollback is unbounded (mlc-ai/xgrammar#385,
-mid-2025; tested with 0.2.9): older releases bounded it by `max_rollback_tokens`.
+grammar may end. Needs an xgrammar whose matcher rollback is unbounded (mlc-ai/xgrammar#385;
+tested with 0.2.9): older releases bounded it by `max_rollback_tokens`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 
 def _xgrammar():
-    """xgrammar, imported on first use: it pulls in transformers (~1.5 s), which a process that
-    never sees a grammar (every engine process, the CLI) should not pay for at start."""
+    """xgrammar, imported on first use: it pulls in transformers, slow to import, which a process
+    that never sees a grammar (every engine process, the CLI) should not pay for at start."""
     import xgrammar
 
     return xgrammar

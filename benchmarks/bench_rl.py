@@ -1,0 +1,342 @@
+"""RL-scale rollouts (issue 14): a GRPO-shaped workload on Qwen3-8B-shaped random bf16 weights, in
+process (LLMEngine) and through the service (`rollout serve --load-format random` +
+RolloutClient.generate) in one run, against the memory-bound limit of the same steps.
+
+Cases (`--cases`, all by default): a = 32 prompts x n=8, 1024 random prompt tokens, 512 output
+tokens, EOS ignored, temperature 1, no masks, top_p 1; b = a with support masks, top_k 64, top_p
+0.95; c = a with DFlash (an untrained one-layer drafter, block `--draft-block`: what speculation
+costs when it does not pay); d = a at 16 prompts x n=8, prompt 4096, output 1024. Each path builds
+one engine per drafter setting (a, b, d share one), warms it up on a short run, then runs its cases;
+the two paths never hold the GPU at the same time.
+
+Reported per case and path: output tokens/s, steps, mean step ms, peak GPU memory (in process:
+torch's peak allocated; service: the device's used memory after the run), the KV pool, and the
+fraction of the memory-bound limit: per step the larger of (weight bytes + bytes of every running
+sequence's KV) / copy bandwidth and the step's matmul FLOPs / bf16 matmul rate (both measured at
+the start), summed over the steps the run took. Steps are recorded by a light hook on build_step
+(its items' token counts and context lengths; a few integer sums per item). The service path uses
+the in-process limit of the same case (its steps are not visible from here). `--engine-arg
+key=value` passes EngineConfig fields to both paths (e.g. max_num_batched_tokens=8192), so
+settings can be compared side by side.
+
+    python benchmarks/bench_rl.py --device cuda                        # all cases, ~8 min on an H200
+    python benchmarks/bench_rl.py --device cuda --cases a b --paths in_process
+    python benchmarks/bench_rl.py --device cpu --quick                 # a tiny shape: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import torch
+from bench_service import engine_periods
+from common import (
+    SHAPES,
+    copy_bandwidth,
+    environment,
+    free_memory,
+    print_table,
+    sync,
+    time_ms,
+    weight_bytes,
+    write_config_dir,
+    write_json,
+)
+
+import rollout.engine.engine as engine_module
+from rollout import build_engine
+from rollout.engine.config import EngineConfig
+from rollout.engine.engine import LLMEngine
+from rollout.engine.kv import bytes_per_block
+from rollout.engine.loader import load_model
+from rollout.engine.params import SamplingParams
+from rollout.server.process import ServerProcess
+from rollout.spec.draft_loader import random_drafter, save_drafter
+from trainer_client import RolloutClient
+
+PLAIN = dict(temperature=1.0, top_p=1.0)
+CASES = {
+    "a": dict(prompts=32, n=8, prompt_len=1024, output_len=512, sampling=PLAIN, mask=None, spec=False),
+    "b": dict(prompts=32, n=8, prompt_len=1024, output_len=512, sampling=dict(temperature=1.0, top_k=64, top_p=0.95),
+              mask="support", spec=False),
+    "c": dict(prompts=32, n=8, prompt_len=1024, output_len=512, sampling=PLAIN, mask=None, spec=True),
+    "d": dict(prompts=16, n=8, prompt_len=4096, output_len=1024, sampling=PLAIN, mask=None, spec=False),
+}
+QUICK = dict(prompts=4, n=2, prompt_len=32, output_len=16)  # --quick: every case this small (d: x2 lengths)
+PATHS = ("in_process", "service")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="tiny shape and workloads (a CPU check of the script)")
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
+    p.add_argument("--draft-block", type=int, default=8, help="the untrained DFlash drafter's block (case c)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig field for both paths, e.g. max_num_batched_tokens=8192 (repeatable)")
+    p.add_argument("--warmup-tokens", type=int, default=32, help="output tokens of each engine's warm-up run")
+    p.add_argument("--out", default="benchmarks/results/bench_rl.json")
+    args = p.parse_args()
+    args.engine_args = dict(_key_value(kv) for kv in args.engine_arg)
+    if args.quick:
+        args.shape, args.draft_block, args.warmup_tokens = "tiny", 4, 4
+    return args
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or key not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        raise SystemExit(f"--engine-arg {text!r}: want KEY=VALUE with KEY an EngineConfig field")
+    for parse in (int, float):
+        try:
+            return key, parse(value)
+        except ValueError:
+            pass
+    return key, {"true": True, "false": False, "none": None}.get(value.lower(), value)
+
+
+def case_workload(name: str, quick: bool) -> dict:
+    case = dict(CASES[name])
+    if quick:
+        scale = 2 if name == "d" else 1
+        case.update(QUICK, prompt_len=QUICK["prompt_len"] * scale, output_len=QUICK["output_len"] * scale)
+    return case
+
+
+def matmul_rate(device: str) -> float:
+    """FLOP/s of a large square matmul in the engine's dtype (bfloat16 on CUDA)."""
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (256, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / (time_ms(lambda: a @ b, device, iters=10) / 1e3)
+
+
+@dataclasses.dataclass
+class Costs:
+    """An engine's per-step cost coefficients (bytes read, matmul FLOPs)."""
+
+    weight_bytes: int  # the target's weights and the drafter's own
+    kv_bytes_per_token: int  # the target's KV and the drafter's context K/V
+    flops_per_token: float  # the target's linear layers and the drafter's context projection
+    flops_per_row: float  # the LM head of a logits row
+    flops_per_qk: float  # attention: a query times a key, all layers (QK^T and PV)
+    flops_per_draft: float  # a drafter block: its layers and its LM head
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> Costs:
+        cfg, model, drafter = engine.loaded.config, engine.model, engine.drafter
+        linear = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2)
+        elem = model.embed_tokens.weight.element_size()
+        costs = cls(weight_bytes(model), bytes_per_block(cfg, 1, elem), 2 * linear,
+                    2 * cfg.hidden_size * cfg.vocab_size,
+                    4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers, 0.0)
+        if drafter is not None:
+            draft = drafter.model
+            layers = sum(p.numel() for p in draft.layers.parameters() if p.dim() == 2)
+            ctx = draft.fc.weight.numel() + sum(a.self_attn.qkv_proj.weight[a.self_attn.q_size:].numel()
+                                                for a in draft.layers)
+            costs.weight_bytes += weight_bytes(draft)
+            costs.kv_bytes_per_token += drafter.bytes_per_block(1)
+            costs.flops_per_token += 2 * ctx
+            costs.flops_per_draft = 2 * drafter.block * layers + (drafter.block - 1) * costs.flops_per_row
+        return costs
+
+    def step_seconds(self, record: tuple, bandwidth: float, rate: float) -> float:
+        tokens, rows, context, qk, drafting = record
+        read = self.weight_bytes + context * self.kv_bytes_per_token
+        flops = (tokens * self.flops_per_token + rows * self.flops_per_row + qk * self.flops_per_qk
+                 + drafting * self.flops_per_draft)
+        return max(read / bandwidth, flops / rate)
+
+
+class StepLog:
+    """`with StepLog() as log:` records every step's (tokens, logits rows, total context, sum of
+    query x context, drafting sequences) from the engine's build_step."""
+
+    def __init__(self):
+        self.records: list[tuple] = []
+
+    def __enter__(self) -> StepLog:
+        real = self._real = engine_module.build_step
+
+        def build_step(items, num_drafts, *args, **kw):
+            step = real(items, num_drafts, *args, **kw)
+            context = qk = 0
+            for item, k in zip(items, num_drafts):
+                end = item.seq.num_computed_tokens + item.num_new_tokens + k
+                context += end
+                qk += (item.num_new_tokens + k) * end
+            self.records.append((step.tokens.input_ids.shape[0], step.rows.cu_rows[-1], context, qk,
+                                 sum(map(bool, num_drafts))))
+            return step
+
+        engine_module.build_step = build_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        engine_module.build_step = self._real
+
+
+def prompts_of(case: dict, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size - 8) for _ in range(case["prompt_len"])] for _ in range(case["prompts"])]
+
+
+def sampling_of(case: dict, output_len: int | None = None) -> dict:
+    return dict(case["sampling"], max_tokens=output_len or case["output_len"], ignore_eos=True, seed=0)
+
+
+def run_in_process(engine: LLMEngine, case: dict, prompts, tag: str, device: str) -> tuple[dict, list]:
+    params = SamplingParams(**sampling_of(case))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    start, steps, step_seconds, tokens = time.perf_counter(), 0, 0.0, 0
+    with StepLog() as log:
+        engine.add_request(tag, prompts, params, n=case["n"], mask=case["mask"])
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            tokens += sum(len(o.token_ids) for o in engine.step())
+            steps, step_seconds = steps + 1, step_seconds + time.perf_counter() - t
+    sync(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
+    plan = engine.memory_plan
+    planned = {} if plan is None else dict(plan_held_gb=plan.held / 1e9, plan_step_gb=plan.step / 1e9,
+                                           plan_graphs_gb=plan.graphs / 1e9, plan_step_setting=plan.step_setting)
+    return dict(tokens=tokens, seconds=seconds, steps=steps, step_ms=step_seconds * 1e3 / steps,
+                peak_gb=peak, compiled=engine.compiled(), **planned), log.records
+
+
+def run_service(server: ServerProcess, seen: int, case: dict, prompts, device: str) -> tuple[dict, int]:
+    with RolloutClient(server.address, timeout=3600) as client:
+        start = time.perf_counter()
+        table = client.generate(prompts, n=case["n"], sampling=sampling_of(case), mask=case["mask"])
+        seconds = time.perf_counter() - start
+    periods, seen = engine_periods(server, seen)
+    steps = sum(p["steps"] for p in periods)
+    used = None
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        used = (total - free) / 1e9
+    tokens = pc.sum(pc.list_value_length(table.column("token_ids"))).as_py()
+    return dict(tokens=tokens, seconds=seconds, steps=steps, arrow_mb=table.nbytes / 1e6,
+                step_ms=sum(p["step_ms"] for p in periods) / max(steps, 1), peak_gb=used), seen
+
+
+def engine_config(args, dirs: dict, spec: bool) -> dict:
+    """EngineConfig fields of one drafter setting (both paths)."""
+    fields = dict(model=dirs["model"], load_format="random", device=args.device, **args.engine_args)
+    if spec:
+        fields.update(spec="dflash", draft=dirs["draft"], spec_block_size=args.draft_block)
+    return fields
+
+
+def serve_flags(fields: dict) -> list[str]:
+    """`rollout serve` flags for EngineConfig fields, from the CLI's own parser (so new flags work)."""
+    from rollout.cli import build_parser
+
+    parser = build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flags = []
+    for key, value in fields.items():
+        action = next(a for a in serve._actions if a.dest == key)
+        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            flags += [action.option_strings[0]] if value != action.default else []
+        else:
+            flags += [action.option_strings[0], str(value)]
+    return flags
+
+
+def bench_group(args, dirs: dict, spec: bool, cases: list[str], rows: list[dict], result: dict) -> None:
+    """One drafter setting: the in-process engine's cases, then the server's (each after a warm-up
+    run of the first case's workload, `--warmup-tokens` long, on other prompts)."""
+    fields = engine_config(args, dirs, spec)
+    workloads = {name: case_workload(name, args.quick) for name in cases}
+    warmup = dict(workloads[cases[0]], output_len=args.warmup_tokens)
+    vocab, limits = SHAPES[args.shape]["vocab_size"], {}
+    if "in_process" in args.paths:
+        engine = build_engine(EngineConfig(**fields))
+        costs = Costs.of(engine)
+        run_in_process(engine, warmup, prompts_of(warmup, vocab, 99), "warmup", args.device)
+        for name, case in workloads.items():
+            row, records = run_in_process(engine, case, prompts_of(case, vocab, 1), name, args.device)
+            limits[name] = sum(costs.step_seconds(r, result["bandwidth"], result["matmul_rate"]) for r in records)
+            rows.append(summary(name, "in_process", case, row, limits[name], engine.kv_blocks()[1]))
+            report(rows, result, args)
+        del engine
+        free_memory()
+    if "service" in args.paths:
+        with ServerProcess(serve_flags(fields)) as server:
+            _, seen = run_service(server, 0, warmup, prompts_of(warmup, vocab, 99), args.device)
+            for name, case in workloads.items():
+                row, seen = run_service(server, seen, case, prompts_of(case, vocab, 1), args.device)
+                rows.append(summary(name, "service", case, row, limits.get(name), None))
+                report(rows, result, args)
+
+
+def summary(name: str, path: str, case: dict, run: dict, limit: float | None, kv_blocks: int | None) -> dict:
+    row = dict(case=name, path=path, prompts=case["prompts"], n=case["n"], prompt_len=case["prompt_len"],
+               output_len=case["output_len"], mask=case["mask"] or "-", spec="dflash" if case["spec"] else "-",
+               tokens_per_s=run["tokens"] / run["seconds"], kv_blocks=kv_blocks, **run)
+    if limit is not None:
+        row.update(limit_s=limit, fraction=limit / run["seconds"])
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return row
+
+
+def report(rows: list[dict], result: dict, args) -> None:
+    for row in rows:
+        ins = next((r for r in rows if r["case"] == row["case"] and r["path"] == "in_process"), None)
+        if row["path"] == "service" and ins is not None:
+            row["service_over_in_process"] = row["tokens_per_s"] / ins["tokens_per_s"]
+    result["rows"] = rows
+    write_json(args.out, result)
+
+
+def make_dirs(args, root: Path) -> dict:
+    """A config-only target (random weights at load) and an untrained DFlash drafter saved for it."""
+    dirs = dict(model=str(write_config_dir(SHAPES[args.shape], root / "target")))
+    if any(CASES[c]["spec"] for c in args.cases):
+        target = load_model(dirs["model"], torch.device(args.device), load_format="random")
+        save_drafter(random_drafter(target, "dflash", block_size=args.draft_block, num_layers=1, seed=1),
+                     root / "dflash")
+        dirs["draft"] = str(root / "dflash")
+        del target
+        free_memory()
+    return dirs
+
+
+def main() -> None:
+    args = parse_args()
+    bandwidth = copy_bandwidth(args.device, (64 << 20) if args.quick else (4 << 30))
+    rate = matmul_rate(args.device)
+    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, matmul {rate / 1e12:.1f} TFLOP/s", flush=True)
+    result = dict(args=vars(args), env=environment(args.device), bandwidth=bandwidth, matmul_rate=rate, rows=[])
+    rows: list[dict] = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = make_dirs(args, Path(tmp))
+        for spec in (False, True):
+            cases = [c for c in args.cases if CASES[c]["spec"] == spec]
+            if cases:
+                bench_group(args, dirs, spec, cases, rows, result)
+    result["seconds"] = time.perf_counter() - start
+    columns = ["case", "path", "spec", "mask", "prompts", "n", "prompt_len", "output_len", "tokens_per_s", "steps",
+               "step_ms", "peak_gb", "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction",
+               "service_over_in_process"]
+    print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "
+                f"(fraction = memory-bound limit / run time; service: in-process limit)", rows, columns)
+    report(rows, result, args)
+    print(f"wrote {args.out} in {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

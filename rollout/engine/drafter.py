@@ -1,0 +1,75 @@
+"""The drafter extension point: what the engine asks of a drafter, and what a drafter hands back.
+
+A `Drafter` proposes, in one batched call, a draft block for every sample in a decode step
+(anchor = its last committed token, context = what the target already processed) together
+with the distributions `q` the drafts were drawn from (None = deterministic, one-hot q), and
+keeps its own context state up to date from the target's hidden states after each step.
+
+The engine owns this interface and never imports a drafter: it receives a factory
+(`LLMEngine(config, drafter_factory=...)`; `rollout.build_engine` passes the DFlash / DSpark one
+of `rollout.spec`). Verification (rollout.engine.verify) is exact for whatever a drafter
+proposes, provided `Drafts.q` is the distribution the drafts were really drawn from
+(docs/verification.md).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollout.engine.attention import AttentionMetadata
+from rollout.engine.scheduler import ScheduledSeq
+from rollout.engine.verify import Proposal
+
+
+@dataclass
+class Drafts:
+    tokens: torch.Tensor  # [D] int64 drafts of all decode items, flattened in item order
+    num_per_item: list[int]  # drafts carried by each scheduled item (0 for prefill chunks)
+    q: Proposal | None = None  # [D] proposal distributions, None = all one-hot
+
+
+class Drafter(ABC):
+    """The drafter extension point (see module docstring)."""
+
+    num_spec: int  # the most drafts per block
+    target_layer_ids: tuple[int, ...]  # target layers whose hidden states `update_context` receives
+    name: str = ""  # what the server reports as its drafter ("" = the class name)
+
+    @abstractmethod
+    def bytes_per_block(self, block_size: int) -> int:
+        """KV bytes the drafter keeps per block of the target's cache (they share the block ids)."""
+
+    def max_model_len(self) -> int | None:
+        """The longest sequence this drafter can draft for (None = no limit of its own)."""
+        return None
+
+    @abstractmethod
+    def allocate(self, num_blocks: int, block_size: int) -> None: ...
+
+    @abstractmethod
+    def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
+        """Drafts for the items with num_draft > 0; block_table: [len(items), W] host array of
+        their padded block tables (batch.padded_block_table)."""
+
+    @abstractmethod
+    def update_context(self, target_aux: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+    @abstractmethod
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def use_graphs(self, max_batch: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
+                   capture: bool) -> None:
+        """Replay the drafter's forward as CUDA graphs (`capture=False`: the same static-buffer
+        path eagerly, for tests). Optional: a drafter may ignore it."""
+        return None
+
+    def profile_forward(self, rows: int, scratch_block: int, block_size: int) -> Callable[[], object] | None:
+        """A thunk that drafts for `rows` samples whose context is the scratch block, as one proposal
+        does, for the draft budget's startup profile (rollout.engine.step_cost); None: drafting
+        costs nothing worth measuring. Optional."""
+        return None
