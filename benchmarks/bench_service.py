@@ -204,17 +204,10 @@ def load_format(args: argparse.Namespace) -> str:
 def random_shape(args: argparse.Namespace, root: Path) -> None:
     """`--shape`: a config-only target directory (random weights at load) and an untrained DFlash
     drafter for it, both under `root`; points args.model / args.draft there (spec dflash)."""
-    from common import SHAPES, free_memory, write_config_dir
+    from common import random_target_and_drafter
 
-    from rollout.engine.loader import load_model
-    from rollout.spec.draft_loader import random_drafter, save_drafter
-
-    model_dir = write_config_dir(SHAPES[args.shape], root / "target")
-    target = load_model(model_dir, args.device, load_format="random")
-    save_drafter(random_drafter(target, "dflash", block_size=8, num_layers=1, seed=1), root / "dflash")
-    del target
-    free_memory()
-    args.model, args.draft, args.spec = str(model_dir), str(root / "dflash"), "dflash"
+    args.model, args.draft = random_target_and_drafter(args.shape, args.device, root)
+    args.spec = "dflash"
 
 
 def main() -> None:

@@ -1,23 +1,43 @@
-"""Speculative decoding (issue 3): acceptance and wall-clock speedup of DFlash and DSpark over
-non-speculative decoding on the embedded models, and the verify-step cost at 8B scale.
+"""Speculative decoding (issues 3, 19): what speculation buys, and that adaptive draft budgets never cost.
 
-Acceptance: the embedded tiny Qwen3 with its embedded drafters at block size 8; prompts are the
-first 256 bytes of held-out stdlib files (scripts/corpus.py), 256 output tokens (EOS ignored),
-greedy and temperature 1 (top_k 64, seeded), batch 1 (prompts run one at a time) and batch 32.
-Mean acceptance length = committed tokens per verify step, the prefill step of each sample left
-out. Speedup = tokens/s with the drafter / tokens/s with spec=none on the same workload. A drafter
-that is not in the repository yet is reported as missing (or pass `--dflash DIR` / `--dspark DIR`).
+Every case runs its workload three ways in one run, side by side: `none` (no drafter), `full` (the
+drafter's full block every step, as `--no-spec-adaptive`) and `adaptive` (the default: per-step draft
+budgets from measured acceptance and step costs, rollout/engine/spec_budget.py). `full` and `adaptive`
+are one engine, its scheduler's draft budget switched off and on, so they share CUDA graphs and
+warm-up; `none` is an engine of its own. Each arm runs the workload once untimed (graph captures,
+kernel builds, the budget's first estimates), then `--repeats` timed runs, alternating between arms;
+the table shows each arm's median tokens/s and its ratio to `none` in the same case.
 
-Verify cost: Qwen3-8B-shaped random bfloat16 target, context ~1024 per sequence; one forward plus
-LM head over B x (block + 1) tokens against one decode step of B tokens, B in 1, 8, 32, 64.
+Cases (`--cases`; the default is all but verify-cost, ~5 minutes on one H200):
+* embedded-t1: the embedded target with its DFlash and DSpark drafters (block 8), temperature 1,
+  top-k 64, batch 32. Goal (issue 19): adaptive >= 0.97 of none.
+* embedded-greedy: the same greedy at batch 1 (prompts one at a time) and 32. Goal: adaptive keeps
+  >= 95% of full's speedup where full pays.
+* 8b: a Qwen3-8B-shaped random target (load_format random) with an untrained one-layer DFlash drafter
+  (block 8), temperature 1, batch 8 and 256. Goal: adaptive >= 0.97 of none.
+* long-tail: a 256-sample rollout of the embedded target with DFlash whose output lengths vary (a
+  quarter of the samples 4x longer, by per-request max_tokens), greedy and temperature 1. Goal:
+  adaptive finishes before none and before full.
+* verify-cost: one 8B-shaped target forward + LM head over B x (block + 1) tokens against a decode
+  step of B tokens, B in 1, 8, 32, 64, eagerly and replayed as a CUDA graph.
+
+Prompts are the first 256 bytes of held-out stdlib files (scripts/corpus.py) on the embedded models,
+random token ids on the 8B shape; EOS is ignored. Acceptance = committed tokens per verify step, the
+prefill step of each sample left out (1.0 for steps that verified nothing); `drafts_per_row`: drafts
+the adaptive budget verified per decode row, `probes` its full-block probe steps.
 
     python benchmarks/bench_spec.py --device cuda
-    python benchmarks/bench_spec.py --device cpu --quick --dflash D1 --dspark D2   # script check
+    python benchmarks/bench_spec.py --device cuda --cases 8b long-tail
+    python benchmarks/bench_spec.py --device cpu --quick     # a check of the script
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 from common import (
@@ -32,6 +52,7 @@ from common import (
     model_dtype,
     print_table,
     random_model,
+    random_target_and_drafter,
     run_engine,
     time_ms,
     write_json,
@@ -42,84 +63,139 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 
-SPECS = ("none", "dflash", "dspark")
+CASES = ("embedded-t1", "embedded-greedy", "8b", "long-tail", "verify-cost")
+ARMS = ("none", "full", "adaptive")
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0, top_k=64)}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
-    p.add_argument("--quick", action="store_true", help="short runs and a tiny verify shape (CPU check)")
-    p.add_argument("--dflash", default=None, help="DFlash drafter dir (default: the embedded one)")
-    p.add_argument("--dspark", default=None, help="DSpark drafter dir (default: the embedded one)")
+    p.add_argument("--quick", action="store_true", help="tiny workloads and shapes (a CPU check of the script)")
+    p.add_argument("--cases", nargs="+", default=[c for c in CASES if c != "verify-cost"], choices=CASES)
     p.add_argument("--block", type=int, default=8)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    p.add_argument("--output-len", type=int, default=256, help="embedded cases (long tail: the short samples)")
     p.add_argument("--batch1-prompts", type=int, default=3, help="prompts run one at a time at batch 1")
-    p.add_argument("--verify-shape", default="qwen3-8b", choices=list(SHAPES))
+    p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES), help="the 8b and verify-cost cases")
+    p.add_argument("--shape-batches", nargs="+", type=int, default=[8, 256])
+    p.add_argument("--shape-output-len", type=int, default=128)
+    p.add_argument("--tail-samples", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each arm (the median is shown)")
     p.add_argument("--verify-batches", nargs="+", type=int, default=[1, 8, 32, 64])
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--context", type=int, default=1024, help="verify-cost")
     p.add_argument("--out", default="benchmarks/results/bench_spec.json")
     args = p.parse_args()
     if args.quick:
-        args.output_len, args.batches, args.batch1_prompts = 24, [1, 4], 1
-        args.verify_shape, args.verify_batches, args.context = "tiny", [1, 4], 64
+        args.output_len, args.batch1_prompts, args.repeats, args.tail_samples = 16, 1, 1, 16
+        args.shape, args.shape_batches, args.shape_output_len = "tiny", [2, 8], 16
+        args.verify_batches, args.context = [1, 4], 64
     return args
 
 
-def drafter_dirs(args: argparse.Namespace) -> dict[str, str | None]:
-    return {"dflash": args.dflash or embedded_draft("dflash"), "dspark": args.dspark or embedded_draft("dspark")}
+# -- engines and arms ---------------------------------------------------------------------------------
 
 
-def build_engine(spec: str, draft: str | None, args: argparse.Namespace) -> LLMEngine:
-    per_seq = -(-(256 + args.output_len + 2 * args.block) // 16) + 1
-    return rollout.build_engine(EngineConfig(
-        spec=spec, draft=draft, spec_block_size=None if spec == "none" else args.block, device=args.device,
-        num_kv_blocks=max(args.batches) * per_seq + 8, max_num_seqs=max(args.batches),
-        max_num_batched_tokens=max(2048, 256 * max(args.batches)), enable_prefix_caching=False,
-    ))  # fmt: skip
+def engine_pair(args: argparse.Namespace, spec: str, max_batch: int, max_len: int, **model) -> dict[str, LLMEngine]:
+    """The `none` engine and the drafter's engine (`full` and `adaptive`), sized for max_batch samples
+    of up to max_len tokens each. `model`: EngineConfig fields of the target and drafter."""
+    kw = dict(device=args.device, num_kv_blocks=max_batch * (-(-(max_len + 2 * args.block) // 16) + 1) + 8,
+              max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (args.block + 1)),
+              enable_prefix_caching=False)
+    draft = model.pop("draft", None) or embedded_draft(spec)
+    spec_config = EngineConfig(spec=spec, draft=draft, spec_block_size=args.block, **model, **kw)
+    return {"none": rollout.build_engine(EngineConfig(spec="none", **model, **kw)),
+            "spec": rollout.build_engine(spec_config)}
 
 
-def requests(prompts: list[list[int]], sampling: dict, max_tokens: int) -> list:
-    return [(p, SamplingParams(**sampling, max_tokens=max_tokens, ignore_eos=True, seed=i), {})
-            for i, p in enumerate(prompts)]  # fmt: skip
-
-
-def measure(engine: LLMEngine, prompts: list[list[int]], sampling: dict, batch: int, args) -> dict:
-    """Tokens/s and acceptance of `prompts` run in groups of `batch` (seeded, EOS ignored)."""
-    runs = [run_engine(engine, requests(prompts[i : i + batch], sampling, args.output_len), f"b{batch}-{i}",
-                       args.device) for i in range(0, len(prompts), batch)]  # fmt: skip
+def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: str, device: str) -> dict:
+    """The workload (groups of requests run one group after another) on one arm."""
+    engine = engines["none" if arm == "none" else "spec"]
+    budget = engine.spec_budget
+    if arm != "none":
+        engine.scheduler.draft_budget = budget if arm == "adaptive" else None
+    before = dict(budget.totals) if budget is not None else {}
+    runs = [run_engine(engine, g, f"{tag}-{arm}-{i}", device) for i, g in enumerate(groups)]
     tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
-    accepts = [n for run in runs for o in run.outputs for n in o.accept_lengths[1:]]
-    return dict(tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds,
-                mean_acceptance=sum(accepts) / max(len(accepts), 1), verify_steps=len(accepts))
+    accepts = [n for r in runs for o in r.outputs for n in o.accept_lengths[1:]]
+    row = dict(arm=arm, tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens,
+               mean_acceptance=statistics.fmean(accepts) if accepts else float("nan"))
+    if arm == "adaptive":
+        spent = {k: budget.totals[k] - before.get(k, 0) for k in budget.totals}
+        row.update(drafts_per_row=spent["drafts"] / max(spent["decode_rows"], 1), probes=spent["probes"])
+    return row
 
 
-def bench_acceptance(args: argparse.Namespace, result: dict) -> None:
-    dirs = drafter_dirs(args)
-    result["drafters"] = dirs
-    prompts = heldout_prompts(max(max(args.batches), args.batch1_prompts))
-    base: dict[tuple[str, int], float] = {}
-    for spec in SPECS:
-        if spec != "none" and dirs[spec] is None:
-            print(f"{spec}: embedded drafter not in the repository yet, skipped", flush=True)
-            continue
-        engine = build_engine(spec, dirs.get(spec), args)
-        for mode, sampling in SAMPLING.items():
-            for batch in args.batches:
-                chosen = prompts[: args.batch1_prompts] if batch == 1 else prompts[:batch]
-                # the same workload twice, the second timed: the first run captures the CUDA graphs
-                # and compiles the Triton kernels of every step shape it meets
-                measure(engine, chosen, sampling, batch, args)
-                row = dict(spec=spec, sampling=mode, batch=batch, **measure(engine, chosen, sampling, batch, args))
-                if spec == "none":
-                    base[mode, batch] = row["tokens_per_s"]
-                row["speedup"] = row["tokens_per_s"] / base[mode, batch]
-                result["acceptance"].append(row)
-                write_json(args.out, result)
-                print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-        del engine
+def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, args, result: dict) -> None:
+    """Warm-up of every arm, then `repeats` alternating timed runs; one row per arm (medians)."""
+    tag = "-".join(str(v) for v in setting.values())
+    for arm in ARMS:
+        run_arm(engines, arm, groups, f"{tag}-warm", args.device)
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for r in range(args.repeats):
+        for arm in ARMS:
+            runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device))
+    base = statistics.median(x["tokens_per_s"] for x in runs["none"])
+    for arm in ARMS:
+        row = dict(setting, **min(runs[arm], key=lambda x: abs(x["tokens_per_s"] - statistics.median(
+            y["tokens_per_s"] for y in runs[arm]))))
+        row["vs_none"] = row["tokens_per_s"] / base
+        result["rows"].append(row)
+        write_json(args.out, result)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
+def requests(prompts: list[list[int]], sampling: dict, max_tokens) -> list:
+    """(prompt, params, {}) per prompt, seeded; max_tokens: one for all, or one per prompt."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    return [(p, SamplingParams(**sampling, max_tokens=n, ignore_eos=True, seed=i), {})
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+
+
+# -- cases --------------------------------------------------------------------------------------------
+
+
+def case_embedded(args: argparse.Namespace, result: dict, mode: str, batches: list[int],
+                  specs=("dflash", "dspark")) -> None:
+    prompts = heldout_prompts(max(max(batches), args.batch1_prompts))
+    for spec in specs:
+        engines = engine_pair(args, spec, max(batches), 256 + args.output_len)
+        for batch in batches:
+            chosen = prompts[: args.batch1_prompts] if batch == 1 else prompts[:batch]
+            reqs = requests(chosen, SAMPLING[mode], args.output_len)
+            groups = [reqs[i: i + batch] for i in range(0, len(reqs), batch)]
+            compare(engines, groups, dict(case=f"embedded-{mode}", spec=spec, sampling=mode, batch=batch), args,
+                    result)
+        del engines
         free_memory()
+
+
+def case_shape(args: argparse.Namespace, result: dict) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model, draft = random_target_and_drafter(args.shape, args.device, Path(tmp), args.block)
+        engines = engine_pair(args, "dflash", max(args.shape_batches), 128 + args.shape_output_len, model=model,
+                              draft=draft, load_format="random")
+        vocab = engines["none"].vocab_size
+        rng = random.Random(0)
+        prompts = [[rng.randrange(vocab) for _ in range(128)] for _ in range(max(args.shape_batches))]
+        for batch in args.shape_batches:
+            reqs = requests(prompts[:batch], SAMPLING["t1"], args.shape_output_len)
+            compare(engines, [reqs], dict(case="8b", spec=f"{args.shape} untrained dflash", sampling="t1",
+                                          batch=batch), args, result)
+        del engines
+        free_memory()
+
+
+def case_long_tail(args: argparse.Namespace, result: dict) -> None:
+    """A quarter of the samples (every fourth) run 4x longer: wide at the start, a narrow tail."""
+    n, short = args.tail_samples, args.output_len // 2
+    lengths = [4 * short if i % 4 == 0 else short for i in range(n)]
+    engines = engine_pair(args, "dflash", n, 256 + 4 * short)
+    prompts = heldout_prompts(n)
+    for mode in SAMPLING:
+        compare(engines, [requests(prompts, SAMPLING[mode], lengths)],
+                dict(case="long-tail", spec="dflash", sampling=mode, batch=n), args, result)
+    del engines
+    free_memory()
 
 
 def time_step(model, caches, batch: int, q: int, context: int, iters: int) -> tuple[float, float | None]:
@@ -135,48 +211,80 @@ def time_step(model, caches, batch: int, q: int, context: int, iters: int) -> tu
 
 
 @torch.inference_mode()
-def bench_verify_cost(args: argparse.Namespace, result: dict) -> None:
+def case_verify_cost(args: argparse.Namespace, result: dict) -> None:
     """One target forward + LM head: B x (block+1) verify tokens vs B decode tokens, eager and
     (on CUDA) replayed as a CUDA graph, as the engine runs uniform steps; the ratio uses the graph."""
-    device, dtype, shape = torch.device(args.device), model_dtype(args.device), SHAPES[args.verify_shape]
+    device, dtype, shape = torch.device(args.device), model_dtype(args.device), SHAPES[args.shape]
     torch.manual_seed(0)
     model = random_model(shape, device, dtype)
     per_seq = -(-(args.context + args.block + 1) // 16)
     caches = kv_caches(model, max(args.verify_batches) * per_seq + 1, device, dtype)
     kind = "graph" if device.type == "cuda" else "eager"
-    # the engine's kernels on CUDA (Triton), and the torch reference path beside them
     for backend in ("triton", "torch") if device.type == "cuda" else ("torch",):
         model.set_kernel_backend(backend)
         for batch in args.verify_batches:
-            row = dict(shape=args.verify_shape, kernels=backend, batch=batch, context=args.context)
+            row = dict(shape=args.shape, kernels=backend, batch=batch, context=args.context)
             for name, q in (("decode", 1), ("verify", args.block + 1)):
                 eager, graph = time_step(model, caches, batch, q, args.context, iters=5 if args.quick else 20)
                 row[f"{name}_eager_ms"], row[f"{name}_graph_ms"] = eager, graph
             row["verify_over_decode"] = row[f"verify_{kind}_ms"] / row[f"decode_{kind}_ms"]
             result["verify_cost"].append(row)
             write_json(args.out, result)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     model, caches = None, None
     free_memory()
+
+
+# -- goals --------------------------------------------------------------------------------------------
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """Per setting: adaptive / none (goal >= 0.97), adaptive's share of full's speedup where full pays
+    (goal >= 0.95), and for the long tail whether adaptive finished first."""
+    out = []
+    settings = {tuple((k, r[k]) for k in ("case", "spec", "sampling", "batch")) for r in rows}
+    for setting in sorted(settings, key=str):
+        arms = {r["arm"]: r for r in rows if all(r[k] == v for k, v in setting)}
+        if len(arms) < len(ARMS):
+            continue
+        full, adaptive = arms["full"]["vs_none"], arms["adaptive"]["vs_none"]
+        row = dict(setting, full=full, adaptive=adaptive, never_costs=adaptive >= 0.97)
+        if full > 1:
+            row["share_of_full_speedup"] = (adaptive - 1) / (full - 1) if full > 1 else None
+            row["keeps_speedup"] = adaptive >= 1 + 0.95 * (full - 1)
+        if dict(setting)["case"] == "long-tail":
+            row["finishes_first"] = arms["adaptive"]["seconds"] < min(arms["none"]["seconds"], arms["full"]["seconds"])
+        out.append(row)
+    return out
 
 
 def main() -> None:
     args = parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    result = dict(args=vars(args), env=environment(args.device), acceptance=[], verify_cost=[])
-    bench_verify_cost(args, result)  # first: the part a time limit must not cut
-    bench_acceptance(args, result)
-    print_table(
-        f"speculative decoding, block {args.block}, {args.output_len} tokens, held-out stdlib prompts "
-        f"(goals: DFlash greedy acceptance >= 3, speedup >= 2x at batch 1)", result["acceptance"],
-        ["spec", "sampling", "batch", "mean_acceptance", "tokens_per_s", "speedup", "verify_steps"],
-    )
-    print_table(
-        f"verify forward ({args.block + 1} tokens/seq) vs decode step, {args.verify_shape} random weights, "
-        f"context {args.context}", result["verify_cost"],
-        ["kernels", "batch", "decode_eager_ms", "verify_eager_ms", "decode_graph_ms", "verify_graph_ms",
-         "verify_over_decode"],
-    )
+    result = dict(args=vars(args), env=environment(args.device), rows=[], verify_cost=[], goals=[])
+    if "verify-cost" in args.cases:
+        case_verify_cost(args, result)
+    if "embedded-t1" in args.cases:
+        case_embedded(args, result, "t1", [2 if args.quick else 32])
+    if "embedded-greedy" in args.cases:
+        case_embedded(args, result, "greedy", [1, 4 if args.quick else 32])
+    if "8b" in args.cases:
+        case_shape(args, result)
+    if "long-tail" in args.cases:
+        case_long_tail(args, result)
+    result["goals"] = goals(result["rows"])
+    write_json(args.out, result)
+    print_table(f"speculation: none / full blocks / adaptive budgets, block {args.block}", result["rows"],
+                ["case", "spec", "sampling", "batch", "arm", "tokens_per_s", "vs_none", "mean_acceptance",
+                 "drafts_per_row", "probes", "seconds"])
+    print_table("goals (issue 19): adaptive >= 0.97 x none; >= 95% of full's speedup where it pays; the long "
+                "tail finishes first with adaptive", result["goals"],
+                ["case", "spec", "sampling", "batch", "full", "adaptive", "never_costs", "share_of_full_speedup",
+                 "keeps_speedup", "finishes_first"])
+    if result["verify_cost"]:
+        print_table(f"verify forward ({args.block + 1} tokens/seq) vs decode step, {args.shape} random weights, "
+                    f"context {args.context}", result["verify_cost"],
+                    ["kernels", "batch", "decode_eager_ms", "verify_eager_ms", "decode_graph_ms", "verify_graph_ms",
+                     "verify_over_decode"])
     print(f"wrote {args.out}")
 
 

@@ -78,6 +78,21 @@ def write_config_dir(shape: dict, root: Path) -> Path:
     return root
 
 
+def random_target_and_drafter(shape: str, device: str, root: Path, block_size: int = 8) -> tuple[str, str]:
+    """A config-only target directory of `shape` (random weights at load: `load_format="random"`) and an
+    untrained one-layer DFlash drafter for it, both under `root`: (target dir, drafter dir). The
+    drafter's proposals are almost never accepted: a step commits about one token a sequence."""
+    from rollout.engine.loader import load_model
+    from rollout.spec.draft_loader import random_drafter, save_drafter
+
+    model_dir = write_config_dir(SHAPES[shape], root / "target")
+    target = load_model(model_dir, device, load_format="random")
+    save_drafter(random_drafter(target, "dflash", block_size=block_size, num_layers=1, seed=1), root / "dflash")
+    del target
+    free_memory()
+    return str(model_dir), str(root / "dflash")
+
+
 def model_dtype(device: str) -> torch.dtype:
     """The engine's dtype on `device` (bfloat16 on CUDA, float32 on CPU)."""
     return torch.bfloat16 if device == "cuda" else torch.float32

@@ -15,14 +15,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def build_engine(config, drafter_factory=None, load_progress=None):
+def build_engine(config, drafter_factory=None, load_progress=None, step_cost=None):
     """An `LLMEngine` for `config` (a rollout.engine.config.EngineConfig) whose drafter, when
     `config.spec` names one, is rollout.spec's DFlash / DSpark drafter or its rollout-history
     drafter; `drafter_factory(config, target)` replaces it (a custom drafter, a test double).
     `load_progress` shows the checkpoint reads, the target's and rollout.spec's drafter's
-    (rollout.engine.loader.LoadProgress).
-    Module-level, so that `functools.partial(build_engine, config)` pickles (the engine may be
-    built in its own process)."""
+    (rollout.engine.loader.LoadProgress). `step_cost` gives the adaptive draft budget its cost
+    model instead of the startup profile (tests; rollout.engine.step_cost). Module-level, so that
+    `functools.partial(build_engine, config)` pickles (the engine may be built in its own process)."""
     import functools
 
     from rollout.engine.engine import LLMEngine
@@ -35,4 +35,4 @@ def build_engine(config, drafter_factory=None, load_progress=None):
         from rollout.spec.proposer import build_drafter
 
         drafter_factory = functools.partial(build_drafter, progress=load_progress)
-    return LLMEngine(config, drafter_factory, load_progress=load_progress)
+    return LLMEngine(config, drafter_factory, load_progress=load_progress, step_cost=step_cost)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from rollout.engine.drafter import Drafter, Drafts
+from rollout.engine.step_cost import Curve, StepCost, TargetCost
 from rollout.engine.verify import Proposal, verify
 
 
@@ -42,6 +44,21 @@ def factory_of(drafter: Drafter | None):
     """An engine's drafter factory that hands out `drafter` (None: no factory, so the engine runs
     what its config names)."""
     return None if drafter is None else (lambda config, target: drafter)
+
+
+def linear_target(decode_ms: float, token_ms: float, q: int) -> TargetCost:
+    """A synthetic target: decode_ms a step plus token_ms a token past the first (verify blocks of q)."""
+    rows = np.array([1.0, 256.0])
+    decode = (decode_ms + token_ms * (rows - 1)) / 1e3
+    return TargetCost(rows, decode, decode + token_ms * rows * (q - 1) / 1e3, q)
+
+
+def cost_table(decode_ms: float = 1.0, token_ms: float = 0.0, drafter_ms: float = 0.0, graph: bool = False,
+               q: int = 8) -> StepCost:
+    """A frozen synthetic step cost (no startup profile): `linear_target`, drafter_ms when drafting,
+    the same table for CUDA-graph steps when `graph`."""
+    line = linear_target(decode_ms, token_ms, q)
+    return StepCost(line, line if graph else None, Curve((1.0,), (drafter_ms / 1e3,)), learn=False)
 
 
 def verify_rows(pol, drafts, draft_q, num_draft: list[int], cu_rows: list[int], judge_row, draft_of_row,

@@ -259,7 +259,8 @@ def test_embedded_drafters_are_accepted_in_the_engine(kind):
     from rollout.engine.config import DEFAULT_DRAFTS, EngineConfig
     from rollout.engine.params import SamplingParams
 
-    eng = build_engine(EngineConfig(spec=kind, draft=str(DEFAULT_DRAFTS[kind]), spec_block_size=8, num_kv_blocks=200))
+    eng = build_engine(EngineConfig(spec=kind, draft=str(DEFAULT_DRAFTS[kind]), spec_block_size=8, num_kv_blocks=200,
+                                    spec_adaptive=False))
     eng.add_request("r", [list(p) for p in ENGINE_PROMPTS], SamplingParams(temperature=0.0, max_tokens=96,
                                                                            ignore_eos=True))
     outs = []

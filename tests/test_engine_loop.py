@@ -197,3 +197,43 @@ def test_an_abort_that_returns_a_failed_sample_fails_the_request():
         await loop.stop()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_draft_budget_is_logged_after_the_first_step_and_when_idle(caplog, monkeypatch):
+    """An engine with a draft budget: a `spec_budget` line after the first step, none within
+    SPEC_LOG_SECONDS after, then one when the busy period ends (the choices since the last line);
+    an engine without one (`ScriptedEngine`) logs none (the other tests)."""
+    import logging
+
+    from rollout.server import loop as loop_mod
+    from rollout.server.logs import LOGGER_NAME
+
+    class BudgetEngine(ScriptedEngine):
+        summaries = 0
+
+        def spec_budget_summary(self) -> dict:
+            self.summaries += 1
+            return dict(steps=self.steps, drafts_per_row=1.5, request_accept_length={"a": 2.0})
+
+    monkeypatch.setattr(loop_mod, "SPEC_LOG_SECONDS", 3600.0)
+
+    async def main():
+        engine = BudgetEngine()
+        engine.keep.add("a")
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
+        await loop.start()
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        await loop.add(_call("a"), inbox.put_nowait)
+        while await loop.call(lambda e: e.steps) < 5:
+            await asyncio.sleep(0.01)
+        await loop.call(lambda e: e.keep.clear())
+        assert (await inbox.get()).done
+        await loop.call(lambda e: None)
+        await loop.stop()
+        return engine
+
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        engine = asyncio.run(asyncio.wait_for(main(), 30))
+    lines = [r.fields for r in caplog.records if r.getMessage() == "spec_budget"]
+    assert len(lines) == engine.summaries == 2
+    assert lines[0]["steps"] == 1 and lines[1]["steps"] >= 5 and lines[1]["request_accept_length"] == {"a": 2.0}

@@ -17,6 +17,7 @@ PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [42], [1, 2, 3, 4, 5, 6, 7
 
 
 def _run(model, static: bool, drafter=None, params=None, after_step=None, prompts=PROMPTS, n=3, **config):
+    config.setdefault("spec_adaptive", False)  # full blocks: every verify shape
     eng = build_engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200, **config),
                        drafter_factory=factory_of(drafter))
     if static:

@@ -6,9 +6,11 @@ policy, verify, capture) except the sanctioned synchronisation itself (`_to_host
 `MaskCapture.to_host`, which starts its copy) and the commit after it, which reads host copies.
 
 The workload mixes greedy, sampled, penalised, biased, masked (both modes) and grammar requests,
-with no drafter, DFlash, DSpark and DSpark with a confidence threshold, eagerly and through the
-CUDA-graph static buffers (replayed eagerly), on a dense and on a mixture-of-experts target. Two
-waits are stated exceptions, counted exactly:
+with no drafter, DFlash, DSpark and DSpark with a confidence threshold, full draft blocks and the
+adaptive draft budget (rollout/engine/spec_budget.py: its per-step choice and its record of the
+step are host work on host data, watched too), eagerly and through the CUDA-graph static buffers
+(replayed eagerly), on a dense and on a mixture-of-experts target. Two waits are stated
+exceptions, counted exactly:
 
 * a grammar sample that verifies drafts: `rows.grammar_bitmask` reads the step's drafts back,
   once per such step. Its bitmask row i is the grammar's state after the first i drafts, which
@@ -31,6 +33,7 @@ from collections import Counter
 import pytest
 import torch
 from host_waits import HostWaits
+from spec_helpers import cost_table
 
 import rollout.engine.engine as engine_mod
 import rollout.engine.rows as rows_mod
@@ -42,15 +45,19 @@ from rollout.engine.params import SamplingParams
 
 GRAMMAR_SITE = ("rollout/engine/rows.py", "grammar_bitmask")
 THRESHOLD_SITE = ("rollout/spec/proposer.py", "_lengths")
-SPECS = {"none": ("none", 0.0), "dflash": ("dflash", 0.0), "dspark": ("dspark", 0.0),
-         "dspark-threshold": ("dspark", 0.3)}
+SPECS = {"none": ("none", 0.0, False), "dflash": ("dflash", 0.0, False), "dspark": ("dspark", 0.0, False),
+         "dspark-threshold": ("dspark", 0.3, False), "dflash-adaptive": ("dflash", 0.0, True),
+         "dspark-threshold-adaptive": ("dspark", 0.3, True)}
 TARGETS = {"qwen3": ("tiny_random_qwen3", "random_drafters"),
            "qwen3-moe": ("tiny_random_qwen3_moe", "random_moe_drafters")}
 
 
-def _engine(model, drafters, spec: str, threshold: float = 0.0, static: bool = False) -> LLMEngine:
+def _engine(model, drafters, spec: str, threshold: float = 0.0, static: bool = False,
+            adaptive: bool = False) -> LLMEngine:
+    # adaptive: a synthetic cost under which drafts are nearly free, so that grammar samples verify some
     eng = build_engine(EngineConfig(model=str(model), spec=spec, draft=drafters.get(spec), block_size=4,
-                                 num_kv_blocks=300, spec_confidence_threshold=threshold))
+                                    num_kv_blocks=300, spec_confidence_threshold=threshold, spec_adaptive=adaptive),
+                       step_cost=cost_table(decode_ms=10.0, token_ms=0.001, q=4) if adaptive else None)
     if static:  # the CUDA-graph paths (target step and drafter forward), replayed eagerly
         eng.graphs = eng.make_step_graphs(capture=False)
     return eng
@@ -108,9 +115,9 @@ class _Watched:
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_step_waits_for_the_device_once(request, target, spec, static, monkeypatch):
-    method, threshold = SPECS[spec]
+    method, threshold, adaptive = SPECS[spec]
     model, drafters = (request.getfixturevalue(name) for name in TARGETS[target])
-    eng = _engine(model, drafters, method, threshold, static)
+    eng = _engine(model, drafters, method, threshold, static, adaptive)
     _add_workload(eng)
     watched = _Watched(eng, monkeypatch)
     outs = watched.run()

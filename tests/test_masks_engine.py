@@ -34,6 +34,7 @@ def _engine(model, spec="none", draft=None, **kw):
     There the engine computes in bfloat16, so the recomputation tests, which compare with a float32
     transformers forward, do not apply: `-k "not recomputation"`."""
     kw.setdefault("device", os.environ.get("ROLLOUT_TEST_DEVICE", "cpu"))
+    kw.setdefault("spec_adaptive", False)  # full draft blocks: every sample verifies
     return build_engine(EngineConfig(model=str(model), spec=spec, draft=draft, block_size=4, num_kv_blocks=300,
                                   max_num_batched_tokens=64, **kw))
 
@@ -86,8 +87,8 @@ def test_masks_with_trained_drafter_and_accepted_blocks(tiny_random_qwen3):
     """Accepted drafts commit several tokens per step; each still gets its own mask row."""
     from spec_helpers import RepeatDrafter, factory_of
 
-    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300),
-                    drafter_factory=factory_of(RepeatDrafter(4)))
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300, spec_adaptive=False),
+                       drafter_factory=factory_of(RepeatDrafter(4)))
     eng.add_request("g", PROMPTS, GREEDY, mask="support")
     eng.add_request("s", PROMPTS, SAMPLED, n=2, mask="support")
     outs = _run(eng)
@@ -123,8 +124,8 @@ def test_masks_equal_fresh_transformers_recomputation(tiny_random_qwen3, random_
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_random_qwen3, dtype=torch.float32).eval()
     if spec == "repeat":
-        eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300),
-                        drafter_factory=factory_of(RepeatDrafter(4)))
+        eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300,
+                                        spec_adaptive=False), drafter_factory=factory_of(RepeatDrafter(4)))
     else:
         eng = _engine(tiny_random_qwen3, spec, random_drafters.get(spec))
     eng.add_request("p", PROMPTS, PENALISED, n=2, mask="support")
@@ -154,7 +155,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 def test_grammar_constrained_outputs(spec):
     """The embedded model under a JSON schema and a regex, with masks: outputs parse / match
     and no support holds a token the grammar forbids at that point."""
-    eng = build_engine(EngineConfig(spec=spec, num_kv_blocks=400))
+    eng = build_engine(EngineConfig(spec=spec, num_kv_blocks=400, spec_adaptive=False))
     tok = eng.tokenizer
     prompt = tok.encode("def f(x):\n    return ").ids
     schema = GrammarSpec("json_schema", json.dumps(SCHEMA))

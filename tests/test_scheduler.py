@@ -157,6 +157,36 @@ def test_decode_items_get_room_for_drafts():
     assert [(it.num_new_tokens, it.num_draft) for it in d.step()] == [(1, 2)]  # budget 3 = 1 + 2
 
 
+def test_a_draft_budget_caps_each_decode_item_and_leaves_the_token_budget_to_prefill():
+    """The draft budget's hook (spec_budget.SpecBudget.caps): per-sample caps within the limits, samples
+    it leaves out draft nothing, the tokens it saves go to a waiting prompt's chunk; without a budget
+    the next step verifies full blocks again."""
+
+    class Caps:
+        def __init__(self):
+            self.calls = []
+
+        def caps(self, running, admits, budget):
+            self.calls.append((len(running), admits, budget))
+            return {running[0]: 2, running[1]: 9}  # the third: not in the dict
+
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=12, num_spec=4)
+    seqs = [make_seq(3, max_tokens=20) for _ in range(3)]
+    for s in seqs:
+        sched.add(s)
+    driver = Driver(sched)
+    driver.step()
+    sched.draft_budget = Caps()
+    late = make_seq(20)
+    sched.add(late)
+    batch = driver.step()
+    assert [(it.seq, it.num_new_tokens, it.num_draft) for it in batch] == [
+        (seqs[0], 1, 2), (seqs[1], 1, 4), (seqs[2], 1, 0), (late, 3, 0)]  # 9 capped at num_spec 4
+    assert sched.draft_budget.calls == [(3, True, 12)]
+    sched.draft_budget = None
+    assert [it.num_draft for it in driver.step()[:2]] == [4, 4]  # (the token budget leaves the third 1)
+
+
 def test_admission_waits_for_free_blocks():
     sched = make_scheduler(num_blocks=6, block_size=4)
     a, b = make_seq(13, max_tokens=2), make_seq(9, max_tokens=2)  # 4 and 3 blocks

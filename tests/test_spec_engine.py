@@ -27,10 +27,11 @@ PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [
 
 
 def _generate(model, prompts, params, n=1, spec="none", draft=None, block=None, num_kv_blocks=400,
-              drafter=None, max_num_seqs=256, budget=32, **config):
+              drafter=None, max_num_seqs=256, budget=32, spec_adaptive=False, **config):
+    """Runs the prompts to the end; full draft blocks unless `spec_adaptive` (test_spec_adaptive.py)."""
     cfg = EngineConfig(model=str(model), spec=spec, draft=draft, spec_block_size=block, block_size=4,
                        num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                       **config)
+                       spec_adaptive=spec_adaptive, **config)
     eng = build_engine(cfg, drafter_factory=factory_of(drafter))
     eng.add_request("r", prompts, params, n=n)
     outs = []
@@ -76,7 +77,8 @@ def test_dspark_confidence_threshold_shortens_drafts_losslessly(tiny_random_qwen
     drafted = {}
     for threshold in (0.0, 0.6):
         cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dspark", draft=random_drafters["dspark"],
-                           spec_block_size=8, spec_confidence_threshold=threshold, block_size=4, num_kv_blocks=400)
+                           spec_block_size=8, spec_confidence_threshold=threshold, block_size=4, num_kv_blocks=400,
+                           spec_adaptive=False)
         eng = build_engine(cfg)
         eng.add_request("r", PROMPTS, GREEDY)
         outs = []
@@ -204,7 +206,7 @@ def test_generation_up_to_the_context_limit_with_a_drafter(tiny_random_qwen3, ra
     """The drafter's block reaches block - 1 positions past its anchor: the engine's context
     limit leaves room for it, and a request that fills the context runs to the end."""
     eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"],
-                                 block_size=4, num_kv_blocks=400))
+                                    block_size=4, num_kv_blocks=400, spec_adaptive=False))
     assert eng.max_model_len == 512 - 4 + 2  # max_position_embeddings 512, drafter block 4
     prompt = [7] * 500
     eng.add_request("edge", [prompt], SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - 500,
@@ -228,8 +230,8 @@ def test_group_whose_prompt_is_cached_forks_before_drafting(tiny_random_qwen3):
             flat = [(expected + [0] * 64)[it.seq.num_output_tokens + j] for it in items for j in range(it.num_draft)]
             return Drafts(torch.tensor(flat, dtype=torch.int64), counts)
 
-    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=200),
-                    drafter_factory=factory_of(OracleDrafter(4)))
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=200, spec_adaptive=False),
+                       drafter_factory=factory_of(OracleDrafter(4)))
     eng.add_request("warm", [prompt], GREEDY)
     while eng.has_unfinished():
         eng.step()

@@ -8,6 +8,9 @@ third from verified drafts (block size 3: two drafts). Their joint law of the fi
 must equal the exact law of docs/sampling.md, computed from transformers' logits by the independent
 reference (tests/contract1_ref.py): chi-square, fixed seeds.
 
+Under the adaptive draft budget (issue 19), with each sample's drafts per step drawn at random through
+the budget's hook (0, 1 or 2: a prefix of the block, or none), the law is the same.
+
 Negative controls: the same statistic must fail, by at least twice its critical value, for three
 wrong drafters, each a mutation of `rollout.spec.proposer._draw` that passed every test before
 this file (issue 25): q reported as uniform (the drafts still drawn from q: a real exactness bug),
@@ -17,11 +20,13 @@ the argmax drafted while the softmax is reported, and q^4 (renormalised) reporte
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
 import torch
 from contract1_ref import reference_policy
+from spec_helpers import cost_table
 
 import rollout.spec.proposer as proposer
 from rollout import build_engine
@@ -41,7 +46,7 @@ BLOCK = 3  # two drafts per block: the second and third tokens
 def engine(request) -> LLMEngine:
     return build_engine(EngineConfig(spec=request.param, spec_block_size=BLOCK, block_size=4,
                                   num_kv_blocks=3 * NUM_SAMPLES, max_num_seqs=NUM_SAMPLES,
-                                  max_num_batched_tokens=BLOCK * NUM_SAMPLES))
+                                  max_num_batched_tokens=BLOCK * NUM_SAMPLES, spec_adaptive=False))
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,26 @@ def _chi2(counts: Counter, exact: dict) -> tuple[float, float]:
 def test_often_accepted_sampled_drafts_follow_the_exact_law(engine, exact_joint):
     counts, acceptance = _run(engine)
     assert acceptance > 0.55, f"only {acceptance:.0%} of the drafts were accepted: q hardly matters"
+    stat, crit = _chi2(counts, exact_joint)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}"
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_sampled_drafts_follow_the_exact_law_under_a_varying_budget(spec, exact_joint):
+    eng = build_engine(EngineConfig(spec=spec, spec_block_size=BLOCK, block_size=4, num_kv_blocks=3 * NUM_SAMPLES,
+                                    max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=BLOCK * NUM_SAMPLES),
+                       step_cost=cost_table(q=BLOCK))
+    rng, chosen = random.Random(7), Counter()
+
+    def random_caps(running, admits, budget):
+        caps = {s: rng.randint(0, BLOCK - 1) for s in running}
+        chosen.update(caps.values())
+        return caps
+
+    eng.spec_budget.caps = random_caps
+    counts, acceptance = _run(eng)
+    assert min(chosen[k] for k in range(BLOCK)) > NUM_SAMPLES / 2  # every budget, often
+    assert acceptance > 0.5
     stat, crit = _chi2(counts, exact_joint)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}"
 

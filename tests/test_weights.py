@@ -16,7 +16,7 @@ PROMPT = [[5, 6, 7, 8]]
 
 
 def _engine(model, **kw):
-    return build_engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=100, **kw))
+    return build_engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=100, spec_adaptive=False, **kw))
 
 
 def _drain(eng):

@@ -52,6 +52,9 @@ class EngineConfig:
     spec_history_keep_versions: bool = option(False, "--spec history: keep the samples of earlier policy versions "
                                               "after a weight update (otherwise they are dropped: the new policy "
                                               "samples differently)", default_text="dropped")
+    spec_adaptive: bool = option(True, "verify per step only the drafts expected to pay, from measured "
+                                 "acceptance and step costs (rollout/engine/spec_budget.py); off: always full "
+                                 "draft blocks")
     device: str = option("cpu", "where the engine runs", choices=("cpu", "cuda"))
     block_size: int = option(16, "KV cache block size in tokens (a power of two)")
     num_kv_blocks: int | None = option(None, "KV cache blocks", default_text="what fits once the largest step is "

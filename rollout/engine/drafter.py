@@ -16,6 +16,7 @@ proposes, provided `Drafts.q` is the distribution the drafts were really drawn f
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +86,11 @@ class Drafter(ABC):
         path eagerly, for tests). Optional: a drafter may ignore it."""
         return None
 
+    def profile_forward(self, rows: int, scratch_block: int, block_size: int) -> Callable[[], object] | None:
+        """A thunk that drafts for `rows` samples whose context is the scratch block, as one proposal
+        does, for the draft budget's startup profile (rollout.engine.step_cost); None: drafting
+        costs nothing worth measuring. Optional."""
+        return None
 
 class DraftCounts:
     """Draft tokens proposed and accepted, by proposer and policy version: what the server's

@@ -1,8 +1,8 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    (a drained weight update) -> schedule -> draft -> forward -> policy -> verify -> capture
-    -> (last step's masks) -> sync -> count drafts -> advance (scheduler) -> commit/emit
-    (committer) -> truncate drafts (scheduler)
+    (a drained weight update) -> schedule (with the draft budget) -> draft -> forward -> policy
+    -> verify -> capture -> (last step's masks) -> sync -> count drafts -> advance (scheduler)
+    -> commit/emit (committer) -> truncate drafts (scheduler) -> record (draft budget)
 
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
 blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
@@ -10,6 +10,10 @@ blocks mixed), one policy (docs/sampling.md) over the rows that sample, one veri
 calls it from one loop. Its parts get what they need as arguments (the scheduler its block
 manager, the intake and the committer the scheduler, the weight updater the modules it loads
 into); the drafter comes from a factory (rollout.engine.drafter), so the engine imports none.
+
+With a drafter, the scheduler's draft budget (spec_budget.py, `--no-spec-adaptive` turns it off)
+decides each step how many drafts of each sample to verify, from the acceptance each sample has
+shown and what steps cost here (step_cost.py: profiled at startup, then each step's wall time).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from rollout.engine.release import MemoryReport, ReleasedMemory
 from rollout.engine.rows import build_row_params, grammar_bitmask
 from rollout.engine.sampler import policy
 from rollout.engine.scheduler import Scheduler
+from rollout.engine.spec_budget import SpecBudget
+from rollout.engine.step_cost import StepCost, profile_step_cost
 from rollout.engine.verify import VerifyResult, verify
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import FailedPrecondition, InvalidArgument
@@ -51,11 +57,12 @@ DrafterFactory = Callable[[EngineConfig, LoadedModel], Drafter]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, drafter_factory: DrafterFactory | None = None,
-                 load_progress: LoadProgress | None = None):
+                 load_progress: LoadProgress | None = None, step_cost: StepCost | None = None):
         """`drafter_factory(config, target)` builds the drafter. The engine imports no drafter: a
         config whose `spec` names one needs a factory (`rollout.build_engine(config)` passes
         rollout.spec's); one given with `spec="none"` plugs in a custom drafter. `load_progress`
-        shows the target's checkpoint reads."""
+        shows the target's checkpoint reads; `step_cost` gives the draft budget its cost model
+        instead of the startup profile (tests)."""
         self.config = config
         self.device = torch.device(config.device)
         self.loaded = load_model(config.model_path, self.device, load_format=config.load_format,
@@ -100,6 +107,9 @@ class LLMEngine:
         self.draft_counts = DraftCounts()  # drafts proposed and accepted, by proposer and policy version
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = self.make_step_graphs(capture=True)
+        self._graphed = False  # the last target forward replayed a CUDA graph
+        self.spec_budget = self._spec_budget(step_cost) if self.drafter and config.spec_adaptive else None
+        self.scheduler.draft_budget = self.spec_budget
 
     def _plan_kv_blocks(self, max_model_len: int) -> int:
         """KV blocks for the pool (see rollout.engine.memory): on CUDA what the profile of the largest
@@ -235,6 +245,7 @@ class LLMEngine:
         self._apply_weights()
         if self.memory.released:
             return []
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan:
             self.committer.hand_over_masks()
@@ -252,6 +263,8 @@ class LLMEngine:
         self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
         outputs = self.committer.commit(step.rows, host, captured)
         self.scheduler.truncate_drafts(plan)
+        if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
+            self.spec_budget.record(step, host and host.num_accepted, time.perf_counter() - start, self._graphed)
         return outputs
 
     def _apply_weights(self) -> None:
@@ -296,12 +309,14 @@ class LLMEngine:
 
     def _forward(self, input_ids: torch.Tensor, meta):
         key = self.graphs.key(meta) if self.graphs is not None else None
+        self._graphed = key is not None
         if key is not None:
             try:
                 return self.graphs.run(key, input_ids, meta)
             except RuntimeError as e:  # a capture the backend refuses: stay correct, run eagerly
                 log.warning("CUDA graph capture failed (%s); running eagerly from now on", e)
                 self.graphs = None
+                self._graphed = False
         return self._target_forward(input_ids, meta)
 
     def _target_forward(self, input_ids: torch.Tensor, meta):
@@ -325,6 +340,27 @@ class LLMEngine:
         return StepGraphs(forward, scratch_block=self.block_manager.num_blocks, block_size=self.config.block_size,
                           max_blocks_per_seq=max_blocks, max_q=max_q, device=self.device, capture=capture,
                           max_batch=max_batch, prefix_planner=self.prefix_planner)
+
+    def _spec_budget(self, step_cost: StepCost | None) -> SpecBudget:
+        """The draft budget, its cost model profiled here unless given (a few seconds at most on a
+        GPU, half a second on CPU)."""
+        num_spec = self.drafter.num_spec
+        if step_cost is None:
+            draft = self.drafter.profile_forward
+            scratch, block_size = self.block_manager.num_blocks, self.config.block_size
+            with torch.inference_mode():
+                step_cost = profile_step_cost(
+                    self._target_forward, self.model.compute_logits, self.graphs,
+                    lambda rows: draft(rows, scratch, block_size), num_spec + 1, scratch, block_size,
+                    self.device, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                    max_seconds=3.0 if self.device.type == "cuda" else 0.5)
+            log.info("step cost profile: %s", step_cost.describe())
+        max_graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
+        return SpecBudget(num_spec, step_cost, self.graphs is not None, max_graph_rows)
+
+    def spec_budget_summary(self) -> dict | None:
+        """The draft budget's summary since the last call (server logs), None without one."""
+        return self.spec_budget.summary() if self.spec_budget is not None else None
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Whole-block KV copies (src, dst) in the target's and the drafter's caches."""

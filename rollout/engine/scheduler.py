@@ -12,6 +12,10 @@ A step also has at most `max_rows` logits rows (min(max_num_batched_tokens, max_
 (num_spec + 1)): what its sequences' own rows can reach), the bound the engine's memory plan
 reserves for. The samples forked from a prompt read its last row too; those that do not fit
 start later as sequences of their own (their prompt's full blocks come from the prefix cache).
+
+How many drafts a decode step verifies is the draft budget's (`draft_budget`, spec_budget.py:
+per-sample caps chosen once per step from measured acceptance and step costs); without one,
+full blocks.
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_spec: int = 0):
+                 num_spec: int = 0, draft_budget=None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec = num_spec
         self.max_rows = min(max_num_batched_tokens, max_num_seqs * (num_spec + 1))
+        self.draft_budget = draft_budget  # a SpecBudget, or None: full blocks
+        self._draft_caps: dict[Sequence, int] | None = None  # this step's, from draft_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.admission_paused = False
@@ -68,6 +74,7 @@ class Scheduler:
         batch: list[ScheduledSeq] = []
         self._fork_blocks = 0
         self._forking = False  # some item forks samples this step (their rows are capped)
+        self._draft_caps = self._budget_caps(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -141,13 +148,21 @@ class Scheduler:
 
     # -- internals ---------------------------------------------------------------------
 
+    def _budget_caps(self, budget: int) -> dict[Sequence, int] | None:
+        """This step's most drafts per running sample, from the draft budget (None: full blocks)."""
+        if self.draft_budget is None or not self.num_spec:
+            return None
+        admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        return self.draft_budget.caps(self.running, admits, budget)
+
     def _plan(self, seq: Sequence, budget: int) -> ScheduledSeq:
         behind = seq.num_tokens - seq.num_computed_tokens
         if behind > 1:
             return ScheduledSeq(seq, min(behind, budget))
         if not self.num_spec:
             return ScheduledSeq(seq, 1)
-        num_draft = max(0, min(self.num_spec, seq.remaining_tokens - 1, budget - 1))
+        cap = self.num_spec if self._draft_caps is None else min(self.num_spec, self._draft_caps.get(seq, 0))
+        num_draft = max(0, min(cap, seq.remaining_tokens - 1, budget - 1))
         return ScheduledSeq(seq, 1, num_draft)
 
     def _reserve(self, item: ScheduledSeq) -> bool:

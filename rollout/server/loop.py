@@ -13,6 +13,10 @@ of commands and per step: each wake-up of the loop is a socket write that lets g
 and getting it back while the event loop runs costs the engine thread up to the interpreter's
 switch interval.
 
+With a draft budget (adaptive speculation), a `spec_budget` line says every SPEC_LOG_SECONDS of
+busy time and at the end of each busy period what it chose since the last line (drafts verified per
+decode row, probes, acceptance by position and by running request, the step-cost model).
+
 Weight updates follow the engine's drain policy: `update_weights` stages and checks a weight job
 on a worker thread while the engine keeps stepping (rollout.server.weight_jobs), then submits it;
 the engine applies it at a step boundary once running samples have finished, and the caller's
@@ -40,6 +44,8 @@ from rollout.server.engine_stats import EngineStats, StatsSnapshot
 from rollout.server.logs import elapsed_ms, log_event
 from rollout.server.outbox import Outbox
 from rollout.server.weight_jobs import EngineSide, WeightsApplied
+
+SPEC_LOG_SECONDS = 30.0
 
 
 @dataclass
@@ -85,6 +91,7 @@ class EngineLoop:
         self._finished: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self.run, name="rollout-engine", daemon=True) if thread else None
         self._busy_period: _BusyPeriod | None = None
+        self._spec_log_at = 0.0  # perf_counter time of the next spec_budget line
         self.engine: Any = None
         self.stats = EngineStats()
         # called on the event loop with a StatsSnapshot now and then (rollout.server.engine_stats)
@@ -175,6 +182,7 @@ class EngineLoop:
             if not busy and self._busy_period is not None:  # idle again: one log line for the period
                 self._busy_period.log(self.engine.compiled())
                 self._busy_period = None
+                self._log_spec_budget()
                 self._ship_stats()
                 self._send_outbox()
             self._run_commands(block=not busy)
@@ -276,6 +284,16 @@ class EngineLoop:
             self.stats.record_samples(finished)
         self._dispatch(finished)
         self._settle_weight_updates()
+        if time.perf_counter() >= self._spec_log_at:
+            self._log_spec_budget()
+
+    def _log_spec_budget(self) -> None:
+        """The draft budget's choices since its last line, if the engine has one and it chose any."""
+        self._spec_log_at = time.perf_counter() + SPEC_LOG_SECONDS
+        summary = getattr(self.engine, "spec_budget_summary", None)
+        fields = summary() if summary is not None else None
+        if fields and fields["steps"]:
+            log_event("spec_budget", **fields)
 
     def _dispatch(self, finished: list[SampleOutput]) -> None:
         by_request: dict[str, list[SampleOutput]] = {}

@@ -11,6 +11,8 @@ block's context stops before its anchor) and are overwritten when that position 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -24,7 +26,7 @@ from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
 from rollout.engine.truncation import chunk_rows, logsumexp_rows
 from rollout.engine.verify import Proposal
-from rollout.spec.draft_graphs import DraftGraphs
+from rollout.spec.draft_graphs import MIN_CONTEXT_BUCKET, DraftGraphs
 from rollout.spec.draft_loader import load_drafter
 from rollout.spec.draft_model import DraftModel
 
@@ -39,7 +41,6 @@ def build_drafter(config: EngineConfig, target: LoadedModel, progress: LoadProgr
     model = load_drafter(path, target, kind=config.spec, block_size=config.spec_block_size,
                          device=weight.device, dtype=weight.dtype, progress=progress)
     return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold, name=path.name)
-
 
 class BlockDrafter(Drafter):
     """DFlash / DSpark: one non-causal forward drafts a whole block."""
@@ -91,6 +92,20 @@ class BlockDrafter(Drafter):
                    capture: bool) -> None:
         self.graphs = DraftGraphs(self._block_forward, max_batch, max_blocks_per_seq, block_size, scratch_block,
                                   self.device, capture)
+
+    def profile_forward(self, rows: int, scratch_block: int, block_size: int) -> Callable[[], object]:
+        ctx = MIN_CONTEXT_BUCKET
+        kw = dict(dtype=torch.int64, device=self.device)
+        anchors, anchor_pos = torch.zeros(rows, **kw), torch.full((rows,), ctx, **kw)  # [S], [S]
+        table = torch.full((rows, -(-(ctx + self.block) // block_size)), scratch_block, **kw)  # [S, W]
+        key = self.graphs.key(rows, ctx) if self.graphs is not None else None
+
+        def run():
+            if key is not None:
+                return self.graphs.run(key, anchors, anchor_pos, table)[1].argmax(dim=-1)
+            return self._block_forward(anchors, anchor_pos, table, ctx)[1].argmax(dim=-1)
+
+        return run
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:

@@ -1,0 +1,310 @@
+"""Speculation that never costs (issue 19): each step, which drafts of which samples the target verifies.
+
+Terms. A decode sample verifying k drafts commits 1 + sum_{i<=k} prod_{j<=i} a_j tokens in
+expectation, a_j being the conditional acceptance of its draft j (accepted, given drafts < j were).
+The step's time comes from the cost model (step_cost.py). The budget maximises the step's expected
+committed tokens per second over
+* no drafts at all: a plain decode step, the drafter's forward skipped;
+* uniform blocks, k drafts for every sample (k = 1, 3, 7, ... and K: a few graph shapes serve them,
+  each captured once): one CUDA graph when the step has no prefill;
+* ragged blocks: draft slots (sample, position) admitted best expected gain first, the step re-priced
+  at every count (as an eager step: a ragged step replays no graph), keeping the count with the best
+  rate (vLLM's adaptive verification).
+A sample given no drafts is a plain decode row of the same step. Verifying a prefix of a draft block
+is what Contract 2 verifies losslessly already, so the budget changes the speed, never the law of the
+committed tokens (DESIGN.md).
+
+Acceptance (`AcceptanceEstimates`): per sample and draft position, decayed counts of the drafts tried
+and accepted there (an EMA over the sample's verify steps) shrunk towards the server-wide estimate of
+that position (decayed counts over all samples, from an optimistic prior so that the first steps
+measure), updated from the steps' num_accepted in their one host copy. The engine records each step
+(`SpecBudget.record`: a few list appends); the estimates and the cost model learn from the recorded
+steps when the budget next chooses in full, which it does every RECHOOSE_STEPS steps (REUSE_STEPS
+while no draft has been verified since) or when the batch's shape changes (CUDA graphs or not, the
+rows' buckets); in between, the last choice's rule (k drafts each, or the slots whose expected gain
+clears its threshold) is applied to the step's samples: a full choice costs the host ~100 us.
+
+Exploration: with no drafts verified nothing is learned, and the policy (so the drafter's acceptance)
+drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted time as credit;
+once the credit pays for the extra time of full blocks, that step verifies full blocks (a probe), so
+probes cost at most PROBE_SHARE of the time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rollout.engine.sequence import Sequence
+from rollout.engine.step_cost import StepCost, rows_bucket
+
+PRIOR = 0.8  # conditional acceptance assumed before anything is measured
+SERVER_PRIOR_WEIGHT = 4.0  # the prior's worth in drafts tried, server-wide
+SERVER_DECAY = 0.97  # server-wide counts, per step that verified drafts
+PRIOR_WEIGHT = 2.0  # the server-wide estimate's worth in a sample's own drafts tried
+SAMPLE_DECAY = 0.8  # a sample's counts of one position, per draft tried there
+PROBE_SHARE = 0.01
+RECHOOSE_STEPS = 8  # steps a full choice's rule serves (SpecBudget._choose)
+REUSE_STEPS = 16  # the same while no draft is verified
+
+
+class AcceptanceEstimates:
+    """Per sample and draft position j (0-based: draft j + 1 of a block), the conditional acceptance
+    a_j; rows of two [N, K] arrays, one per sample seen (reused once the sample finishes)."""
+
+    def __init__(self, num_spec: int, capacity: int = 64):
+        self.num_spec = num_spec
+        self.rows: dict[Sequence, int] = {}
+        self.tried = np.zeros((capacity, num_spec))  # [N, K] decayed drafts tried at each position
+        self.accepted = np.zeros((capacity, num_spec))  # [N, K] decayed drafts accepted there
+        self.free = list(range(capacity))
+        self.server_tried = np.zeros(num_spec)  # [K]
+        self.server_accepted = np.zeros(num_spec)  # [K]
+
+    def server_wide(self) -> np.ndarray:
+        """[K] the server-wide conditional acceptance of each position."""
+        return (self.server_accepted + SERVER_PRIOR_WEIGHT * PRIOR) / (self.server_tried + SERVER_PRIOR_WEIGHT)
+
+    def of(self, seqs: list[Sequence]) -> np.ndarray:
+        """[S, K] the estimates of these samples (a new sample: the server-wide one)."""
+        idx = self._rows(seqs)
+        return (self.accepted[idx] + PRIOR_WEIGHT * self.server_wide()) / (self.tried[idx] + PRIOR_WEIGHT)
+
+    def observe(self, seqs: list[Sequence], num_draft: np.ndarray, num_accepted: np.ndarray, steps: int = 1) -> None:
+        """Verify results of `steps` steps: entry i (a sample; one may come more than once) verified
+        num_draft[i] > 0 drafts and accepted num_accepted[i]. Within one call, a sample's results count
+        alike, as if its counts decayed once per draft tried over the lot. A finished sample's count
+        server-wide only (its row may already serve another sample)."""
+        j = np.arange(self.num_spec)
+        tried = (j < np.minimum(num_accepted + 1, num_draft)[:, None]).astype(np.float64)  # [E, K] judged
+        accepted = (j < num_accepted[:, None]).astype(np.float64)  # [E, K]
+        self.server_tried = self.server_tried * SERVER_DECAY ** steps + tried.sum(axis=0)
+        self.server_accepted = self.server_accepted * SERVER_DECAY ** steps + accepted.sum(axis=0)
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        rows, inverse = np.unique(self._rows([seqs[i] for i in live]), return_inverse=True)
+        n_tried, n_accepted = np.zeros((len(rows), self.num_spec)), np.zeros((len(rows), self.num_spec))
+        np.add.at(n_tried, inverse, tried[live])
+        np.add.at(n_accepted, inverse, accepted[live])
+        decay = SAMPLE_DECAY ** n_tried
+        self.tried[rows] = self.tried[rows] * decay + n_tried
+        self.accepted[rows] = self.accepted[rows] * decay + n_accepted
+
+    def _rows(self, seqs: list[Sequence]) -> np.ndarray:
+        rows = [self.rows.get(s, -1) for s in seqs]
+        if -1 in rows:
+            for i, s in enumerate(seqs):  # (a sample may come more than once)
+                if rows[i] < 0:
+                    rows[i] = self.rows[s] if s in self.rows else self._allocate(s)
+        return np.asarray(rows, dtype=np.int64)
+
+    def _allocate(self, seq: Sequence) -> int:
+        if not self.free:  # reclaim the rows of finished samples, else grow
+            done = [s for s in self.rows if s.is_finished]
+            self.free = [self.rows.pop(s) for s in done]
+        if not self.free:
+            n = len(self.tried)
+            self.tried, self.accepted = (np.concatenate([a, np.zeros_like(a)]) for a in (self.tried, self.accepted))
+            self.free = list(range(n, 2 * n))
+        row = self.free.pop()
+        self.tried[row] = self.accepted[row] = 0.0
+        self.rows[seq] = row
+        return row
+
+
+@dataclasses.dataclass
+class Budget:
+    """One step's choice: drafts [S] per decode sample, its expected committed tokens and seconds, and
+    its rule: k drafts for every sample (k >= 0), or (k = -1) the slots whose gain is >= threshold."""
+
+    drafts: np.ndarray
+    tokens: float
+    seconds: float
+    k: int = -1
+    threshold: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int, base_tokens: int,
+                  room: int, graphs: bool) -> tuple[Budget, Budget]:
+    """acc: [S, K] conditional acceptance of the step's S decode samples; limits: [S] the most drafts
+    each may verify; rows: the step's sequences (decode + prefill); base_tokens: its tokens without
+    drafts; room: the most draft tokens it may add; graphs: a uniform step replays a CUDA graph.
+    Returns the budget with the best expected committed tokens per second (ties: fewer drafts), and
+    full blocks (every sample its limit; what a probe verifies)."""
+    gain = slot_gains(acc, limits)  # [S, K]
+    committed = len(limits) + np.concatenate([[0.0], np.cumsum(gain.sum(axis=0))])  # [K+1] uniform k
+    drafting, shortest = int(np.count_nonzero(limits)), int(limits.min())
+    fitting = []
+    for k in uniform_sizes(acc.shape[1]):
+        drafts = np.minimum(limits, k)
+        seconds = cost.seconds(rows, base_tokens + int(drafts.sum()), graphs and k <= shortest, drafting if k else 0)
+        full = Budget(drafts, float(committed[k]), seconds, k)
+        if int(drafts.sum()) <= room:
+            fitting.append(full)
+    best = max(fitting, key=lambda b: b.rate)  # k = 0 always fits; the first of equals
+    if len(limits) > 1:  # (one sample: ragged blocks are uniform ones, eager)
+        ragged = _ragged(gain, cost, rows, base_tokens, room)
+        if ragged.rate > best.rate * (1 + 1e-9):
+            best = ragged
+    return best, full
+
+
+def uniform_sizes(k_max: int) -> list[int]:
+    """The uniform block sizes tried: 0, then 1, 3, 7, ... below k_max, and k_max."""
+    return [0, *(k for k in (2 ** i - 1 for i in range(1, 7)) if k < k_max), k_max]
+
+
+def slot_gains(acc: np.ndarray, limits: np.ndarray) -> np.ndarray:
+    """[S, K] the expected tokens draft j + 1 adds: P(drafts 1..j+1 accepted), 0 past a sample's limit."""
+    return np.cumprod(acc, axis=1) * (np.arange(acc.shape[1]) < limits[:, None])
+
+
+def _ragged(gain: np.ndarray, cost: StepCost, rows: int, base_tokens: int, room: int) -> Budget:
+    """The best count n of draft slots taken best gain first (a sample's slots in position order),
+    priced as an eager step."""
+    num = gain.shape[0]
+    flat = gain.T.ravel()  # position-major: a stable sort keeps each sample's positions in order
+    order = np.argsort(-flat, kind="stable")[: min(room, int(np.count_nonzero(flat)))]
+    if not len(order):
+        return Budget(np.zeros(num, dtype=np.int64), float(num), float("inf"), 0)
+    committed = num + np.cumsum(flat[order])  # [n]
+    seconds = cost.ragged_seconds(rows, base_tokens, np.cumsum(order < num))  # a sample's first slot: it drafts
+    n = int(np.argmax(committed / seconds))
+    drafts = np.bincount(order[: n + 1] % num, minlength=num)
+    return Budget(drafts, float(committed[n]), float(seconds[n]), -1, float(flat[order[n]]))
+
+
+class SpecBudget:
+    """The scheduler's draft budget of each step (`caps`) and the engine's record of each step's
+    verify results and wall time (`record`), which the acceptance estimates and the cost model learn
+    from. `summary` is for the server's periodic log line."""
+
+    def __init__(self, num_spec: int, cost: StepCost, graphs: bool, max_graph_rows: int):
+        self.num_spec = num_spec
+        self.cost = cost
+        self.graphs = graphs  # uniform decode / verify steps replay CUDA graphs
+        self.max_graph_rows = max_graph_rows
+        self.acceptance = AcceptanceEstimates(num_spec)
+        self.credit = 0.0  # seconds of probing earned (see the module docstring)
+        self.totals = dict.fromkeys(("steps", "decode_rows", "drafts", "probes", "verified_rows", "accepted"), 0)
+        self._timings: list[tuple] = []  # recorded steps' shapes and wall times, not learned from yet
+        self._verified: list[tuple] = []  # recorded steps' (entries, num_draft, num_accepted), the same
+        self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
+
+    def caps(self, running: list[Sequence], admits: bool, token_budget: int) -> dict[Sequence, int]:
+        """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
+        may be admitted (their prefill makes the step eager); token_budget: the step's token budget."""
+        decode, limits, prefill = [], [], 0
+        for seq in running:
+            behind = seq.num_tokens - seq.num_computed_tokens
+            if behind > 1:
+                prefill += behind
+            else:
+                decode.append(seq)
+                limits.append(max(0, min(self.num_spec, seq.remaining_tokens - 1)))
+        if not decode:
+            return {}
+        base = min(token_budget, len(decode) + prefill)
+        graphs = self.graphs and not prefill and not admits and len(decode) <= self.max_graph_rows
+        budget, full_seconds = self._choose(decode, limits, len(running), base, token_budget - base, graphs)
+        drafts = None if budget.k == 0 else budget.drafts  # [S]; None: a plain decode step
+        if self._probe(0 if drafts is None else int(drafts.sum()), sum(limits), budget.seconds, full_seconds,
+                       token_budget - base):
+            drafts = np.asarray(limits, dtype=np.int64)
+        self.totals["steps"] += 1
+        self.totals["decode_rows"] += len(decode)
+        if drafts is None:
+            return {}
+        self.totals["drafts"] += int(drafts.sum())
+        return dict(zip(decode, drafts.tolist()))
+
+    def _choose(self, decode: list[Sequence], limits: list[int], rows: int, base: int, room: int,
+                graphs: bool) -> tuple[Budget, float]:
+        """choose_drafts in full, or the last full choice's rule applied to this step's samples (see
+        the module docstring): the budget (k = 0: no drafts, its `drafts` not read) and the seconds of
+        full blocks."""
+        key = (graphs, rows_bucket(len(decode)), rows_bucket(rows))
+        if key == self._key and self._age < self._serves():
+            self._age += 1
+            last, full_seconds = self._last
+            if last.k == 0:
+                return last, full_seconds
+            limits = np.asarray(limits, dtype=np.int64)  # [S]
+            if last.k > 0:
+                drafts = np.minimum(limits, last.k)
+            else:
+                drafts = (slot_gains(self.acceptance.of(decode), limits) >= last.threshold).sum(axis=1)
+            return dataclasses.replace(last, drafts=drafts), full_seconds
+        self._learn()
+        acc = self.acceptance.of(decode)
+        budget, full = choose_drafts(acc, np.asarray(limits, dtype=np.int64), self.cost, rows, base, room, graphs)
+        self._key, self._last, self._age = key, (budget, full.seconds), 1
+        return budget, full.seconds
+
+    def _serves(self) -> int:
+        """Steps a full choice serves: RECHOOSE_STEPS, REUSE_STEPS while no verify result has come in."""
+        return RECHOOSE_STEPS if self._verified else REUSE_STEPS
+
+    def _probe(self, chosen: int, full: int, seconds: float, full_seconds: float, room: int) -> bool:
+        """Whether to verify full blocks (`full` drafts, `full_seconds`) instead of the chosen
+        `chosen` drafts (`seconds`): once the probing credit pays for them."""
+        if chosen >= full or full > room:
+            return False
+        self.credit += PROBE_SHARE * seconds
+        extra = max(full_seconds - seconds, 0.0)
+        if self.credit < extra:
+            return False
+        self.credit -= extra
+        self.totals["probes"] += 1
+        return True
+
+    def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool) -> None:
+        """After a step: `step` (a StepBatch), its entries' accepted drafts ([E], the step's host
+        copy; None when no entry sampled), its wall time and whether its target forward replayed a
+        CUDA graph. Kept until the next full choice learns from it."""
+        rows = step.rows
+        drafting = len(rows.num_draft) - rows.num_draft.count(0)
+        tokens = step.tokens.meta.slot_mapping.shape[0]
+        self._timings.append((len(step.tokens.items), tokens, graphed, drafting, seconds))
+        if num_accepted is not None and drafting:
+            self._verified.append((rows.entries, rows.num_draft, num_accepted))
+
+    def _learn(self) -> None:
+        """The recorded steps into the cost model and the acceptance estimates."""
+        for timing in self._timings:
+            self.cost.observe(*timing)
+        self._timings = []
+        if not self._verified:
+            return
+        seqs = [s for entries, num_draft, _ in self._verified for s, k in zip(entries, num_draft) if k]
+        num_draft = np.fromiter((k for _, nd, _ in self._verified for k in nd), np.int64)  # [E'] all steps
+        num_accepted = np.fromiter((a for _, _, na in self._verified for a in na), np.int64)  # [E']
+        verified = num_draft > 0
+        self.acceptance.observe(seqs, num_draft[verified], num_accepted[verified], len(self._verified))
+        self._verified = []
+        self.totals["verified_rows"] += len(seqs)
+        self.totals["accepted"] += int(num_accepted[verified].sum())
+
+    def summary(self) -> dict:
+        """Since the last summary: steps, decode rows, drafts verified per decode row, probes, accepted
+        drafts per verifying row; now: the server-wide acceptance by position, the expected committed
+        tokens of a full block for (up to 16) running requests, the cost model."""
+        self._learn()
+        t, self.totals = self.totals, dict.fromkeys(self.totals, 0)
+        requests: dict[str, list[float]] = {}
+        live = [s for s in self.acceptance.rows if not s.is_finished]
+        if live:
+            expected = 1 + np.cumprod(self.acceptance.of(live), axis=1).sum(axis=1)  # [S]
+            for seq, e in zip(live, expected.tolist()):
+                if len(requests) < 16 or seq.request_id in requests:
+                    requests.setdefault(seq.request_id, []).append(e)
+        return dict(steps=t["steps"], decode_rows=t["decode_rows"], probes=t["probes"],
+                    drafts_per_row=round(t["drafts"] / max(t["decode_rows"], 1), 3),
+                    accepted_per_verify=round(t["accepted"] / max(t["verified_rows"], 1), 3),
+                    acceptance=[round(a, 3) for a in self.acceptance.server_wide().tolist()],
+                    request_accept_length={r: round(sum(v) / len(v), 3) for r, v in requests.items()},
+                    cost=self.cost.describe())

@@ -1,0 +1,235 @@
+"""What an engine step costs on this device, by shape: the price list of speculation (spec_budget.py).
+
+A step's shape is its rows (sequences), its tokens (everything the target computes: decode anchors,
+drafts, prefill chunks), whether it replays a CUDA graph (uniform decode and verify steps do; a
+graphed step computes its batch bucket's padded rows) and how many rows draft (the drafter's block
+forward runs when any do). Its cost is the step's wall time, schedule to commit, the end-of-step
+synchronisation inside.
+
+The model: measured tables times a learned correction.
+* At startup (`profile_step_cost`) the target forward and LM head run over a few row counts, as
+  decode steps (one token a row) and as verify steps (a full block a row), eagerly and, with CUDA
+  graphs, replayed as the engine's own graphs (kept: the engine replays them later), and the
+  drafter's block forward over the same row counts: a few seconds at most on a GPU. A table given
+  instead (`StepCost(TargetCost(...), ...)`, tests) costs nothing.
+* After every step (`observe`), its wall time against the tables' prediction moves a correction
+  factor for its kind (graphed or not, drafting or not) and its rows bucket: what the tables leave
+  out (the policy, verification, sampling, host work, longer contexts) learned where the engine
+  actually runs, and carried to shapes it has not run yet through the tables' shape. `learn=False`
+  freezes it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from rollout.engine.attention import AttentionMetadata
+from rollout.engine.graphs import BATCH_BUCKETS, bucket
+
+PROFILE_ROWS = (1, 4, 16, 64, 256)  # target and drafter forward points
+PROFILE_CONTEXT = 256
+LEARN_RATE = 0.1  # the correction's EMA weight of a new step (its n-th: max(1 / n, LEARN_RATE))
+MAX_STEP_RATIO = 3.0  # a step counts as at most this factor off the correction (a capture is slow once)
+
+
+class Curve:
+    """Seconds at increasing points xs; linear between them, flat before the first, the last
+    segment's slope (never negative) after the last. `at` takes a number (plain Python: the budget
+    prices a handful of candidates a step), calling it an array."""
+
+    def __init__(self, xs, ys):
+        self.xs, self.ys = [float(x) for x in xs], [float(y) for y in ys]
+        if len(self.xs) != len(self.ys) or not self.xs or any(b <= a for a, b in zip(self.xs, self.xs[1:])):
+            raise ValueError(f"a cost curve needs increasing points with one value each, got {xs}, {ys}")
+        last = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2]) if len(self.xs) > 1 else 0.0
+        self.slope = max(0.0, last)
+
+    def at(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x >= xs[-1]:
+            return ys[-1] + self.slope * (x - xs[-1])
+        i = bisect.bisect_right(xs, x)
+        if i == 0:
+            return ys[0]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.interp(x, self.xs, self.ys) + self.slope * np.maximum(x - self.xs[-1], 0.0)
+
+
+ZERO = Curve((1.0,), (0.0,))
+
+
+class TargetCost:
+    """The target step's seconds by rows S and tokens T >= S, from decode steps (one token a row:
+    `decode`) and verify steps (`q` tokens a row: `verify`) measured at the same row counts: in T,
+    linear from the decode step through the verify step and on (a prefill chunk's tokens priced as
+    drafts); in S, a Curve."""
+
+    def __init__(self, rows, decode, verify, q: int):
+        if q < 2:
+            raise ValueError(f"verify steps need q >= 2 tokens a row, got {q}")
+        self.decode, self.verify, self.q = Curve(rows, decode), Curve(rows, verify), q
+
+    def line(self, rows: int) -> tuple[float, float]:
+        """(seconds of the decode step of `rows` rows, seconds per token past them)."""
+        d = self.decode.at(rows)
+        return d, max(self.verify.at(rows) - d, 0.0) / (rows * (self.q - 1))
+
+    def at(self, rows: int, tokens: float) -> float:
+        d, per_token = self.line(rows)
+        return d + per_token * (tokens - rows)
+
+    def describe(self) -> dict:
+        ms = lambda c: [round(y * 1e3, 3) for y in c.ys]  # noqa: E731
+        return dict(rows=[int(x) for x in self.decode.xs], decode_ms=ms(self.decode), verify_ms=ms(self.verify),
+                    q=self.q)
+
+
+class StepCost:
+    """Predicted seconds of a step (`seconds`, `ragged_seconds`), learned from the steps the engine runs
+    (`observe`).
+
+    eager: the target step run eagerly; graph: the same replayed as a CUDA graph (None: no graphs on
+    this engine); drafter: the drafter's block forward by rows drafting."""
+
+    def __init__(self, eager: TargetCost, graph: TargetCost | None = None, drafter: Curve = ZERO,
+                 learn: bool = True):
+        self.eager, self.graph, self.drafter = eager, graph, drafter
+        self.learn = learn
+        self.log_correction: dict[tuple, float] = {}  # (graphed, drafts) and (graphed, drafts, rows bucket)
+        self.observed: dict[tuple, int] = {}  # steps seen, by the same keys
+
+    def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0) -> float:
+        """rows: the step's sequences; tokens: what the target computes, before any graph padding;
+        graphed: it replays a CUDA graph; draft_rows: how many rows draft (0: the drafter does not run)."""
+        graphed = graphed and self.graph is not None
+        return self._model(rows, tokens, graphed, draft_rows) * self._scale(rows, graphed, draft_rows > 0)
+
+    def ragged_seconds(self, rows: int, tokens: int, draft_rows: np.ndarray) -> np.ndarray:
+        """[N] seconds of eager steps of `rows` rows with tokens + n tokens (n = 1..N), draft_rows [N] of
+        them drafting (> 0)."""
+        d, per_token = self.eager.line(rows)
+        target = d + per_token * (tokens - rows + np.arange(1, len(draft_rows) + 1))
+        return (target + self.drafter(draft_rows.astype(np.float64))) * self._scale(rows, False, True)
+
+    def observe(self, rows: int, tokens: int, graphed: bool, draft_rows: int, seconds: float) -> None:
+        """A step of this shape took `seconds` (wall time): the corrections of its kind (graphed,
+        drafting) and of its kind and rows bucket, EMAs of log(seconds / tables' prediction) over the
+        steps of that key (a running mean for the first 1 / LEARN_RATE), move towards it; a step off by
+        more than MAX_STEP_RATIO counts as that much (one that built a graph or a kernel is slow once)."""
+        graphed = graphed and self.graph is not None
+        model = self._model(rows, tokens, graphed, draft_rows)
+        if not self.learn or seconds <= 0 or model <= 0:
+            return
+        kind = (graphed, draft_rows > 0)
+        ratio, bound = math.log(seconds / model), math.log(MAX_STEP_RATIO)
+        for key in ((*kind, rows_bucket(rows)), kind):  # the bucket's starts from its kind's
+            now = self.log_correction.get(key, self.log_correction.get(kind, 0.0))
+            n = self.observed[key] = self.observed.get(key, 0) + 1
+            self.log_correction[key] = now + max(1 / n, LEARN_RATE) * max(-bound, min(bound, ratio - now))
+
+    def _model(self, rows: int, tokens: int, graphed: bool, draft_rows: int) -> float:
+        """The tables' seconds, uncorrected."""
+        if graphed:  # a graph computes its batch bucket's padded rows
+            padded = bucket(rows, BATCH_BUCKETS) or rows
+            target = self.graph.at(padded, tokens * padded / rows)
+        else:
+            target = self.eager.at(rows, tokens)
+        return target + (self.drafter.at(draft_rows) if draft_rows > 0 else 0.0)
+
+    def _scale(self, rows: int, graphed: bool, drafts: bool) -> float:
+        log_c = self.log_correction
+        return math.exp(log_c.get((graphed, drafts, rows_bucket(rows)), log_c.get((graphed, drafts), 0.0)))
+
+    def describe(self) -> dict:
+        """The tables (milliseconds) and the learned corrections, for logs."""
+        corrections = {"/".join(map(str, k)): round(math.exp(v), 3) for k, v in self.log_correction.items()
+                       if len(k) == 2}
+        return dict(eager=self.eager.describe(), graph=self.graph.describe() if self.graph is not None else None,
+                    drafter_ms=[round(y * 1e3, 3) for y in self.drafter.ys], corrections=corrections)
+
+
+def rows_bucket(rows: int) -> int:
+    """The CUDA-graph batch bucket of `rows`, or the next power of two past the largest."""
+    return bucket(rows, BATCH_BUCKETS) or 1 << (rows - 1).bit_length()
+
+
+# -- startup profile --------------------------------------------------------------------------
+
+
+def profile_step_cost(forward: Callable, logits: Callable, graphs, draft_forward: Callable | None, q: int,
+                      scratch_block: int, block_size: int, device: torch.device, max_rows: int,
+                      max_tokens: int, max_seconds: float = 3.0) -> StepCost:
+    """Time the target step (`forward(input_ids [T], meta)` then `logits(hidden)`) over PROFILE_ROWS
+    rows up to `max_rows`, as decode steps (1 token a row) and verify steps (`q` a row, while within
+    `max_tokens`), eagerly and (with `graphs`, the engine's StepGraphs) replayed as graphs; and
+    `draft_forward(rows)` (a thunk of the drafter's block forward over that many rows; it or the thunk
+    None: no drafter cost). Every token reads and writes the scratch block only. Past `max_seconds` no more
+    row counts are added (two at least)."""
+    deadline = time.perf_counter() + max_seconds
+    points = {"eager": [], "graph": [], "drafter": []}
+    for rows in [r for r in PROFILE_ROWS if r <= max_rows and r * q <= max_tokens] or [1]:
+        if time.perf_counter() > deadline and len(points["eager"]) >= 2:
+            break
+        eager, graph = [rows], [rows]
+        for tokens_per_row in (1, q):
+            meta = scratch_meta(rows, tokens_per_row, scratch_block, block_size, device)
+            seconds = _time_target(forward, logits, graphs, meta, device)
+            eager.append(seconds[0])
+            graph.append(seconds[1])
+        points["eager"].append(eager)
+        if None not in graph:
+            points["graph"].append(graph)
+        thunk = draft_forward(rows) if draft_forward is not None else None
+        if thunk is not None:
+            points["drafter"].append((rows, _time(thunk, device)))
+    tables = {k: TargetCost(*zip(*v), q) if v else None for k, v in points.items() if k != "drafter"}
+    drafter = Curve(*zip(*points["drafter"])) if points["drafter"] else ZERO
+    return StepCost(tables["eager"], tables["graph"], drafter)
+
+
+def scratch_meta(rows: int, q: int, scratch_block: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """A step of `rows` sequences of q tokens each, ending at position PROFILE_CONTEXT - 1, whose block
+    tables and slots are all the scratch block (which no sequence owns)."""
+    width = -(-PROFILE_CONTEXT // block_size)
+    kw = dict(dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        positions=(PROFILE_CONTEXT - q + torch.arange(q, **kw)).repeat(rows),
+        slot_mapping=torch.full((rows * q,), scratch_block * block_size, **kw),
+        cu_seqlens_q=torch.arange(0, rows * q + 1, q, **kw), context_lens=torch.full((rows,), PROFILE_CONTEXT, **kw),
+        block_tables=torch.full((rows, width), scratch_block, **kw), max_query_len=q,
+        max_context_len=PROFILE_CONTEXT, block_size=block_size)
+
+
+def _time_target(forward: Callable, logits: Callable, graphs, meta: AttentionMetadata,
+                 device: torch.device) -> tuple[float, float | None]:
+    """Seconds of the target step over `meta`: eager, and replayed as a graph (None without one)."""
+    ids = torch.zeros(meta.slot_mapping.shape[0], dtype=torch.int64, device=device)  # [T]
+    eager = _time(lambda: logits(forward(ids, meta)[0]), device)
+    key = graphs.key(meta) if graphs is not None else None
+    return eager, None if key is None else _time(lambda: logits(graphs.run(key, ids, meta)[0]), device)
+
+
+def _time(fn: Callable[[], object], device: torch.device, min_seconds: float = 0.02, max_iters: int = 10) -> float:
+    """Seconds per call of fn after one warm-up call: at least 2 calls, more up to min_seconds."""
+    _sync(device)
+    fn()
+    _sync(device)
+    start, n = time.perf_counter(), 0
+    while n < 2 or (n < max_iters and time.perf_counter() - start < min_seconds):
+        fn()
+        n += 1
+        _sync(device)
+    return (time.perf_counter() - start) / n
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

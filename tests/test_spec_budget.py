@@ -1,0 +1,274 @@
+"""The draft budget (rollout/engine/spec_budget.py) and the step-cost model (step_cost.py) on
+synthetic acceptance and cost tables, no model: full blocks when drafts are nearly always accepted
+and verifying is cheap, none when they are rejected or verify rows are expensive, drafts for the
+good samples only in a mixed batch, a budget monotone in acceptance, the limits and the token room
+kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
+sample at the server-wide estimate; probes stay within their share of the time; the cost model
+learns a kind of step's wall time and stays put when frozen."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from spec_helpers import cost_table, linear_target
+
+from rollout.engine import spec_budget
+from rollout.engine.params import SamplingParams
+from rollout.engine.sequence import SeqStatus, Sequence
+from rollout.engine.spec_budget import (
+    PROBE_SHARE,
+    RECHOOSE_STEPS,
+    REUSE_STEPS,
+    SAMPLE_DECAY,
+    SERVER_DECAY,
+    AcceptanceEstimates,
+    SpecBudget,
+    choose_drafts,
+)
+from rollout.engine.step_cost import Curve, StepCost, TargetCost
+
+K = 7
+
+
+def choose(acc, limits=None, cost=None, room=10_000, graphs=False, prefill=0):
+    acc = np.asarray(acc, dtype=np.float64)
+    limits = np.full(len(acc), K) if limits is None else np.asarray(limits)
+    return choose_drafts(acc, limits, cost or cost_table(), len(acc), len(acc) + prefill, room, graphs)[0].drafts
+
+
+def uniform(a: float, num: int = 8) -> np.ndarray:
+    return np.full((num, K), a)
+
+
+# -- the budget -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_acceptance_near_one_and_cheap_verify_gives_full_blocks(graphs):
+    cost = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5, graph=graphs)
+    assert choose(uniform(0.97), cost=cost, graphs=graphs).tolist() == [K] * 8
+
+
+def test_acceptance_near_zero_gives_no_drafts():
+    cost = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5)
+    assert choose(uniform(0.02), cost=cost).tolist() == [0] * 8
+
+
+def test_expensive_verify_rows_give_no_drafts():
+    """Compute-bound: a draft token costs as much as a decode row (batch 256); good acceptance
+    (0.6) does not pay for a drafter forward plus rows that mostly miss."""
+    cost = cost_table(decode_ms=0.0, token_ms=0.1, drafter_ms=5.0)
+    assert choose(uniform(0.6, 256), cost=cost).sum() == 0
+
+
+def test_mixed_batch_drafts_for_the_good_samples_only():
+    cost = cost_table(decode_ms=2.0, token_ms=0.05, drafter_ms=0.2)
+    acc = np.concatenate([uniform(0.95, 16), uniform(0.05, 16)])
+    drafts = choose(acc, cost=cost)
+    assert (drafts[:16] >= 4).all() and (drafts[16:] == 0).all()
+
+
+def test_budget_is_monotone_in_acceptance():
+    for cost in (cost_table(2.0, 0.05, 0.5), cost_table(1.0, 0.2, 2.0), cost_table(5.0, 0.01, 0.1, graph=True)):
+        totals = [int(choose(uniform(a, 32), cost=cost, graphs=cost.graph is not None).sum())
+                  for a in np.linspace(0.0, 1.0, 41)]
+        assert totals == sorted(totals), totals
+        assert totals[0] == 0 and totals[-1] == 32 * K
+
+
+def test_per_position_budget_stops_where_acceptance_falls():
+    """Conditional acceptance high for the first three drafts, then near zero: three drafts."""
+    cost = cost_table(decode_ms=2.0, token_ms=0.05, drafter_ms=0.2)
+    acc = np.tile([0.95, 0.95, 0.95, 0.05, 0.05, 0.05, 0.05], (16, 1))
+    assert choose(acc, cost=cost).tolist() == [3] * 16
+
+
+def test_limits_and_room_are_kept():
+    cost = cost_table(decode_ms=5.0, token_ms=0.0)
+    assert choose(uniform(0.99, 4), limits=[7, 2, 0, 5], cost=cost).tolist() == [7, 2, 0, 5]
+    drafts = choose(uniform(0.99, 4), cost=cost, room=10)
+    assert drafts.sum() <= 10 and drafts.sum() >= 8
+
+
+def test_uniform_blocks_win_when_only_they_replay_a_graph():
+    """Graphs make a ragged step pay the eager price: with mixed acceptance at small batch the
+    budget picks one block size for all (a graph) over drafts for the good samples only (eager)."""
+    eager, graph = linear_target(10.0, 0.0025, K + 1), linear_target(4.0, 0.0025, K + 1)
+    cost = StepCost(eager, graph, Curve((1.0,), (0.0005,)), learn=False)
+    acc = np.concatenate([uniform(0.9, 4), uniform(0.3, 4)])
+    drafts = choose(acc, cost=cost, graphs=True)
+    assert len(set(drafts.tolist())) == 1 and drafts[0] > 0
+    assert len(set(choose(acc, cost=cost, graphs=False).tolist())) > 1  # eager: ragged is fine
+
+
+# -- acceptance estimates ----------------------------------------------------------------------------
+
+
+def _seq(i: int) -> Sequence:
+    return Sequence(i, f"r{i}", 0, 0, [1, 2], SamplingParams(max_tokens=64), seed=i)
+
+
+def _verify_stream(est: AcceptanceEstimates, seqs, truth: np.ndarray, steps: int, rng) -> None:
+    """Full blocks verified against a true conditional acceptance [K]: accepted = leading passes."""
+    for _ in range(steps):
+        passes = rng.random((len(seqs), K)) < truth
+        accepted = np.cumprod(passes, axis=1).sum(axis=1)
+        est.observe(seqs, np.full(len(seqs), K), accepted)
+
+
+def test_estimates_converge_on_a_synthetic_stream():
+    rng = np.random.default_rng(0)
+    truth = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    est = AcceptanceEstimates(K)
+    seqs = [_seq(i) for i in range(64)]
+    _verify_stream(est, seqs, truth, 200, rng)
+    error = np.abs(est.server_wide() - truth)
+    assert error[:5].max() < 0.05 and error.max() < 0.1  # deep positions are tried less often
+    per_sample = est.of(seqs)  # each an EMA over few drafts: noisy, centred on the truth
+    assert np.abs(per_sample.mean(axis=0)[:4] - truth[:4]).max() < 0.05
+
+
+def test_a_sample_whose_acceptance_drops_is_followed_and_a_new_one_starts_server_wide():
+    rng = np.random.default_rng(1)
+    est = AcceptanceEstimates(K)
+    good, drifting = [_seq(i) for i in range(32)], _seq(99)
+    _verify_stream(est, good + [drifting], np.full(K, 0.9), 50, rng)
+    assert est.of([drifting])[0, 0] > 0.8
+    for _ in range(10):
+        est.observe([drifting], np.array([K]), np.array([0]))
+        est.observe(good, np.full(32, K), np.full(32, K))
+    assert est.of([drifting])[0, 0] < 0.4  # followed within 10 verify steps (shrunk towards 0.9 server-wide)
+    newcomer = est.of([_seq(100)])[0]
+    np.testing.assert_allclose(newcomer, est.server_wide())
+
+
+def test_rows_of_finished_samples_are_reused():
+    est = AcceptanceEstimates(K, capacity=4)
+    first = [_seq(i) for i in range(4)]
+    est.of(first)
+    for s in first[:2]:
+        s.status = SeqStatus.FINISHED
+    est.of([_seq(10), _seq(11)])
+    assert len(est.tried) == 4 and len(est.rows) == 4
+    est.of([_seq(12)])  # full again: grows
+    assert len(est.tried) == 8
+
+
+def test_a_batch_of_steps_counts_a_sample_that_comes_twice_once_per_result():
+    """Several steps' results in one observe (the budget learns in batches): a sample verified in two
+    of them keeps one row, both results count (decayed once per draft tried over the two), the
+    server-wide counts decay once per step; a finished sample counts server-wide only."""
+    est = AcceptanceEstimates(K, capacity=4)
+    a, b, done = _seq(1), _seq(2), _seq(3)
+    est.observe([a], np.array([K]), np.array([K]))  # a: all K tried and accepted
+    before, server_before = est.tried[est.rows[a]].copy(), est.server_tried.copy()
+    done.status = SeqStatus.FINISHED
+    est.observe([a, b, a, done], np.array([K, K, 3, K]), np.array([1, K, 0, 2]), steps=2)
+    assert len(est.rows) == 2 and done not in est.rows
+    tried_a = np.array([2, 1, 0, 0, 0, 0, 0])  # positions judged: 0..1 (1 accepted), then 0 (rejected)
+    np.testing.assert_allclose(est.tried[est.rows[a]], before * SAMPLE_DECAY ** tried_a + tried_a)
+    np.testing.assert_allclose(est.accepted[est.rows[a]], before * SAMPLE_DECAY ** tried_a + [1, 0, 0, 0, 0, 0, 0])
+    server_tried = tried_a + np.ones(K) + [1, 1, 1, 0, 0, 0, 0]  # a twice, b all K, done 0..2
+    np.testing.assert_allclose(est.server_tried, server_before * SERVER_DECAY ** 2 + server_tried)
+
+
+# -- probes -------------------------------------------------------------------------------------------
+
+
+def test_probes_stay_within_their_share():
+    """Drafts never pay here, so only probes verify: about PROBE_SHARE of the time goes to them."""
+    cost = cost_table(decode_ms=10.0, token_ms=0.5, drafter_ms=2.0)
+    budget = SpecBudget(K, cost, graphs=False, max_graph_rows=0)
+    seqs = [_seq(i) for i in range(8)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    budget.acceptance.observe(seqs, np.full(8, K), np.zeros(8, dtype=np.int64))
+    plain = float(cost.seconds(8, 8, False, 0))
+    extra = float(cost.seconds(8, 8 + 8 * K, False, 8)) - plain
+    probes = sum(sum(budget.caps(seqs, False, 2048).values()) > 0 for _ in range(2000))
+    expected = 2000 * PROBE_SHARE * plain / extra
+    assert budget.totals["probes"] == probes and 0.8 * expected <= probes <= expected + 1
+
+
+# -- the budget's cadence -------------------------------------------------------------------------------
+
+
+def _step(seqs, drafts: dict) -> SimpleNamespace:
+    """What SpecBudget.record reads of a StepBatch: a decode step of these samples."""
+    num_draft = [drafts.get(s, 0) for s in seqs]
+    meta = SimpleNamespace(slot_mapping=torch.zeros(len(seqs) + sum(num_draft)))
+    return SimpleNamespace(tokens=SimpleNamespace(items=seqs, meta=meta),
+                           rows=SimpleNamespace(entries=seqs, num_draft=num_draft))
+
+
+def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
+    """caps then record, `steps` times, each draft accepted by `accept(position)`; the caps chosen."""
+    chosen = []
+    for _ in range(steps):
+        caps = budget.caps(seqs, False, 4096)
+        chosen.append(caps)
+        step = _step(seqs, caps)
+        accepted = [sum(1 for _ in itertools.takewhile(accept, range(k))) for k in step.rows.num_draft]
+        budget.record(step, accepted, 1e-3, False)
+    return chosen
+
+
+def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(monkeypatch):
+    """Full choices: every RECHOOSE_STEPS steps, at once when the batch's shape changes, every
+    REUSE_STEPS while nothing is verified; each full choice first learns every step recorded since
+    the last (each sample's results from several steps at once); in between, the last rule."""
+    full = []
+    monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(len(a[1])) or choose_drafts(*a))
+    budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5), graphs=False,
+                        max_graph_rows=0)
+    seqs = [_seq(i) for i in range(8)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    n = 4 * RECHOOSE_STEPS
+    caps = _run_steps(budget, seqs, n, accept=lambda j: j < 2)  # 2 of every block accepted
+    assert len(full) == 4 and all(c == caps[0] for c in caps[:RECHOOSE_STEPS]) and all(caps)
+    assert budget.totals["verified_rows"] == 8 * 3 * RECHOOSE_STEPS  # the last choice's steps not yet
+    row = budget.acceptance.rows[seqs[0]]
+    assert budget.acceptance.tried[row, 0] > RECHOOSE_STEPS  # more than one step's results each
+    assert budget.acceptance.of(seqs[:1])[0, 2] < 0.5  # the third draft: rejected, learned
+    _run_steps(budget, seqs[:3], 1, accept=lambda j: True)  # 8 -> 3 rows: another bucket
+    assert full == [8, 8, 8, 8, 3]
+    monkeypatch.setattr(budget, "cost", cost_table(decode_ms=1.0, token_ms=100.0, drafter_ms=100.0))
+    caps = _run_steps(budget, seqs, 1 + 2 * REUSE_STEPS, accept=lambda j: True)
+    assert not any(caps) and len(full) == 5 + 3  # none: kept for REUSE_STEPS steps
+
+
+# -- the cost model -----------------------------------------------------------------------------------
+
+
+def test_tables_interpolate_and_extrapolate():
+    c = Curve((1.0, 9.0, 17.0), (1.0, 2.0, 4.0))
+    points, values = [0, 1, 5, 17, 25], [1.0, 1.0, 1.5, 4.0, 6.0]
+    np.testing.assert_allclose(c(np.array(points, dtype=float)), values)
+    assert [c.at(x) for x in points] == pytest.approx(values)
+    with pytest.raises(ValueError):
+        Curve((2.0, 1.0), (1.0, 1.0))
+    target = TargetCost((1, 16), (1.0, 2.0), (2.0, 6.0), q=5)  # a draft token: 0.25 (1 row), 1/16 (16 rows)
+    assert [target.at(1, t) for t in (1, 3, 5, 9)] == pytest.approx([1.0, 1.5, 2.0, 3.0])
+    assert [target.at(16, t) for t in (16, 80)] == pytest.approx([2.0, 6.0])
+    assert target.at(32, 32) == pytest.approx(2.0 + 16 / 15)  # rows extrapolated
+    cost = StepCost(target, drafter=Curve((1, 4), (0.5, 1.0)), learn=False)
+    np.testing.assert_allclose(cost.ragged_seconds(4, 4, np.array([1, 2, 4])),
+                               [cost.seconds(4, 4 + n, False, rows) for n, rows in ((1, 1), (2, 2), (3, 4))])
+
+
+def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():
+    learned, frozen = cost_table(1.0, 0.1), cost_table(1.0, 0.1)
+    learned.learn = True
+    for _ in range(60):  # verify steps take 3x the curve's prediction (say, sampling on many rows)
+        truth = 3 * float(frozen.seconds(32, 256, False, 32))
+        learned.observe(32, 256, False, 32, truth)
+        frozen.observe(32, 256, False, 32, truth)
+    assert learned.seconds(32, 256, False, 32) == pytest.approx(truth, rel=0.02)
+    assert learned.seconds(64, 512, False, 64) > 2.5 * frozen.seconds(64, 512, False, 64)  # carried to other rows
+    assert learned.seconds(32, 32, False, 0) == pytest.approx(frozen.seconds(32, 32, False, 0))  # decode untouched
+    assert frozen.seconds(32, 256, False, 32) == pytest.approx(truth / 3)
