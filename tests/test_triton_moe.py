@@ -184,9 +184,9 @@ def _case(case: str, dtype, seed: int = 1):
 @pytest.mark.parametrize(("case", "launch"), RUNS)
 def test_fused_moe_equals_the_reference(case, launch, dtype):
     launch = LAUNCHES[launch]
-    if launch.path == "gemv" and CASES[case][0] > 5 and DEVICE.type == "cpu":
-        pytest.skip("a program per pair: slow in the interpreter; the table sends such steps to the sorted path")
     x, logits, gate_up, down, top_k = _case(case, dtype)
+    if launch.path == "gemv" and DEVICE.type == "cpu":  # a program per pair: slow in the interpreter, so its
+        x, logits = x[:5], logits[:5]  # first 5 tokens (the table sends only 1-token steps to this path)
     weights, ids = moe.route(logits, top_k, renormalize=True)
     assert ids.unique().numel() < gate_up.shape[0] if case == "experts-without-tokens" else True
     want = moe.experts_reference(x.float(), gate_up.float(), down.float(), weights.float(), ids)
