@@ -35,6 +35,8 @@ update is sent once the rollout has started; the engine drains it on the old wei
         --rollout-tokens 32                                                      # CPU, 0.87 GB update
     python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b   # one H200
     python benchmarks/bench_weights.py --device cuda --shape qwen3-8b --sections memory    # release / resume only
+    python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b --sections transfer \
+        --paths grpc_state_dict --buffers kept --repeats 2                       # the gRPC state dict row only
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from trainer_client.broadcast import BroadcastGroup  # noqa: E402
 
 COLUMNS = ["path", "buffers", "gb", "seconds", "gb_per_s", "stage_s", "pause_s", "version"]
 ROLLOUT_MODES = ("sequential", "staged_host", "staged_device")
+PATHS = ("grpc_state_dict", "grpc_safetensors", "same_host", "broadcast")  # the transfer section's rows
 SECTIONS = ("transfer", "rollout", "memory")  # the gRPC / same-host / broadcast rows, the pause, release / resume
 MEMORY_COLUMNS = ["weights", "held_gb", "freed_gb", "free_fraction", "release_s", "resume_s", "resume_to_first_token_s"]
 ROLLOUT_COLUMNS = ["mode", "rollout_s", "update_s", "pause_s", "stage_s", "old_version_samples", "samples"]
@@ -86,7 +89,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_weights_<device>.json)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated, of {','.join(SECTIONS)}: the parts to run (e.g. memory alone)")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help=f"comma-separated, of {','.join(PATHS)}: the transfer section's paths (e.g. grpc_state_dict)")
+    p.add_argument("--buffers", default="given back,kept", help="comma-separated: the gRPC upload buffers to run")
     args = p.parse_args()
+    args.paths, args.buffers = args.paths.split(","), args.buffers.split(",")
+    if unknown := set(args.paths) - set(PATHS):
+        p.error(f"--paths: unknown {sorted(unknown)}, expected some of {list(PATHS)}")
+    if unknown := set(args.buffers) - {"given back", "kept"}:
+        p.error(f"--buffers: unknown {sorted(unknown)}, expected 'given back' and/or 'kept'")
     if args.quick:
         args.shape, args.repeats, args.rollout_samples, args.rollout_tokens = "tiny", 1, 16, 32
     args.model_shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
@@ -140,11 +151,12 @@ def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Pat
     with server_process(args, serve) as server, RolloutClient(server.address, timeout=3600) as client:
         for r in range(args.repeats):
             first = len(rows)
-            rows.append(timed_update(client, state, nbytes, "grpc_state_dict", buffers))
-            rows.append(timed_update(client, files, nbytes, "grpc_safetensors", buffers))
+            for path, weights in (("grpc_state_dict", state), ("grpc_safetensors", files)):
+                rows += [timed_update(client, weights, nbytes, path, buffers)] if path in args.paths else []
             if keep:  # (no upload buffers on these paths)
-                rows.append(timed_update(client, state, nbytes, "same_host", "-"))
-                rows += [broadcast_row(args, server.address, state, nbytes)] if args.broadcast != "none" else []
+                rows += [timed_update(client, state, nbytes, "same_host", "-")] if "same_host" in args.paths else []
+                if "broadcast" in args.paths and args.broadcast != "none":
+                    rows.append(broadcast_row(args, server.address, state, nbytes))
             print_table(f"repeat {r}", rows[first:], COLUMNS)
     return rows
 
@@ -301,7 +313,8 @@ def transfer_rows(args: argparse.Namespace, model_dir: Path, state: dict, root: 
     embed = state["model.embed_tokens.weight"]  # (a tied lm_head is left out of files, as HF saves them)
     save_file({k: v.cpu() for k, v in state.items() if k == "model.embed_tokens.weight" or v is not embed},
               files / "model.safetensors")
-    return grpc_rows(args, model_dir, state, files, keep=False) + grpc_rows(args, model_dir, state, files, True)
+    return [row for keep in (False, True) if ("kept" if keep else "given back") in args.buffers
+            for row in grpc_rows(args, model_dir, state, files, keep)]
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from rollout.weight_wire import decode_chunk, encode_piece
 from trainer_client import RolloutClient, masked_logprobs, to_torch
 from trainer_client import client as client_module
 from trainer_client.client import build_request, to_table
-from trainer_client.weights import weight_pieces
+from trainer_client.weights import encoded_ahead, weight_pieces
 
 
 def test_build_request_prompts_sampling_and_grammar():
@@ -177,6 +177,26 @@ def test_weight_pieces_round_trip_through_the_server_receiver():
         want = (draft if is_draft else state)[name]
         want = want.bfloat16() if name == "cast" else want
         assert back.dtype == want.dtype and back.shape == want.shape and torch.equal(back, want)
+
+
+def test_encoded_ahead_builds_messages_in_order_one_piece_ahead_and_raises_errors_in_place():
+    state = {"a": torch.randn(10, 10), "b": torch.randn(7).to(torch.bfloat16)}
+    pieces = list(weight_pieces(state, piece_bytes=64))
+    assert list(encoded_ahead(pieces)) == [encode_piece(p) for p in pieces]
+    pulled: list = []
+
+    def source():
+        for piece in pieces:
+            pulled.append(piece)
+            yield piece
+        raise InvalidArgument("weights", "broken source")
+
+    messages = encoded_ahead(source())
+    assert next(messages) == encode_piece(pieces[0])
+    messages.close()  # gRPC stopped asking (the server refused early): the worker stops too
+    assert len(pulled) <= 2
+    with pytest.raises(InvalidArgument, match="broken source"):
+        list(encoded_ahead(source()))
 
 
 def test_weight_pieces_from_safetensors_file_and_directory(tmp_path):

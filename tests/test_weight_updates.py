@@ -24,7 +24,7 @@ from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.app import BackgroundServer, ServeConfig
 from trainer_client import AsyncRolloutClient, RolloutClient
 from trainer_client.shared import SharedUpdate
-from trainer_client.weights import weight_pieces
+from trainer_client.weights import encoded_ahead, weight_pieces
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -63,7 +63,7 @@ def test_unknown_tensor_is_refused_at_its_first_piece_and_memory_is_given_back(s
     pulled: list = []
     pieces = weight_pieces({"model.bogus.weight": torch.zeros(64, 1 << 16)}, piece_bytes=1 << 18)  # 64 pieces
     with pytest.raises(grpc.RpcError) as err:
-        client._update_weights(_counting(pieces, pulled), timeout=60)
+        client._update_weights(encoded_ahead(_counting(pieces, pulled)), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown tensor 'model.bogus.weight'" in err.value.details()
     assert len(pulled) < 32  # the server stopped reading at the first piece
@@ -133,7 +133,7 @@ def test_requests_run_on_the_old_weights_while_the_upload_streams(client, origin
                 midway["t"] = client.generate([[9, 8, 7]], n=2, sampling=GREEDY)
             yield piece
 
-    assert client._update_weights(pieces(), timeout=120).policy_version == v0 + 1
+    assert client._update_weights(encoded_ahead(pieces()), timeout=120).policy_version == v0 + 1
     assert midway["t"].column("policy_version").to_pylist() == [v0, v0]
     assert client.generate([[9, 8, 7]], sampling=GREEDY).column("policy_version").to_pylist() == [v0 + 1]
 

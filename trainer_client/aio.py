@@ -29,7 +29,7 @@ from trainer_client.client import (
     to_table,
 )
 from trainer_client.shared import SharedUpdate
-from trainer_client.weights import weight_pieces
+from trainer_client.weights import encoded_ahead, weight_pieces
 
 
 class AsyncBatchStream(CancellingCall):
@@ -114,7 +114,7 @@ class AsyncRolloutClient(ClientBase):
     ) -> int:
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
         pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
-        return self._reply(await self._update_weights(pieces, timeout=self._deadline(timeout)))
+        return self._reply(await self._update_weights(encoded_ahead(pieces), timeout=self._deadline(timeout)))
 
     async def update_weights_shared(
         self,

@@ -28,9 +28,8 @@ from rollout.errors import InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import POLICY_VERSION_KEY, ROLLOUT_SCHEMA
-from rollout.weight_wire import encode_piece
 from trainer_client.shared import SharedUpdate
-from trainer_client.weights import Weights, weight_pieces
+from trainer_client.weights import Weights, encoded_ahead, weight_pieces
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 UPDATE_WEIGHTS = "/rollout.v1.Rollout/UpdateWeights"
@@ -196,8 +195,8 @@ class ClientBase:
         self.timeout = timeout
         self._channel = self._open_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
-        self._update_weights = self._channel.stream_unary(  # pieces serialised without protobuf objects
-            UPDATE_WEIGHTS, request_serializer=encode_piece, response_deserializer=pb.UpdateWeightsResponse.FromString
+        self._update_weights = self._channel.stream_unary(  # encoded messages (trainer_client.weights.encoded_ahead)
+            UPDATE_WEIGHTS, response_deserializer=pb.UpdateWeightsResponse.FromString
         )
         self.last_update: dict[str, Any] = {}  # the last UpdateWeights reply (stage and pause seconds, ...)
 
@@ -274,7 +273,7 @@ class RolloutClient(ClientBase):
         update applied, the server withdraws it; pass the same `update_id` when retrying to make
         sure it applies once even if the reply, not the update, was lost."""
         pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
-        return self._reply(self._update_weights(pieces, timeout=self._deadline(timeout)))
+        return self._reply(self._update_weights(encoded_ahead(pieces), timeout=self._deadline(timeout)))
 
     def update_weights_shared(
         self,
