@@ -8,16 +8,17 @@ one-layer DFlash drafter (block 8). B samples (`--prompt-len` tokens, 32 by defa
 ignored) are prefilled, a few decode steps warm up, then every phase of `LLMEngine.step()` is
 wrapped with a timer for the timed decode steps: schedule, draft (the drafter's propose),
 build_step, forward, ctx (the drafter's update_context), logits, grammar, rows
-(build_row_params), policy, verify, capture, sync (_to_host), commit; each phase's time excludes
-the phases nested in it (ctx runs inside forward) and `other` is the step's time outside them;
-`finish_ms` is the abort of the B samples after the timed steps (each one's finish, with masks
-its supports assembled from ~40 steps' rows). One torch thread. Reports the median milliseconds
-per step of the step and of every phase (medians resist a busy machine; `--clock cpu` times this
-process's CPU time, which other processes do not inflate). `--embedded` uses the embedded
-tiny-qwen3 and its trained DFlash drafter instead (a realistic acceptance length, a larger
-forward). On CUDA the phases are host time (launches are asynchronous) and `sync` absorbs the
-wait for the device. One more step is run under a dispatch mode that counts the aten ops of
-every phase (deterministic; on a GPU each is a kernel launch or at least a host dispatch).
+(build_row_params), policy, verify, capture, hand_over (the last step's masks), sync (_to_host),
+commit; each phase's time excludes the phases nested in it (ctx runs inside forward) and `other`
+is the step's time outside them; `finish_ms` is the abort of the B samples after the timed steps
+(each one's finish, with masks its supports assembled from ~40 steps' rows). One torch thread.
+Reports the median milliseconds per step of the step and of every phase (medians resist a busy
+machine; `--clock cpu` times this process's CPU time, which other processes do not inflate).
+`--embedded` uses the embedded tiny-qwen3 and its trained DFlash drafter instead (a realistic
+acceptance length, a larger forward). On CUDA the phases are host time (launches are
+asynchronous) and `sync` absorbs the wait for the device. One more step is run under a dispatch
+mode that counts the aten ops of every phase (deterministic; on a GPU each is a kernel launch or
+at least a host dispatch).
 
     python benchmarks/bench_host.py                        # batches 1 8 64 256, greedy + t1, none + dflash
     python benchmarks/bench_host.py --quick                # a short check of the script
@@ -64,6 +65,7 @@ PHASES = (
     ("policy", "module", "policy"),
     ("verify", "module", "verify"),
     ("capture", "capture", "capture"),
+    ("hand_over", "committer", "hand_over_masks"),
     ("sync", "module", "_to_host"),
     ("commit", "committer", "commit"),
 )

@@ -45,7 +45,7 @@ class CommittedMasks(NamedTuple):
 def mask_width(entries) -> int:
     """The batch's largest requested support bound (top_k, 1 for greedy samples; entries without
     masks count 0)."""
-    return max([s.mask_bound for s in entries])
+    return max(s.mask_bound for s in entries)
 
 
 class MaskCapture:
@@ -57,8 +57,7 @@ class MaskCapture:
         self._turn = 0
 
     def capture(self, pol: Policy, step: SampleRows) -> Captured | None:
-        masked = np.fromiter((s.mask_bound for s in step.entries), np.int64, len(step.entries)) > 0  # [E]
-        if not masked.any():
+        if not any(s.mask for s in step.entries):
             return None
         self.num_captures += 1
         width = mask_width(step.entries)
@@ -68,8 +67,9 @@ class MaskCapture:
         if sorted_ids is None:
             raise RuntimeError("mask rows without top-k candidates: the step's RowPlan left them out")
         cu_rows = np.fromiter(step.cu_rows, np.int64, len(step.cu_rows))  # [E+1]
-        if masked.all():  # every row is a mask row: no gather
+        if all(s.mask for s in step.entries):  # every row is a mask row: no gather
             return Captured(pack_supports(sorted_ids, sorted_logp, width), cu_rows[:-1], width)
+        masked = np.fromiter((bool(s.mask) for s in step.entries), bool, len(step.entries))  # [E]
         first_row, rows = _mask_rows(cu_rows, masked)
         index = upload(rows, torch.int64, sorted_ids.device)
         cols = min(width + 1, sorted_ids.shape[1])
