@@ -3,20 +3,22 @@ forwards (the gap between a ~7 ms 8B decode forward and the 9.9 ms step on an H2
 
 Builds an engine (on CPU by default) with a tiny random Qwen3 (hidden 64, 2 layers, vocabulary
 264: the forward and the policy's sort are small, so the numbers are mostly host cost; `--shape`
-picks a larger random one, e.g. qwen3-8b on a GPU) and, with
-`--spec dflash`, an untrained one-layer DFlash drafter (block 8). B samples (`--prompt-len`
-tokens, 32 by default; EOS ignored) are prefilled, a few decode steps warm up, then every
-phase of `LLMEngine.step()` is wrapped with a timer for the timed decode steps: schedule,
-draft (the drafter's propose), build_step, forward, ctx (the drafter's update_context),
-logits, grammar, rows (build_row_params), policy, verify, capture, sync (_to_host), commit;
-each phase's time excludes the phases nested in it (ctx runs inside forward) and `other` is
-the step's time outside them. One torch thread. Reports the median milliseconds per step of
-the step and of every phase (medians resist a busy machine; `--clock cpu` times this
-process's CPU time, which other processes do not inflate). `--embedded` uses the embedded
-tiny-qwen3 and its trained DFlash drafter instead (a realistic acceptance length, a larger
-forward). On CUDA the phases are host time (launches are asynchronous) and `sync` absorbs the
-wait for the device. One more step is run under a dispatch mode that counts the aten ops of
-every phase (deterministic; on a GPU each is a kernel launch or at least a host dispatch).
+picks a larger random one, e.g. qwen3-8b on a GPU) and, with `--spec dflash`, an untrained
+one-layer DFlash drafter (block 8). B samples (`--prompt-len` tokens, 32 by default; EOS
+ignored) are prefilled, a few decode steps warm up, then every phase of `LLMEngine.step()` is
+wrapped with a timer for the timed decode steps: schedule, draft (the drafter's propose),
+build_step, forward, ctx (the drafter's update_context), logits, grammar, rows
+(build_row_params), policy, verify, capture, hand_over (the last step's masks), sync (_to_host),
+commit; each phase's time excludes the phases nested in it (ctx runs inside forward) and `other`
+is the step's time outside them; `finish_ms` is the abort of the B samples after the timed steps
+(each one's finish, with masks its supports assembled from ~40 steps' rows). One torch thread.
+Reports the median milliseconds per step of the step and of every phase (medians resist a busy
+machine; `--clock cpu` times this process's CPU time, which other processes do not inflate).
+`--embedded` uses the embedded tiny-qwen3 and its trained DFlash drafter instead (a realistic
+acceptance length, a larger forward). On CUDA the phases are host time (launches are
+asynchronous) and `sync` absorbs the wait for the device. One more step is run under a dispatch
+mode that counts the aten ops of every phase (deterministic; on a GPU each is a kernel launch or
+at least a host dispatch).
 
     python benchmarks/bench_host.py                        # batches 1 8 64 256, greedy + t1, none + dflash
     python benchmarks/bench_host.py --quick                # a short check of the script
@@ -63,6 +65,7 @@ PHASES = (
     ("policy", "module", "policy"),
     ("verify", "module", "verify"),
     ("capture", "capture", "capture"),
+    ("hand_over", "committer", "hand_over_masks"),
     ("sync", "module", "_to_host"),
     ("commit", "committer", "commit"),
 )
@@ -214,13 +217,16 @@ def measure(engine: LLMEngine, batch: int, sampling: dict, tag: str, args, max_t
     with OpCounter(timer) as counter:
         engine.step()
     timer.close()
+    start = clock()  # every sample's finish (with masks: its supports assembled from its steps' rows)
     for request_id in list(engine.intake.requests):
         engine.abort(request_id)
+    finish_ms = (clock() - start) * 1e3
     for t in steps:
         t["other"] = t["step"] - sum(t.get(name, 0.0) for name, _, _ in PHASES)
     row = {name: statistics.median(t.get(name, 0.0) for t in steps) * 1e3
            for name in ("step", *(name for name, _, _ in PHASES), "other")}
     row["step_ms"] = row.pop("step")
+    row["finish_ms"] = finish_ms
     row["tokens_per_step"] = committed / args.steps / batch
     row["ops"] = {name: counter.counts.get(name, 0) for name in (*(name for name, _, _ in PHASES), "other")}
     row["ops"]["step"] = sum(counter.counts.values())
@@ -246,7 +252,8 @@ def main() -> None:
                     result["rows"].append(row)
                     write_json(args.out, result)
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    columns = ["spec", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other", "tokens_per_step"]
+    columns = ["spec", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other", "tokens_per_step",
+               "finish_ms"]
     print_table(f"ms per decode step by phase ({args.device}, one thread, {args.clock} clock, "
                 f"{'embedded tiny-qwen3' if args.embedded else f'{args.shape} random Qwen3'}, masks {args.mask})",
                 result["rows"], columns)

@@ -164,3 +164,22 @@ def test_mask_capture_host_buffers_alternate_so_a_step_survives_the_next_copy():
     c = capture.to_host(Captured(third, [0, 2], 2))  # reuses the first buffer: `a` is done with
     assert b.tolist() == second.tolist() and c.tolist() == third.tolist()
     assert not np.shares_memory(b, c) and np.shares_memory(a, c)
+
+
+def test_committed_rows_of_a_mixed_step_with_drafts_and_an_overflow():
+    """Entries 0, 2, 3 ask for masks, entry 1 does not; rows per entry 2, 3, 1, 3 (drafts). Only the
+    committed rows are kept, each entry's first kept row follows `counts`' order, and an overflow
+    fails its entry only when the overflowing row was committed."""
+    from rollout.engine.capture import Captured, _mask_rows, committed_masks
+
+    first_row, rows = _mask_rows(np.array([0, 2, 5, 6, 9]), np.array([True, False, True, True]))
+    assert first_row.tolist() == [0, -1, 2, 3] and rows.tolist() == [0, 1, 5, 6, 7, 8]
+    lens = [1, 2, 1, 2, 3, 1]  # packed row 4 (entry 3's second row) holds 3 tokens: over the bound of 2
+    ids, logp = _sorted_policy(6, 16, lens, seed=3)
+    packed = pack_supports(ids, logp, 2).numpy()
+    cap = Captured(torch.from_numpy(packed), first_row, 2)
+    kept = committed_masks(cap, packed, {0: 2, 2: 1, 3: 2})
+    assert kept.rows.packed.tolist() == packed[:5].tolist() and kept.first == [0, 2, 3] and kept.failed == {3}
+    assert not np.shares_memory(kept.rows.packed, packed)  # the host buffer is reused two steps later
+    kept = committed_masks(cap, packed, {3: 1, 0: 1})  # one token each; the overflowing row is rejected
+    assert kept.rows.packed.tolist() == packed[[3, 0]].tolist() and kept.first == [0, 1] and not kept.failed

@@ -28,7 +28,7 @@ from rollout.masks.pack import PackedRows, pack_supports
 @dataclass
 class Captured:
     packed: torch.Tensor  # [M, C + C'] int32 from `pack_supports`, one row per row of the mask entries
-    first_row: dict[int, int] | list[int]  # entry -> its first packed row
+    first_row: np.ndarray  # [E] int64 each entry's first packed row (-1: the entry asked for no masks)
     width: int
 
 
@@ -38,7 +38,7 @@ class CommittedMasks(NamedTuple):
     committed rows overflowed its bound (those samples fail as a whole)."""
 
     rows: PackedRows
-    first: dict[int, int]
+    first: list[int]  # the first kept row of each entry of `counts`, in its order
     failed: set[int]
 
 
@@ -66,17 +66,14 @@ class MaskCapture:
         sorted_ids, sorted_logp = pol.cand_ids, pol.cand_logp  # [R, C]
         if sorted_ids is None:
             raise RuntimeError("mask rows without top-k candidates: the step's RowPlan left them out")
+        cu_rows = np.fromiter(step.cu_rows, np.int64, len(step.cu_rows))  # [E+1]
         if all(s.mask for s in step.entries):  # every row is a mask row: no gather
-            first_row = step.cu_rows
-        else:
-            first_row, rows = {}, []
-            for e, s in enumerate(step.entries):
-                if s.mask:
-                    first_row[e] = len(rows)
-                    rows.extend(range(step.cu_rows[e], step.cu_rows[e + 1]))
-            index = upload(rows, torch.int64, sorted_ids.device)
-            cols = min(width + 1, sorted_ids.shape[1])
-            sorted_ids, sorted_logp = sorted_ids[index, :cols], sorted_logp[index, :cols]
+            return Captured(pack_supports(sorted_ids, sorted_logp, width), cu_rows[:-1], width)
+        masked = np.fromiter((bool(s.mask) for s in step.entries), bool, len(step.entries))  # [E]
+        first_row, rows = _mask_rows(cu_rows, masked)
+        index = upload(rows, torch.int64, sorted_ids.device)
+        cols = min(width + 1, sorted_ids.shape[1])
+        sorted_ids, sorted_logp = sorted_ids[index, :cols], sorted_logp[index, :cols]
         return Captured(pack_supports(sorted_ids, sorted_logp, width), first_row, width)
 
     def to_host(self, cap: Captured) -> np.ndarray:
@@ -97,22 +94,32 @@ class MaskCapture:
         return host.numpy()
 
 
+def _mask_rows(cu_rows: np.ndarray, masked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cu_rows [E+1], masked [E] bool -> (each entry's first row among the mask entries' rows, -1
+    for the others: [E] int64; those rows' indices in the step's rows: [M] int64)."""
+    count = np.diff(cu_rows) * masked  # [E] rows each entry contributes
+    first = np.cumsum(count) - count
+    rows = np.repeat(cu_rows[:-1] - first, count) + np.arange(first[-1] + count[-1])
+    return np.where(masked, first, -1), rows
+
+
 def committed_masks(cap: Captured, packed: np.ndarray, counts: dict[int, int]) -> CommittedMasks:
     """Host side, once per step, after the synchronisation: `counts[e]` committed tokens of every
     masked entry e, whose packed rows ([M, C + C'] int32, `MaskCapture.to_host`) start at
     `cap.first_row[e]`. The committed rows are taken into an array of their own (one gather, a few
-    numpy calls whatever the batch), so a sample keeps its masks' bytes and no rejected draft's;
-    the flatten into flat arrays waits until a sample finishes (`assemble_supports`)."""
-    entries = list(counts)
-    n = np.fromiter(counts.values(), np.int64, len(entries))
+    numpy calls whatever the batch, no Python per entry), so a sample keeps its masks' bytes and
+    no rejected draft's; the flatten into flat arrays waits until a sample finishes
+    (`assemble_supports`)."""
+    entries = np.fromiter(counts, np.int64, len(counts))
+    n = np.fromiter(counts.values(), np.int64, len(counts))
     ends = np.cumsum(n)
     starts = ends - n  # each entry's first row among the kept ones
-    src = np.fromiter((cap.first_row[e] for e in entries), np.int64, len(entries))
-    index = np.repeat(src - starts, n) + np.arange(ends[-1] if len(ends) else 0)
+    total = int(ends[-1]) if len(n) else 0
+    src = cap.first_row[entries]
+    index = src if total == len(n) else np.repeat(src - starts, n) + np.arange(total)  # one row each: src
     rows = PackedRows(packed[index], cap.width)
-    first = dict(zip(entries, starts.tolist()))
     over = rows.overflowed()  # a bound is the batch's largest top_k: an overflow is never expected
     failed = set()
     if over.any():
-        failed = {e for e, c in counts.items() if over[first[e]:first[e] + c].any()}
-    return CommittedMasks(rows, first, failed)
+        failed = set(np.repeat(entries, n)[over].tolist())
+    return CommittedMasks(rows, starts.tolist(), failed)

@@ -136,10 +136,13 @@ class Committer:
         if masks is None or not masks.taken:
             return
         kept = committed_masks(masks.captured, masks.packed, {e: n for _, e, n in masks.taken})
-        for seq, e, n in masks.taken:
-            seq.support_parts.append((kept.rows, kept.first[e], n))
-            if e in kept.failed:
-                seq.mask_error = f"mask support exceeded its bound of {kept.rows.width}"
+        rows = kept.rows
+        for (seq, _, n), first in zip(masks.taken, kept.first):
+            seq.support_parts.append((rows, first, n))
+        if kept.failed:
+            for seq, e, _ in masks.taken:
+                if e in kept.failed:
+                    seq.mask_error = f"mask support exceeded its bound of {rows.width}"
 
     def finish(self, seq: Sequence, reason: str) -> SampleOutput:
         if seq.mask_error is not None and reason != "error":  # its masks overflowed: the sample fails

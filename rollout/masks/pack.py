@@ -21,7 +21,7 @@ sees are "sorted by probability, ties by id" exactly.
 
 from __future__ import annotations
 
-from itertools import chain, groupby
+from itertools import chain
 
 import numpy as np
 import torch
@@ -84,13 +84,26 @@ def assemble_supports(parts: list[tuple[PackedRows, int, int]], with_logprobs: b
     concatenation and one flatten per run of parts of equal packed width (one run unless the
     batch's bound changed)."""
     pieces = []
-    for width, run in groupby(parts, key=lambda part: part[0].packed.shape[1]):
-        rows = PackedRows(np.concatenate([rows.packed[a:a + n] for rows, a, n in run]), width)
+    for rows in _joined(parts):
         flat_ids, flat_logp, lens = flatten_supports(rows.ids, rows.logp[:, :rows.ids.shape[1]], rows.lens())
         pieces.append(Supports(flat_ids, lens, flat_logp if with_logprobs else None))
     if len(pieces) == 1:
         return pieces[0]
     return Supports.concat(pieces, with_logprobs)
+
+
+def _joined(parts: list[tuple[PackedRows, int, int]]) -> list[PackedRows]:
+    """The parts' rows joined into one PackedRows per run of equal packed width: a single
+    concatenation, unless numpy refuses it because the width changed (rare), then one per run."""
+    if not parts:
+        return []
+    slices = [rows.packed[a:a + n] for rows, a, n in parts]
+    try:
+        return [PackedRows(np.concatenate(slices), parts[0][0].width)]
+    except ValueError:  # the batch's bound changed between steps
+        widths = [rows.packed.shape[1] for rows, _, _ in parts]
+        cuts = [0, *(i for i in range(1, len(widths)) if widths[i] != widths[i - 1]), len(parts)]
+        return [PackedRows(np.concatenate(slices[a:b]), parts[a][0].width) for a, b in zip(cuts, cuts[1:])]
 
 
 class Supports:
@@ -161,7 +174,10 @@ def _support_lens(logp: np.ndarray) -> np.ndarray:
 
 def _ties_by_id(ids: np.ndarray, logp: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sort each run of equal log-probs by id, in the (rare) rows that have one; copies those."""
-    tied = (logp[:, 1:] == logp[:, :-1]) & keep[:, 1:]  # [N, W-1]
+    tied = logp[:, 1:] == logp[:, :-1]  # [N, W-1]
+    tied &= keep[:, 1:]
+    if not tied.any():  # the common case: no equal log-probs inside any support
+        return ids, logp
     tied &= ids[:, 1:] < ids[:, :-1]
     rows = np.flatnonzero(tied.any(axis=1))
     if rows.size == 0:
