@@ -20,6 +20,7 @@ from rollout.engine import spec_budget
 from rollout.engine.params import SamplingParams
 from rollout.engine.sequence import SeqStatus, Sequence
 from rollout.engine.spec_budget import (
+    EXPLORE_SHARE,
     PROBE_SHARE,
     RECHOOSE_STEPS,
     REUSE_STEPS,
@@ -220,7 +221,9 @@ def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
 def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(monkeypatch):
     """Full choices: every RECHOOSE_STEPS steps, at once when the batch's shape changes, every
     REUSE_STEPS while nothing is verified; each full choice first learns every step recorded since
-    the last (each sample's results from several steps at once); in between, the last rule."""
+    the last (each sample's results from several steps at once); in between, the last rule. (MEASURED
+    0: no start-up exploration, whose steps choose every step; tested below.)"""
+    monkeypatch.setattr(spec_budget, "MEASURED", 0.0)
     full = []
     monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(len(a[1])) or choose_drafts(*a))
     budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5), graphs=False,
@@ -272,3 +275,47 @@ def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():
     assert learned.seconds(64, 512, False, 64) > 2.5 * frozen.seconds(64, 512, False, 64)  # carried to other rows
     assert learned.seconds(32, 32, False, 0) == pytest.approx(frozen.seconds(32, 32, False, 0))  # decode untouched
     assert frozen.seconds(32, 256, False, 32) == pytest.approx(truth / 3)
+
+
+# -- start-up -------------------------------------------------------------------------------------------
+
+
+def _decoding(n: int) -> list[Sequence]:
+    seqs = [_seq(i) for i in range(n)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    return seqs
+
+
+def test_start_up_at_a_large_batch_verifies_few_drafts():
+    """Batch 256, a drafter whose drafts are all rejected, verify steps that the optimistic prior
+    would buy (4 drafts for every sample): the first steps verify drafts of a few samples only, each
+    step within EXPLORE_SHARE of a plain one by the cost model, and after them none. (Before: the
+    prior's choice served RECHOOSE_STEPS steps, 8 x 1024 drafts.)"""
+    cost = cost_table(decode_ms=20.0, token_ms=0.02, drafter_ms=1.0, graph=True)
+    budget = SpecBudget(K, cost, graphs=True, max_graph_rows=256)
+    seqs = _decoding(256)
+    assert choose(np.full((256, K), spec_budget.PRIOR), cost=cost, graphs=True).min() >= 3  # the prior's choice
+    plain = cost.seconds(256, 256, True, 0)
+    caps = _run_steps(budget, seqs, 2 * RECHOOSE_STEPS, accept=lambda j: False)
+    drafts = [sum(c.values()) for c in caps]
+    assert 0 < drafts[0] and sum(drafts) < 256 * K / 4, drafts
+    for c in caps:
+        if sum(c.values()):
+            rows = sum(1 for k in c.values() if k)
+            assert cost.ragged_seconds(256, 256, np.full(sum(c.values()), rows))[-1] <= (1 + EXPLORE_SHARE) * plain
+    assert budget.acceptance.measured() and not any(drafts[-RECHOOSE_STEPS:])
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_a_good_drafter_still_reaches_full_blocks_within_a_few_steps(batch):
+    """All drafts accepted and full blocks pay (1.9x a decode step for 8x the tokens at batch 32):
+    batch 1 verifies its full block from the first step; batch 32 explores with a few samples (what
+    EXPLORE_SHARE of a step pays for) until MEASURED drafts are tried, then full blocks for all from
+    the fourth step."""
+    cost = cost_table(decode_ms=4.0, token_ms=0.015, drafter_ms=0.5, graph=True)
+    budget = SpecBudget(K, cost, graphs=True, max_graph_rows=256)
+    caps = _run_steps(budget, _decoding(batch), 6, accept=lambda j: True)
+    full = [sorted(c.values()) == [K] * batch for c in caps]
+    assert full[0] == (batch == 1) and all(full[3:]), caps
+    assert all(0 < sum(c.values()) < batch * K / 4 for c in caps[:3 if batch > 1 else 0])
