@@ -4,7 +4,9 @@ and verifying is cheap, none when they are rejected or verify rows are expensive
 good samples only in a mixed batch, a budget monotone in acceptance, the limits and the token room
 kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
 sample at the server-wide estimate; probes stay within their share of the time; the cost model
-learns a kind of step's wall time and stays put when frozen."""
+learns a kind of step's wall time and stays put when frozen; at start-up the prior's choices verify
+drafts of a few samples only at a large batch, while a good drafter still reaches full blocks within
+a few steps; a choice of a kind of step not timed yet serves one step."""
 
 from __future__ import annotations
 
@@ -319,3 +321,24 @@ def test_a_good_drafter_still_reaches_full_blocks_within_a_few_steps(batch):
     full = [sorted(c.values()) == [K] * batch for c in caps]
     assert full[0] == (batch == 1) and all(full[3:]), caps
     assert all(0 < sum(c.values()) < batch * K / 4 for c in caps[:3 if batch > 1 else 0])
+
+
+def test_a_choice_of_an_untimed_kind_of_step_serves_one_step():
+    """Drafting steps take 10x what the startup tables say (a graph captured mid-run, sampling on many
+    rows): the first choice verifies drafts, its step is timed, and the next step verifies none.
+    (Before: the choice served RECHOOSE_STEPS steps.)"""
+    tables = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5)
+    cost = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5)
+    cost.learn = True
+    budget = SpecBudget(K, cost, graphs=False, max_graph_rows=0)
+    seqs = _decoding(8)
+    budget.acceptance.observe(seqs, np.full(8, K), np.full(8, 1))  # measured: one draft of a block accepted
+    chosen = []
+    for _ in range(RECHOOSE_STEPS):
+        caps = budget.caps(seqs, False, 4096)
+        step = _step(seqs, caps)
+        drafts, rows = sum(step.rows.num_draft), sum(1 for k in step.rows.num_draft if k)
+        seconds = tables.seconds(8, 8 + drafts, False, rows) * (10 if drafts else 1)
+        budget.record(step, [min(k, 1) for k in step.rows.num_draft], seconds, False)
+        chosen.append(drafts)
+    assert chosen[0] > 0 and not any(chosen[1:]), chosen

@@ -35,6 +35,8 @@ optimistic prior's, and at a large batch the full blocks it may pick cost severa
 samples (in order) whose drafts add at most EXPLORE_SHARE of a plain decode step (the first sample's
 drafts at least; all of a lone sample's, so batch 1 verifies full blocks at once), and serves one step
 only: each step's results steer the next, and a good drafter reaches full blocks within a few steps.
+So does a choice of a kind of step (CUDA graph or not, drafting or not, rows bucket) whose wall time
+the cost model has not observed yet: a misjudged step is then paid once, not RECHOOSE_STEPS times.
 """
 
 from __future__ import annotations
@@ -226,11 +228,12 @@ class SpecBudget:
         self.max_graph_rows = max_graph_rows
         self.acceptance = AcceptanceEstimates(num_spec)
         self.credit = 0.0  # seconds of probing earned (see the module docstring)
-        self.totals = dict.fromkeys(("steps", "decode_rows", "drafts", "probes", "verified_rows", "accepted"), 0)
+        self.totals = dict.fromkeys(("steps", "decode_rows", "drafts", "probes", "verified_rows", "accepted",
+                                     "draft_steps", "draft_seconds"), 0)
         self._timings: list[tuple] = []  # recorded steps' shapes and wall times, not learned from yet
         self._verified: list[tuple] = []  # recorded steps' (entries, num_draft, num_accepted), the same
         self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
-        self._exploring = False  # the last full choice rested on the prior (it serves one step)
+        self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
 
     def caps(self, running: list[Sequence], admits: bool, token_budget: int) -> dict[Sequence, int]:
         """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
@@ -279,16 +282,18 @@ class SpecBudget:
         self._learn()
         acc = self.acceptance.of(decode)
         budget, full = choose_drafts(acc, np.asarray(limits, dtype=np.int64), self.cost, rows, base, room, graphs)
-        self._exploring = budget.k != 0 and not self.acceptance.measured()
-        if self._exploring:
+        exploring = budget.k != 0 and not self.acceptance.measured()
+        if exploring:
             budget = explore(budget, acc, self.cost, rows, base, graphs)
+        graphed = graphs and budget.k >= 0 and budget.k <= min(limits)
+        self._tentative = exploring or not self.cost.timed(rows, graphed, budget.k != 0)
         self._key, self._last, self._age = key, (budget, full.seconds), 1
         return budget, full.seconds
 
     def _serves(self) -> int:
-        """Steps a full choice serves: one while exploring (see the module docstring), RECHOOSE_STEPS,
+        """Steps a full choice serves: one when tentative (see the module docstring), RECHOOSE_STEPS,
         REUSE_STEPS while no verify result has come in."""
-        if self._exploring:
+        if self._tentative:
             return 1
         return RECHOOSE_STEPS if self._verified else REUSE_STEPS
 
@@ -313,6 +318,9 @@ class SpecBudget:
         drafting = len(rows.num_draft) - rows.num_draft.count(0)
         tokens = step.tokens.meta.slot_mapping.shape[0]
         self._timings.append((len(step.tokens.items), tokens, graphed, drafting, seconds))
+        if drafting:  # (bench_spec: the time steps with drafts took)
+            self.totals["draft_steps"] += 1
+            self.totals["draft_seconds"] += seconds
         if num_accepted is not None and drafting:
             self._verified.append((rows.entries, rows.num_draft, num_accepted))
 
@@ -331,6 +339,12 @@ class SpecBudget:
         self._verified = []
         self.totals["verified_rows"] += len(seqs)
         self.totals["accepted"] += int(num_accepted[verified].sum())
+
+    def forget_acceptance(self) -> None:
+        """Back to the prior, as at a server's start (its cost model kept): bench_spec's fresh starts."""
+        self._learn()
+        self.acceptance = AcceptanceEstimates(self.num_spec)
+        self.credit, self._key = 0.0, None
 
     def summary(self) -> dict:
         """Since the last summary: steps, decode rows, drafts verified per decode row, probes, accepted
