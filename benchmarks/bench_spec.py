@@ -6,7 +6,9 @@ budgets from measured acceptance and step costs, rollout/engine/spec_budget.py).
 are one engine, its scheduler's draft budget switched off and on, so they share CUDA graphs and
 warm-up; `none` is an engine of its own. Each arm runs the workload once untimed (graph captures,
 kernel builds, the budget's first estimates), then `--repeats` timed runs, alternating between arms;
-the table shows each arm's median tokens/s and its ratio to `none` in the same case.
+the table shows each arm's median tokens/s and its ratio to `none` in the same case. With
+`--fresh-start` each timed adaptive run starts from the budget's prior instead (what a new server's
+first batch pays; the warm-up's graphs and cost model kept).
 
 Cases (`--cases`; the default is all but verify-cost, ~5 minutes on one H200):
 * embedded-t1: the embedded target with its DFlash and DSpark drafters (block 8), temperature 1,
@@ -24,7 +26,9 @@ Cases (`--cases`; the default is all but verify-cost, ~5 minutes on one H200):
 Prompts are the first 256 bytes of held-out stdlib files (scripts/corpus.py) on the embedded models,
 random token ids on the 8B shape; EOS is ignored. Acceptance = committed tokens per verify step, the
 prefill step of each sample left out (1.0 for steps that verified nothing); `drafts_per_row`: drafts
-the adaptive budget verified per decode row, `probes` its full-block probe steps.
+the adaptive budget verified per decode row, `probes` its full-block probe steps; `steps` each arm's
+engine steps, `draft_steps` / `draft_seconds` the adaptive arm's steps that verified drafts and their
+wall time.
 
     python benchmarks/bench_spec.py --device cuda
     python benchmarks/bench_spec.py --device cuda --cases 8b long-tail
@@ -83,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each arm (the median is shown)")
     p.add_argument("--verify-batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--context", type=int, default=1024, help="verify-cost")
+    p.add_argument("--fresh-start", action="store_true",
+                   help="each timed adaptive run starts from the prior, as a new server's first batch")
     p.add_argument("--out", default="benchmarks/results/bench_spec.json")
     args = p.parse_args()
     if args.quick:
@@ -107,21 +113,26 @@ def engine_pair(args: argparse.Namespace, spec: str, max_batch: int, max_len: in
             "spec": rollout.build_engine(spec_config)}
 
 
-def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: str, device: str) -> dict:
-    """The workload (groups of requests run one group after another) on one arm."""
+def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: str, device: str,
+            fresh: bool = False) -> dict:
+    """The workload (groups of requests run one group after another) on one arm; `fresh`: the adaptive
+    budget starts from its prior (a new server's first batch, its cost model and graphs kept)."""
     engine = engines["none" if arm == "none" else "spec"]
     budget = engine.spec_budget
     if arm != "none":
         engine.scheduler.draft_budget = budget if arm == "adaptive" else None
+    if arm == "adaptive" and fresh:
+        budget.forget_acceptance()
     before = dict(budget.totals) if budget is not None else {}
     runs = [run_engine(engine, g, f"{tag}-{arm}-{i}", device) for i, g in enumerate(groups)]
     tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
     accepts = [n for r in runs for o in r.outputs for n in o.accept_lengths[1:]]
-    row = dict(arm=arm, tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens,
+    row = dict(arm=arm, tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=sum(r.steps for r in runs),
                mean_acceptance=statistics.fmean(accepts) if accepts else float("nan"))
     if arm == "adaptive":
         spent = {k: budget.totals[k] - before.get(k, 0) for k in budget.totals}
-        row.update(drafts_per_row=spent["drafts"] / max(spent["decode_rows"], 1), probes=spent["probes"])
+        row.update(drafts_per_row=spent["drafts"] / max(spent["decode_rows"], 1), probes=spent["probes"],
+                   draft_steps=spent["draft_steps"], draft_seconds=spent["draft_seconds"])
     return row
 
 
@@ -133,7 +144,7 @@ def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, ar
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for r in range(args.repeats):
         for arm in ARMS:
-            runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device))
+            runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device, args.fresh_start))
     base = statistics.median(x["tokens_per_s"] for x in runs["none"])
     for arm in ARMS:
         row = dict(setting, **min(runs[arm], key=lambda x: abs(x["tokens_per_s"] - statistics.median(
@@ -275,7 +286,7 @@ def main() -> None:
     write_json(args.out, result)
     print_table(f"speculation: none / full blocks / adaptive budgets, block {args.block}", result["rows"],
                 ["case", "spec", "sampling", "batch", "arm", "tokens_per_s", "vs_none", "mean_acceptance",
-                 "drafts_per_row", "probes", "seconds"])
+                 "drafts_per_row", "probes", "steps", "draft_steps", "draft_seconds", "seconds"])
     print_table("goals (issue 19): adaptive >= 0.97 x none; >= 95% of full's speedup where it pays; the long "
                 "tail finishes first with adaptive", result["goals"],
                 ["case", "spec", "sampling", "batch", "full", "adaptive", "never_costs", "share_of_full_speedup",

@@ -4,7 +4,9 @@ and verifying is cheap, none when they are rejected or verify rows are expensive
 good samples only in a mixed batch, a budget monotone in acceptance, the limits and the token room
 kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
 sample at the server-wide estimate; probes stay within their share of the time; the cost model
-learns a kind of step's wall time and stays put when frozen."""
+learns a kind of step's wall time and stays put when frozen; at start-up the prior's choices verify
+drafts of a few samples only at a large batch, while a good drafter still reaches full blocks within
+a few steps; a choice of a kind of step not timed yet serves one step."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from rollout.engine import spec_budget
 from rollout.engine.params import SamplingParams
 from rollout.engine.sequence import SeqStatus, Sequence
 from rollout.engine.spec_budget import (
+    EXPLORE_SHARE,
     PROBE_SHARE,
     RECHOOSE_STEPS,
     REUSE_STEPS,
@@ -220,7 +223,9 @@ def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
 def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(monkeypatch):
     """Full choices: every RECHOOSE_STEPS steps, at once when the batch's shape changes, every
     REUSE_STEPS while nothing is verified; each full choice first learns every step recorded since
-    the last (each sample's results from several steps at once); in between, the last rule."""
+    the last (each sample's results from several steps at once); in between, the last rule. (MEASURED
+    0: no start-up exploration, whose steps choose every step; tested below.)"""
+    monkeypatch.setattr(spec_budget, "MEASURED", 0.0)
     full = []
     monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(len(a[1])) or choose_drafts(*a))
     budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5), graphs=False,
@@ -272,3 +277,68 @@ def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():
     assert learned.seconds(64, 512, False, 64) > 2.5 * frozen.seconds(64, 512, False, 64)  # carried to other rows
     assert learned.seconds(32, 32, False, 0) == pytest.approx(frozen.seconds(32, 32, False, 0))  # decode untouched
     assert frozen.seconds(32, 256, False, 32) == pytest.approx(truth / 3)
+
+
+# -- start-up -------------------------------------------------------------------------------------------
+
+
+def _decoding(n: int) -> list[Sequence]:
+    seqs = [_seq(i) for i in range(n)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    return seqs
+
+
+def test_start_up_at_a_large_batch_verifies_few_drafts():
+    """Batch 256, a drafter whose drafts are all rejected, verify steps that the optimistic prior
+    would buy (4 drafts for every sample): the first steps verify drafts of a few samples only, each
+    step within EXPLORE_SHARE of a plain one by the cost model, and after them none. (Before: the
+    prior's choice served RECHOOSE_STEPS steps, 8 x 1024 drafts.)"""
+    cost = cost_table(decode_ms=20.0, token_ms=0.02, drafter_ms=1.0, graph=True)
+    budget = SpecBudget(K, cost, graphs=True, max_graph_rows=256)
+    seqs = _decoding(256)
+    assert choose(np.full((256, K), spec_budget.PRIOR), cost=cost, graphs=True).min() >= 3  # the prior's choice
+    plain = cost.seconds(256, 256, True, 0)
+    caps = _run_steps(budget, seqs, 2 * RECHOOSE_STEPS, accept=lambda j: False)
+    drafts = [sum(c.values()) for c in caps]
+    assert 0 < drafts[0] and sum(drafts) < 256 * K / 4, drafts
+    for c in caps:
+        if sum(c.values()):
+            rows = sum(1 for k in c.values() if k)
+            assert cost.ragged_seconds(256, 256, np.full(sum(c.values()), rows))[-1] <= (1 + EXPLORE_SHARE) * plain
+    assert budget.acceptance.measured() and not any(drafts[-RECHOOSE_STEPS:])
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_a_good_drafter_still_reaches_full_blocks_within_a_few_steps(batch):
+    """All drafts accepted and full blocks pay (1.9x a decode step for 8x the tokens at batch 32):
+    batch 1 verifies its full block from the first step; batch 32 explores with a few samples (what
+    EXPLORE_SHARE of a step pays for) until MEASURED drafts are tried, then full blocks for all from
+    the fourth step."""
+    cost = cost_table(decode_ms=4.0, token_ms=0.015, drafter_ms=0.5, graph=True)
+    budget = SpecBudget(K, cost, graphs=True, max_graph_rows=256)
+    caps = _run_steps(budget, _decoding(batch), 6, accept=lambda j: True)
+    full = [sorted(c.values()) == [K] * batch for c in caps]
+    assert full[0] == (batch == 1) and all(full[3:]), caps
+    assert all(0 < sum(c.values()) < batch * K / 4 for c in caps[:3 if batch > 1 else 0])
+
+
+def test_a_choice_of_an_untimed_kind_of_step_serves_one_step():
+    """Drafting steps take 10x what the startup tables say (a graph captured mid-run, sampling on many
+    rows): the first choice verifies drafts, its step is timed, and the next step verifies none.
+    (Before: the choice served RECHOOSE_STEPS steps.)"""
+    tables = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5)
+    cost = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5)
+    cost.learn = True
+    budget = SpecBudget(K, cost, graphs=False, max_graph_rows=0)
+    seqs = _decoding(8)
+    budget.acceptance.observe(seqs, np.full(8, K), np.full(8, 1))  # measured: one draft of a block accepted
+    chosen = []
+    for _ in range(RECHOOSE_STEPS):
+        caps = budget.caps(seqs, False, 4096)
+        step = _step(seqs, caps)
+        drafts, rows = sum(step.rows.num_draft), sum(1 for k in step.rows.num_draft if k)
+        seconds = tables.seconds(8, 8 + drafts, False, rows) * (10 if drafts else 1)
+        budget.record(step, [min(k, 1) for k in step.rows.num_draft], seconds, False)
+        chosen.append(drafts)
+    assert chosen[0] > 0 and not any(chosen[1:]), chosen

@@ -106,8 +106,8 @@ class OracleDrafter(RepeatDrafter):
 @pytest.mark.parametrize("drafter", [None, "oracle"])
 def test_the_sample_keeps_the_token_completing_the_stop_and_nothing_after(tiny_random_qwen3, free_run, drafter):
     oracle = OracleDrafter(8, free_run.token_ids) if drafter else None
-    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=256),
-                    drafter_factory=factory_of(oracle))
+    eng = LLMEngine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=256, spec_adaptive=False),
+                    drafter_factory=factory_of(oracle))  # full blocks: the accept lengths below are whole blocks
     text = free_run.text  # a stop string of 3 letters first found ending inside the oracle's second block
     end = next(k for k in range(12, 17) if text.index(text[k - 3 : k]) == k - 3)
     stop = text[end - 3 : end]

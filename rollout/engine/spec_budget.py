@@ -28,6 +28,15 @@ Exploration: with no drafts verified nothing is learned, and the policy (so the 
 drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted time as credit;
 once the credit pays for the extra time of full blocks, that step verifies full blocks (a probe), so
 probes cost at most PROBE_SHARE of the time.
+
+Start-up: until the server-wide estimate rests on MEASURED drafts tried, a choice is mostly the
+optimistic prior's, and at a large batch the full blocks it may pick cost several decode steps each
+(more than the startup profile says: it times the forward only). So such a choice is cut to the
+samples (in order) whose drafts add at most EXPLORE_SHARE of a plain decode step (the first sample's
+drafts at least; all of a lone sample's, so batch 1 verifies full blocks at once), and serves one step
+only: each step's results steer the next, and a good drafter reaches full blocks within a few steps.
+So does a choice of a kind of step (CUDA graph or not, drafting or not, rows bucket) whose wall time
+the cost model has not observed yet: a misjudged step is then paid once, not RECHOOSE_STEPS times.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ SERVER_DECAY = 0.97  # server-wide counts, per step that verified drafts
 PRIOR_WEIGHT = 2.0  # the server-wide estimate's worth in a sample's own drafts tried
 SAMPLE_DECAY = 0.8  # a sample's counts of one position, per draft tried there
 PROBE_SHARE = 0.01
+MEASURED = 8.0  # drafts tried server-wide at the first position (decayed) before the prior stops steering
+EXPLORE_SHARE = 0.2  # until then: the most a step's drafts may add to a plain decode step's time
 RECHOOSE_STEPS = 8  # steps a full choice's rule serves (SpecBudget._choose)
 REUSE_STEPS = 16  # the same while no draft is verified
 
@@ -65,6 +76,10 @@ class AcceptanceEstimates:
     def server_wide(self) -> np.ndarray:
         """[K] the server-wide conditional acceptance of each position."""
         return (self.server_accepted + SERVER_PRIOR_WEIGHT * PRIOR) / (self.server_tried + SERVER_PRIOR_WEIGHT)
+
+    def measured(self) -> bool:
+        """Whether the server-wide estimate rests on MEASURED drafts tried (else mostly the prior)."""
+        return bool(self.server_tried[0] >= MEASURED)
 
     def of(self, seqs: list[Sequence]) -> np.ndarray:
         """[S, K] the estimates of these samples (a new sample: the server-wide one)."""
@@ -153,6 +168,29 @@ def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int
     return best, full
 
 
+def explore(budget: Budget, acc: np.ndarray, cost: StepCost, rows: int, base_tokens: int,
+            graphs: bool) -> Budget:
+    """`budget` (from choose_drafts) cut to its first drafting samples whose drafts add at most
+    EXPLORE_SHARE of a plain decode step's seconds (the first one's drafts at least), priced as an
+    eager step; unchanged when all of them fit. acc: [S, K] as choose_drafts'."""
+    order = np.flatnonzero(budget.drafts)  # [n] the samples that draft, in order
+    if len(order) <= 1:
+        return budget
+    bound = (1 + EXPLORE_SHARE) * cost.seconds(rows, base_tokens, graphs, 0)
+    if budget.seconds <= bound:
+        return budget
+    counts = budget.drafts[order]  # [n]
+    per_token = np.repeat(np.arange(1, len(order) + 1), counts)  # [D] samples drafting once a token is in
+    seconds = cost.ragged_seconds(rows, base_tokens, per_token)[np.cumsum(counts) - 1]  # [n] first n samples'
+    n = max(1, int(np.searchsorted(seconds, bound, side="right")))
+    if n == len(order):
+        return budget
+    drafts = np.zeros_like(budget.drafts)  # [S]
+    drafts[order[:n]] = counts[:n]
+    tokens = len(drafts) + float(slot_gains(acc, drafts).sum())
+    return Budget(drafts, tokens, float(seconds[n - 1]), -1, float("inf"))
+
+
 def uniform_sizes(k_max: int) -> list[int]:
     """The uniform block sizes tried: 0, then 1, 3, 7, ... below k_max, and k_max."""
     return [0, *(k for k in (2 ** i - 1 for i in range(1, 7)) if k < k_max), k_max]
@@ -190,10 +228,12 @@ class SpecBudget:
         self.max_graph_rows = max_graph_rows
         self.acceptance = AcceptanceEstimates(num_spec)
         self.credit = 0.0  # seconds of probing earned (see the module docstring)
-        self.totals = dict.fromkeys(("steps", "decode_rows", "drafts", "probes", "verified_rows", "accepted"), 0)
+        self.totals = dict.fromkeys(("steps", "decode_rows", "drafts", "probes", "verified_rows", "accepted",
+                                     "draft_steps", "draft_seconds"), 0)
         self._timings: list[tuple] = []  # recorded steps' shapes and wall times, not learned from yet
         self._verified: list[tuple] = []  # recorded steps' (entries, num_draft, num_accepted), the same
         self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
+        self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
 
     def caps(self, running: list[Sequence], admits: bool, token_budget: int) -> dict[Sequence, int]:
         """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
@@ -242,11 +282,19 @@ class SpecBudget:
         self._learn()
         acc = self.acceptance.of(decode)
         budget, full = choose_drafts(acc, np.asarray(limits, dtype=np.int64), self.cost, rows, base, room, graphs)
+        exploring = budget.k != 0 and not self.acceptance.measured()
+        if exploring:
+            budget = explore(budget, acc, self.cost, rows, base, graphs)
+        graphed = graphs and budget.k >= 0 and budget.k <= min(limits)
+        self._tentative = exploring or not self.cost.timed(rows, graphed, budget.k != 0)
         self._key, self._last, self._age = key, (budget, full.seconds), 1
         return budget, full.seconds
 
     def _serves(self) -> int:
-        """Steps a full choice serves: RECHOOSE_STEPS, REUSE_STEPS while no verify result has come in."""
+        """Steps a full choice serves: one when tentative (see the module docstring), RECHOOSE_STEPS,
+        REUSE_STEPS while no verify result has come in."""
+        if self._tentative:
+            return 1
         return RECHOOSE_STEPS if self._verified else REUSE_STEPS
 
     def _probe(self, chosen: int, full: int, seconds: float, full_seconds: float, room: int) -> bool:
@@ -270,6 +318,9 @@ class SpecBudget:
         drafting = len(rows.num_draft) - rows.num_draft.count(0)
         tokens = step.tokens.meta.slot_mapping.shape[0]
         self._timings.append((len(step.tokens.items), tokens, graphed, drafting, seconds))
+        if drafting:  # (bench_spec: the time steps with drafts took)
+            self.totals["draft_steps"] += 1
+            self.totals["draft_seconds"] += seconds
         if num_accepted is not None and drafting:
             self._verified.append((rows.entries, rows.num_draft, num_accepted))
 
@@ -288,6 +339,12 @@ class SpecBudget:
         self._verified = []
         self.totals["verified_rows"] += len(seqs)
         self.totals["accepted"] += int(num_accepted[verified].sum())
+
+    def forget_acceptance(self) -> None:
+        """Back to the prior, as at a server's start (its cost model kept): bench_spec's fresh starts."""
+        self._learn()
+        self.acceptance = AcceptanceEstimates(self.num_spec)
+        self.credit, self._key = 0.0, None
 
     def summary(self) -> dict:
         """Since the last summary: steps, decode rows, drafts verified per decode row, probes, accepted

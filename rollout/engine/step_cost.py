@@ -135,6 +135,11 @@ class StepCost:
             n = self.observed[key] = self.observed.get(key, 0) + 1
             self.log_correction[key] = now + max(1 / n, LEARN_RATE) * max(-bound, min(bound, ratio - now))
 
+    def timed(self, rows: int, graphed: bool, drafting: bool) -> bool:
+        """Whether a step of this kind and rows bucket has been observed (a frozen model: always)."""
+        graphed = graphed and self.graph is not None
+        return not self.learn or (graphed, drafting, rows_bucket(rows)) in self.observed
+
     def _model(self, rows: int, tokens: int, graphed: bool, draft_rows: int) -> float:
         """The tables' seconds, uncorrected."""
         if graphed:  # a graph computes its batch bucket's padded rows
