@@ -104,7 +104,8 @@ def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tin
     (masks and a grammar bitmask included), the graph sets' static paths run; then the engine's
     outputs equal those of an engine that was never profiled."""
     kw = dict(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], spec_block_size=4,
-              num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=40, max_mask_tokens=16)
+              num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=40, max_mask_tokens=16,
+              spec_adaptive=False)  # full blocks: an adaptive budget's choices follow wall time
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=5, ignore_eos=True)
     fresh = build_engine(EngineConfig(**kw))
     eng = build_engine(EngineConfig(**kw))

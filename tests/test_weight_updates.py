@@ -100,12 +100,12 @@ def test_an_update_whose_caller_gave_up_is_withdrawn(client, original):
     v0 = client.server_info()["policy_version"]
     long = {}
     worker = threading.Thread(target=lambda: long.update(t=client.generate(
-        [[5, 6, 7]], sampling=dict(GREEDY, max_tokens=100))))
+        [[5, 6, 7]], sampling=dict(GREEDY, max_tokens=480))))  # near the model's 512 positions
     worker.start()
     _wait_for_running(client)
     perturbed = {k: v + 1 for k, v in original.items()}
-    with pytest.raises(grpc.RpcError) as err:
-        client.update_weights(perturbed, timeout=0.3)  # drains behind a 100-token sample
+    with pytest.raises(grpc.RpcError) as err:  # (a 100-token sample could finish inside the deadline)
+        client.update_weights(perturbed, timeout=0.15)  # drains behind a 480-token sample
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     worker.join()
     assert long["t"].column("policy_version").to_pylist() == [v0]
