@@ -286,3 +286,26 @@ def environment(device: str) -> dict:
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
     return env
+
+
+def eager_step_kernels(engine: LLMEngine, add_requests, device: str = "cuda") -> list:
+    """The CUDA kernels of one eager decode step (graphs off): `add_requests()` queues short greedy
+    requests, two steps prefill and settle them, the third is profiled, the rest drain. Returns the
+    profiler's per-kernel averages, most device time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        add_requests()
+        engine.step()
+        engine.step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            sync(device)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.graphs = graphs
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return sorted(events, key=lambda e: -e.device_time_total)
+

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, metadata, print_table, run_engine, time_us, write_config_dir
+from common import SHAPES, eager_step_kernels, metadata, print_table, run_engine, time_us, write_config_dir
 
 from rollout.engine import moe_launch, triton_moe, triton_ops
 from rollout.engine.config import EngineConfig
@@ -190,24 +190,13 @@ def _row(name: str, us: float, nbytes: float | None, num_layers: int, bandwidth:
 
 def kernel_census(engine: LLMEngine, prompts: list[list[int]]) -> dict:
     """The CUDA kernels of one eager decode step (graphs off): launches and device time per name."""
-    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
-    graphs, engine.graphs = engine.graphs, None
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    def add_requests():
         for p in prompts:
             engine.add_request(f"census-{time.monotonic_ns()}", [p], params)
-        engine.step()
-        engine.step()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.step()
-            torch.cuda.synchronize()
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        engine.graphs = graphs
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    events.sort(key=lambda e: -e.device_time_total)
+
+    events = eager_step_kernels(engine, add_requests)
     top = [dict(kernel=e.key[:60], launches=e.count, us=e.device_time_total,
                 us_per_launch=e.device_time_total / e.count) for e in events]
     device_ms = sum(e.device_time_total for e in events) / 1e3

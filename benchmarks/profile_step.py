@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
+from common import SHAPES, eager_step_kernels, environment, print_table, sync, write_config_dir, write_json
 
 import rollout.engine.engine as engine_mod
 from rollout import build_engine
@@ -121,23 +121,9 @@ def phases(engine: LLMEngine, prompts, steps: int, temperature: float, device: s
 
 def kernels(engine: LLMEngine, prompts, device: str) -> dict:
     """Kernel count and top kernels of one eager decode forward (graphs off)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graphs, engine.graphs = engine.graphs, None
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        engine.add_request(f"k{time.monotonic_ns()}", prompts, params, n=WORKLOAD["n"])
-        engine.step()
-        engine.step()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.step()
-            sync(device)
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        engine.graphs = graphs
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    events.sort(key=lambda e: -e.device_time_total)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    events = eager_step_kernels(
+        engine, lambda: engine.add_request(f"k{time.monotonic_ns()}", prompts, params, n=WORKLOAD["n"]), device)
     total_us = sum(e.device_time_total for e in events)
     top = [dict(name=e.key[:70], calls=e.count, ms=e.device_time_total / 1e3) for e in events[:12]]
     return dict(num_kernels=sum(e.count for e in events), device_ms=total_us / 1e3, top=top)

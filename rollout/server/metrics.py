@@ -14,6 +14,7 @@ Two sources, one registry per server:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 
@@ -129,40 +130,37 @@ class RequestCounter(grpc.aio.ServerInterceptor):
 
 def _counted_unary(behaviour, labels, rpc: str):
     async def handle(request, context):
-        code = "UNKNOWN"
-        try:
-            result = await behaviour(request, context)
-            code = _code(context)
-            return result
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            code = _code(context)
-            raise
-        finally:
-            labels(rpc, code).inc()
+        with _outcome(labels, rpc, context):
+            return await behaviour(request, context)
 
     return handle
 
 
 def _counted_stream(behaviour, labels, rpc: str):
     async def handle(request, context):
-        code = "UNKNOWN"
-        try:
+        with _outcome(labels, rpc, context):
             async for response in behaviour(request, context):
                 yield response
-            code = _code(context)
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            code = _code(context)
-            raise
-        finally:
-            labels(rpc, code).inc()
 
     return handle
+
+
+@contextlib.contextmanager
+def _outcome(labels, rpc: str, context: grpc.aio.ServicerContext) -> Iterator[None]:
+    """Counts one call of `rpc` by the status it ended with (CANCELLED when the client went away,
+    UNKNOWN when the handler raised something else)."""
+    code = "UNKNOWN"
+    try:
+        yield
+        code = _code(context)
+    except asyncio.CancelledError:
+        code = "CANCELLED"
+        raise
+    except grpc.aio.AbortError:
+        code = _code(context)
+        raise
+    finally:
+        labels(rpc, code).inc()
 
 
 def _code(context: grpc.aio.ServicerContext) -> str:
