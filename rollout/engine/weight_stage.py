@@ -71,10 +71,15 @@ class WeightStage:
         self.tensors[(draft, key)] = tensor
         return tensor
 
+    @property
+    def pins_host(self) -> bool:
+        """Host memory staged here is page-locked for the swap (a CUDA engine staging on the host)."""
+        return self._pin
+
     def pin_region(self, region: torch.Tensor) -> None:
         """Page-locks the host memory of `region` (a uint8 view the staged tensors live in) until
         `close`, when this stage is host memory for a CUDA engine."""
-        unlock = page_lock(region) if self._pin else None
+        unlock = page_lock(region) if self.pins_host else None
         if unlock is not None:
             self._closers.append(unlock)
 

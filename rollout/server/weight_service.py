@@ -77,7 +77,7 @@ class WeightService:
             repeated = await self._receive(pieces, upload)
             if repeated is not None:
                 return response(repeated)
-            job = upload.finish()
+            job = upload.finish(keep_locked=not self.give_back)
             seconds = time.perf_counter() - start
             log_event("weights_received", tensors=len(job.tensors), bytes=upload.bytes, seconds=round(seconds, 3),
                       gb_per_s=round(upload.bytes / max(seconds, 1e-9) / 1e9, 3))

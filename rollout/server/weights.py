@@ -129,7 +129,8 @@ class WeightUpload:
         self._tensors[(draft, key)] = (sink, offset)
         return sink
 
-    def finish(self) -> UploadJob:
+    def finish(self, keep_locked: bool = False) -> UploadJob:
+        """The job of the complete upload (`keep_locked`: the arena stays page-locked after it)."""
         for stream in self._files.values():
             stream.check_complete()
         tensors = []
@@ -138,7 +139,7 @@ class WeightUpload:
             tensors.append(ArenaTensor(draft, key, sink.name, offset, str(sink.dest.dtype).removeprefix("torch.")))
         if not tensors:
             raise InvalidArgument("weights", "the update carries no tensors")
-        return UploadJob(self.token, self.update_id, tensors, self.arena.size)
+        return UploadJob(self.token, self.update_id, tensors, self.arena.size, keep_locked)
 
 
 class SafetensorsStream:
