@@ -36,6 +36,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(weight_jobs, "page_lock", rec)
     monkeypatch.setattr(weight_stage, "page_lock", rec)
     monkeypatch.setattr(weight_stage.WeightStage, "pins_host", property(lambda self: True))
+    monkeypatch.setattr(weight_stage.WeightStage, "reads_host_to_device", property(lambda self: True))
     return rec
 
 
