@@ -14,6 +14,7 @@ chunk's `draft` flag. Anything malformed raises InvalidArgument naming the tenso
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import torch
@@ -91,6 +92,7 @@ class WeightUpload:
         self._tensors: dict[tuple[bool, str], tuple[TensorSink, int]] = {}  # (draft, key) -> sink, offset
         self._files: dict[tuple[bool, int], SafetensorsStream] = {}
         self.bytes = 0
+        self.started = time.perf_counter()
 
     def add(self, piece: WirePiece) -> None:
         if piece.error:
