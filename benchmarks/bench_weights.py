@@ -36,7 +36,8 @@ update is sent once the rollout has started; the engine drains it on the old wei
     python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b   # one H200
     python benchmarks/bench_weights.py --device cuda --shape qwen3-8b --sections memory    # release / resume only
     python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b --sections transfer \
-        --paths grpc_state_dict --buffers kept --repeats 2                       # the gRPC state dict row only
+        --paths grpc_state_dict --buffers kept --repeats 2                       # the gRPC state dict rows only
+(gRPC rows: one call and four parallel calls of an update, `--streams 1,4`.)
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from rollout.server.process import ServerProcess  # noqa: E402
 from trainer_client import RolloutClient  # noqa: E402
 from trainer_client.broadcast import BroadcastGroup  # noqa: E402
 
-COLUMNS = ["path", "buffers", "gb", "seconds", "gb_per_s", "stage_s", "pause_s", "version"]
+COLUMNS = ["path", "buffers", "streams", "gb", "seconds", "gb_per_s", "stage_s", "pause_s", "version"]
 ROLLOUT_MODES = ("sequential", "staged_host", "staged_device")
 PATHS = ("grpc_state_dict", "grpc_safetensors", "same_host", "broadcast")  # the transfer section's rows
 SECTIONS = ("transfer", "rollout", "memory")  # the gRPC / same-host / broadcast rows, the pause, release / resume
@@ -92,8 +93,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--paths", default=",".join(PATHS),
                    help=f"comma-separated, of {','.join(PATHS)}: the transfer section's paths (e.g. grpc_state_dict)")
     p.add_argument("--buffers", default="given back,kept", help="comma-separated: the gRPC upload buffers to run")
+    p.add_argument("--streams", default="1,4", help="comma-separated: parallel calls of a gRPC update to run")
     args = p.parse_args()
     args.paths, args.buffers = args.paths.split(","), args.buffers.split(",")
+    args.streams = [int(n) for n in args.streams.split(",")]
     if unknown := set(args.paths) - set(PATHS):
         p.error(f"--paths: unknown {sorted(unknown)}, expected some of {list(PATHS)}")
     if unknown := set(args.buffers) - {"given back", "kept"}:
@@ -134,13 +137,17 @@ def scratch_dir(args: argparse.Namespace) -> str | None:
     return "/dev/shm" if room > 3 * params * torch.finfo(getattr(torch, args.dtype)).bits // 8 else None
 
 
-def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers: str) -> dict:
+def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers: str, streams: int = 1) -> dict:
     start = time.perf_counter()
-    version = (client.update_weights_shared if path == "same_host" else client.update_weights)(weights)
+    if path == "same_host":
+        version = client.update_weights_shared(weights)
+    else:
+        version = client.update_weights(weights, streams=streams)
     seconds = time.perf_counter() - start
     reply = client.last_update
-    return dict(path=path, buffers=buffers, gb=nbytes / 1e9, seconds=seconds, gb_per_s=nbytes / 1e9 / seconds,
-                stage_s=reply["stage_seconds"], pause_s=reply["pause_seconds"], version=version)
+    return dict(path=path, buffers=buffers, streams=streams, gb=nbytes / 1e9, seconds=seconds,
+                gb_per_s=nbytes / 1e9 / seconds, stage_s=reply["stage_seconds"], pause_s=reply["pause_seconds"],
+                version=version)
 
 
 def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Path, keep: bool) -> list[dict]:
@@ -152,7 +159,8 @@ def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Pat
         for r in range(args.repeats):
             first = len(rows)
             for path, weights in (("grpc_state_dict", state), ("grpc_safetensors", files)):
-                rows += [timed_update(client, weights, nbytes, path, buffers)] if path in args.paths else []
+                if path in args.paths:
+                    rows += [timed_update(client, weights, nbytes, path, buffers, n) for n in args.streams]
             if keep:  # (no upload buffers on these paths)
                 rows += [timed_update(client, state, nbytes, "same_host", "-")] if "same_host" in args.paths else []
                 if "broadcast" in args.paths and args.broadcast != "none":
@@ -265,10 +273,10 @@ def rollout_row(args: argparse.Namespace, model_dir: Path, state: dict, mode: st
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (path, buffers): the median repeat's numbers."""
+    """Per (path, buffers, streams): the median repeat's numbers."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["path"], row["buffers"]), []).append(row)
+        groups.setdefault((row["path"], row["buffers"], row.get("streams")), []).append(row)
     out = []
     for group in groups.values():
         median = statistics.median(r["seconds"] for r in group)

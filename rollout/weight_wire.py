@@ -50,25 +50,26 @@ def encode_piece(piece: EncodedPiece) -> bytes:
 
 
 def _wrap(payload_field: int, inner_head: bytes, data_field: int, size: int, draft: bool,
-          update_id: str) -> tuple[bytes, bytes]:  # fmt: skip
+          update_id: str, streams: int) -> tuple[bytes, bytes]:  # fmt: skip
     inner = inner_head + _key(data_field, _LEN) + _varint(size)
     head = (_key(1, _VARINT) + b"\x01" if draft else b"") + _key(payload_field, _LEN)
-    tail = pb.WeightChunk(update_id=update_id).SerializeToString()
+    tail = pb.WeightChunk(update_id=update_id, streams=streams).SerializeToString()
     return head + _varint(len(inner) + size) + inner, tail
 
 
 def tensor_piece(name: str, dtype: str, shape: tuple[int, ...], data, draft: bool = False,
-                 update_id: str = "") -> EncodedPiece:  # fmt: skip
-    """A WeightChunk carrying a piece of the raw bytes of tensor `name`."""
+                 update_id: str = "", streams: int = 0) -> EncodedPiece:  # fmt: skip
+    """A WeightChunk carrying a piece of the raw bytes of tensor `name` (`streams`: the update's
+    count of parallel calls, see WeightChunk.streams)."""
     fields = pb.Tensor(name=name, dtype=dtype, shape=shape).SerializeToString()
-    head, tail = _wrap(3, fields, 4, len(data), draft, update_id)
+    head, tail = _wrap(3, fields, 4, len(data), draft, update_id, streams)
     return EncodedPiece(head, data, tail)
 
 
-def file_piece(index: int, data, draft: bool = False, update_id: str = "") -> EncodedPiece:
+def file_piece(index: int, data, draft: bool = False, update_id: str = "", streams: int = 0) -> EncodedPiece:
     """A WeightChunk carrying a piece of safetensors file number `index`."""
     fields = pb.SafetensorsPart(file=index).SerializeToString()
-    head, tail = _wrap(2, fields, 2, len(data), draft, update_id)
+    head, tail = _wrap(2, fields, 2, len(data), draft, update_id, streams)
     return EncodedPiece(head, data, tail)
 
 
@@ -85,6 +86,7 @@ class WirePiece:
     file: int = 0
     data: memoryview = _EMPTY
     update_id: str = ""
+    streams: int = 0
     error: str = ""
 
 
@@ -110,6 +112,8 @@ def _decode_chunk(buf: memoryview) -> WirePiece:
             _decode_tensor(value, piece)
         elif field == 4 and wire_type == _LEN:
             piece.update_id = str(value, "utf-8")
+        elif field == 5 and wire_type == _VARINT:
+            piece.streams = value
     return piece
 
 

@@ -2,7 +2,8 @@
 process, as `rollout serve` runs it): refusals at a tensor's first piece with the upload's memory
 given back, values that are not finite and a tied lm_head refused by name, undecodable bytes as
 INVALID_ARGUMENT, an update whose caller gave up withdrawn, a repeated update id applied once, and
-requests admitted and finished on the old weights while an upload is still streaming; and the
+requests admitted and finished on the old weights while an upload is still streaming; an update
+split over parallel calls (one failing fails all, their count and update id checked); and the
 same-host handover through shared memory (UpdateWeightsShared); the asyncio client's weight and
 memory calls."""
 
@@ -22,9 +23,10 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.app import BackgroundServer, ServeConfig
+from rollout.weight_wire import encode_piece, tensor_piece
 from trainer_client import AsyncRolloutClient, RolloutClient
 from trainer_client.shared import SharedUpdate
-from trainer_client.weights import encoded_ahead, weight_pieces
+from trainer_client.weights import encoded_ahead, weight_pieces, weight_streams
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -190,3 +192,69 @@ def test_async_client_weight_and_memory_calls(server, original):
             assert not (await aclient.resume_memory())["released"]
 
     asyncio.run(main())
+
+
+def _released(server, timeout: float = 30.0) -> bool:
+    """The arena's pages given back (the server's calls of a failed update wind down asynchronously)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while _arena(server).resident_bytes() and time.monotonic() < end:
+        time.sleep(0.02)
+    return _arena(server).resident_bytes() == 0
+
+
+def test_an_update_over_parallel_streams_equals_one_stream(client, original):
+    """WeightChunk.streams: the tensors split over four calls, each on its own connection, give the
+    model one call gives, as one version; a repeat of its update id applies nothing."""
+    groups = weight_streams(original, update_id="u", streams=4)
+    assert len(groups) == 4 and all(list(g) for g in weight_streams(original, update_id="u", streams=4))
+    v0 = client.server_info()["policy_version"]
+    perturbed = {k: v * 1.5 for k, v in original.items()}
+    assert client.update_weights(perturbed, streams=1) == v0 + 1
+    reference = client.generate([[4, 5, 6]], n=2, sampling=GREEDY).column("token_ids").to_pylist()
+    client.update_weights(original, streams=1)
+    assert client.update_weights(perturbed, streams=4, update_id="four-streams") == v0 + 3
+    assert len(client._weight_channels) == 4
+    assert client.generate([[4, 5, 6]], n=2, sampling=GREEDY).column("token_ids").to_pylist() == reference
+    assert client.update_weights(perturbed, streams=4, update_id="four-streams") == v0 + 3
+    assert client.last_update["repeated"]
+
+
+def test_a_failing_stream_fails_the_whole_update(server, client, original):
+    """One call of four carries an unknown tensor: every call fails, nothing applies, the arena's
+    memory is given back, and the next update runs."""
+    v0 = client.server_info()["policy_version"]
+    before = client.generate([[4, 5, 6]], sampling=GREEDY).column("token_ids").to_pylist()
+    bad = {**{k: v * 1.5 for k, v in original.items()}, "model.bogus.weight": torch.zeros(64, 64)}
+    with pytest.raises(grpc.RpcError) as err:
+        client.update_weights(bad, streams=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'model.bogus.weight'" in err.value.details()
+    assert _released(server) and client.server_info()["policy_version"] == v0
+    assert client.generate([[4, 5, 6]], sampling=GREEDY).column("token_ids").to_pylist() == before
+    assert client.update_weights(original, streams=4) == v0 + 1
+
+
+def test_parallel_streams_must_agree_on_their_count_and_carry_an_update_id(server, client, original):
+    v0 = client.server_info()["policy_version"]
+    name, tensor = "model.norm.weight", original["model.norm.weight"]
+    data = memoryview(tensor.view(torch.uint8).numpy())  # [256] bytes
+    (call_a, call_b) = client._weight_calls(2)
+    with pytest.raises(grpc.RpcError) as err:  # no update id
+        call_a(iter([encode_piece(tensor_piece(name, "float32", (64,), data, streams=2))]),
+               timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "needs an update_id" in err.value.details()
+    go_on = threading.Event()
+
+    def first_call():
+        yield encode_piece(tensor_piece(name, "float32", (64,), data, update_id="x", streams=2))
+        go_on.wait(60)
+
+    pending = call_a.future(first_call(), timeout=60)
+    other = {k: v for k, v in original.items() if k != name}
+    with pytest.raises(grpc.RpcError) as err:  # the same update, another count
+        call_b(encoded_ahead(weight_streams(other, update_id="x", streams=3)[0]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "says 3 streams" in err.value.details()
+    pending.cancel()
+    go_on.set()
+    assert _released(server) and client.server_info()["policy_version"] == v0

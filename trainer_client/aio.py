@@ -9,6 +9,7 @@ or many servers concurrently.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from trainer_client.client import (
+    WEIGHT_STREAMS,
     CancellingCall,
     ClientBase,
     Prompt,
@@ -26,10 +28,11 @@ from trainer_client.client import (
     decode_batch,
     info_to_dict,
     memory_to_dict,
+    streams_update_id,
     to_table,
 )
 from trainer_client.shared import SharedUpdate
-from trainer_client.weights import encoded_ahead, weight_pieces
+from trainer_client.weights import encoded_ahead, weight_streams
 
 
 class AsyncBatchStream(CancellingCall):
@@ -111,10 +114,18 @@ class AsyncRolloutClient(ClientBase):
         draft_weights: Weights | None = None,
         update_id: str | None = None,
         timeout: float | None = None,
+        streams: int = WEIGHT_STREAMS,
     ) -> int:
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
-        pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
-        return self._reply(await self._update_weights(encoded_ahead(pieces), timeout=self._deadline(timeout)))
+        groups = weight_streams(weights, draft, draft_weights, update_id or streams_update_id(streams), streams)
+        calls = [asyncio.ensure_future(call(encoded_ahead(pieces), timeout=self._deadline(timeout)))
+                 for call, pieces in zip(self._weight_calls(len(groups)), groups)]  # fmt: skip
+        try:
+            replies = await asyncio.gather(*calls)
+        finally:
+            for call in calls:
+                call.cancel()
+        return self._reply(replies[0])
 
     async def update_weights_shared(
         self,
@@ -141,7 +152,8 @@ class AsyncRolloutClient(ClientBase):
         return memory_to_dict(reply)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._weight_channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self

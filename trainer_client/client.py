@@ -14,6 +14,8 @@ building and decoding helpers here are shared with the asyncio twin in `trainer_
 from __future__ import annotations
 
 import numbers
+import queue
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -29,10 +31,14 @@ from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
 from rollout.schema import POLICY_VERSION_KEY, ROLLOUT_SCHEMA
 from trainer_client.shared import SharedUpdate
-from trainer_client.weights import Weights, encoded_ahead, weight_pieces
+from trainer_client.weights import Weights, encoded_ahead, weight_streams
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 UPDATE_WEIGHTS = "/rollout.v1.Rollout/UpdateWeights"
+# parallel UpdateWeights calls of one update (WeightChunk.streams), each on its own connection: gRPC's
+# Python receive path handles one call on one thread (H200 host, a bare server: 1.4 GB/s one call, 2.2
+# GB/s four; BENCHMARKS.md)
+WEIGHT_STREAMS = 4
 SORT_KEYS = [("prompt_index", "ascending"), ("sample_index", "ascending")]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
@@ -193,12 +199,25 @@ class ClientBase:
     def __init__(self, address: str, timeout: float | None = None, options: Iterable[tuple] = ()):
         self.address = address
         self.timeout = timeout
-        self._channel = self._open_channel(address, options=[*CHANNEL_OPTIONS, *options])
+        self._options = [*CHANNEL_OPTIONS, *options]
+        self._channel = self._open_channel(address, options=self._options)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
-        self._update_weights = self._channel.stream_unary(  # encoded messages (trainer_client.weights.encoded_ahead)
-            UPDATE_WEIGHTS, response_deserializer=pb.UpdateWeightsResponse.FromString
-        )
+        self._weight_channels = [self._channel]  # more, each its own connection, for parallel weight streams
         self.last_update: dict[str, Any] = {}  # the last UpdateWeights reply (stage and pause seconds, ...)
+
+    @property
+    def _update_weights(self) -> Callable:
+        """The UpdateWeights callable of the client's own channel (one stream)."""
+        return self._weight_calls(1)[0]
+
+    def _weight_calls(self, count: int) -> list[Callable]:
+        """`count` UpdateWeights callables (taking encoded messages: trainer_client.weights.encoded_ahead),
+        each on its own channel and connection."""
+        while len(self._weight_channels) < count:
+            own = [*self._options, ("grpc.use_local_subchannel_pool", 1)]
+            self._weight_channels.append(self._open_channel(self.address, options=own))
+        return [c.stream_unary(UPDATE_WEIGHTS, response_deserializer=pb.UpdateWeightsResponse.FromString)
+                for c in self._weight_channels[:count]]  # fmt: skip
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -206,6 +225,27 @@ class ClientBase:
     def _reply(self, reply: pb.UpdateWeightsResponse) -> int:
         self.last_update = {f.name: getattr(reply, f.name) for f in pb.UpdateWeightsResponse.DESCRIPTOR.fields}
         return reply.policy_version
+
+
+def streams_update_id(streams: int) -> str:
+    """An update_id for an update sent over several streams without one (they must share one)."""
+    return uuid.uuid4().hex if streams > 1 else ""
+
+
+def _first_failure_or_reply(calls: list[grpc.Future]) -> pb.UpdateWeightsResponse:
+    """The reply of parallel calls of one update (they all answer the same), or the first failure,
+    the others cancelled."""
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    for call in calls:
+        call.add_done_callback(finished.put)
+    reply = None
+    try:
+        for _ in calls:
+            reply = finished.get().result()
+    finally:
+        for call in calls:
+            call.cancel()
+    return reply
 
 
 class RolloutClient(ClientBase):
@@ -266,14 +306,18 @@ class RolloutClient(ClientBase):
         draft_weights: Weights | None = None,
         update_id: str | None = None,
         timeout: float | None = None,
+        streams: int = WEIGHT_STREAMS,
     ) -> int:
         """Pushes a state dict or safetensors file(s) to the target (or, with draft=True, to the
         drafter); `draft_weights` replaces the drafter in the same call. Returns the new
         policy_version, once the server applied it. If the call fails or times out before the
         update applied, the server withdraws it; pass the same `update_id` when retrying to make
-        sure it applies once even if the reply, not the update, was lost."""
-        pieces = weight_pieces(weights, draft, draft_weights, update_id or "")
-        return self._reply(self._update_weights(encoded_ahead(pieces), timeout=self._deadline(timeout)))
+        sure it applies once even if the reply, not the update, was lost. The bytes go over up to
+        `streams` parallel calls (whole tensors or files each; one call applies nothing alone)."""
+        groups = weight_streams(weights, draft, draft_weights, update_id or streams_update_id(streams), streams)
+        calls = [call.future(encoded_ahead(pieces), timeout=self._deadline(timeout))
+                 for call, pieces in zip(self._weight_calls(len(groups)), groups)]  # fmt: skip
+        return self._reply(_first_failure_or_reply(calls))
 
     def update_weights_shared(
         self,
@@ -304,7 +348,8 @@ class RolloutClient(ClientBase):
         return memory_to_dict(self._stub.ResumeMemory(pb.ResumeMemoryRequest(), timeout=self._deadline(timeout)))
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._weight_channels:
+            channel.close()
 
     def __enter__(self) -> RolloutClient:
         return self

@@ -6,7 +6,8 @@ rollout.server.wire), writes them into the weight arena while checking each tens
 swaps (rollout.server.weight_jobs). One upload holds the arena at a time; its pages are given
 back when the engine is done with them (or kept, `give_back=False`). A caller that goes away
 before its update applied has it withdrawn; a repeat of an applied update id returns at its
-first chunk without taking its bytes.
+first chunk without taking its bytes. An update may arrive over several calls at once
+(WeightChunk.streams, docs/wire.md): they share one upload and one answer (`_update_part`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from rollout.engine.weight_specs import WeightSpecs
-from rollout.errors import FailedPrecondition
+from rollout.errors import FailedPrecondition, InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.broadcast_weights import BroadcastJob, BroadcastMeta, JoinGroup, LeaveGroup
 from rollout.server.logs import log_event
@@ -56,6 +57,7 @@ class WeightService:
         self._specs: WeightSpecs | None = None
         self._arena_busy = False
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-weights-write")
+        self._parts: dict[str, _Parts] = {}  # updates arriving over several calls, by update_id
 
     async def specs(self) -> WeightSpecs:
         if self._specs is None:
@@ -63,29 +65,114 @@ class WeightService:
         return self._specs
 
     async def update(self, pieces: AsyncIterator[WirePiece]) -> pb.UpdateWeightsResponse:
-        """UpdateWeights: the stream into the arena, then the engine's job."""
-        if self._arena_busy:
-            raise FailedPrecondition("weights: another weight upload is in progress; retry when it has applied")
+        """UpdateWeights: the stream into the arena, then the engine's job; one of several calls
+        of an update (WeightChunk.streams > 1) joins the others (`_update_part`)."""
+        pieces = aiter(pieces)
+        first = await anext(pieces, None)
+        pieces = _prepended(first, pieces)
+        if first is not None and first.streams > 1:
+            return response(await self._update_part(first, pieces))
+        self._take_arena()
         arena = self.engine_loop.weight_arena
-        self._arena_busy = True
         handed_over = False
         try:
-            specs = await self.specs()
-            arena.reserve(specs.budget())
-            upload = WeightUpload(specs, arena, uuid.uuid4().hex)
-            start = time.perf_counter()
+            upload = await self._open_upload()
             repeated = await self._receive(pieces, upload)
             if repeated is not None:
                 return response(repeated)
-            job = upload.finish()
-            seconds = time.perf_counter() - start
-            log_event("weights_received", tensors=len(job.tensors), bytes=upload.bytes, seconds=round(seconds, 3),
-                      gb_per_s=round(upload.bytes / max(seconds, 1e-9) / 1e9, 3))
             handed_over = True  # the arena is released once the engine is done with it
-            return response(await self._run(job, lambda _: self._release(arena)))
+            return response(await self._run(self._finish(upload), lambda _: self._release(arena)))
         finally:
             if not handed_over:
                 self._release(arena)
+
+    def _take_arena(self) -> None:
+        if self._arena_busy:
+            raise FailedPrecondition("weights: another weight upload is in progress; retry when it has applied")
+        self._arena_busy = True
+
+    async def _open_upload(self) -> WeightUpload:
+        specs = await self.specs()
+        arena = self.engine_loop.weight_arena
+        arena.reserve(specs.budget())
+        return WeightUpload(specs, arena, uuid.uuid4().hex)
+
+    def _finish(self, upload: WeightUpload):
+        """The engine's job of a complete upload (InvalidArgument if a tensor or file is short)."""
+        job = upload.finish(keep_locked=not self.give_back)
+        seconds = time.perf_counter() - upload.started
+        log_event("weights_received", tensors=len(job.tensors), bytes=upload.bytes, seconds=round(seconds, 3),
+                  gb_per_s=round(upload.bytes / max(seconds, 1e-9) / 1e9, 3))
+        return job
+
+    async def _update_part(self, first: WirePiece, pieces: AsyncIterator[WirePiece]) -> WeightsApplied:
+        """One of the `first.streams` calls of an update: the first to arrive takes the arena and opens
+        the upload, each writes its pieces into it, the last to finish hands the job to the engine,
+        and every call answers with the update's result. A call that fails (or is cancelled) fails
+        the update: nothing applies, and the arena is released once no call writes into it."""
+        parts = self._join(first)
+        try:
+            opened = await asyncio.shield(parts.opened)
+            if isinstance(opened, WeightsApplied):  # a repeat of an applied update id
+                return opened
+            await self._receive(pieces, opened)
+            parts.received += 1
+            if parts.received == parts.streams and not parts.answer.done():
+                parts.run = asyncio.ensure_future(self._run_parts(parts, opened))
+                parts.run.add_done_callback(_retrieved)
+            return await asyncio.shield(parts.answer)
+        except BaseException as exc:
+            parts.fail(exc)
+            raise
+        finally:
+            parts.active -= 1
+            if parts.active == 0 and parts.run is None:
+                self._parts.pop(parts.update_id, None)
+                self._release(self.engine_loop.weight_arena)
+
+    def _join(self, first: WirePiece) -> _Parts:
+        """The update `first` belongs to (opened by its first call), joined by this call."""
+        if not first.update_id:
+            raise InvalidArgument("update_id", f"an update sent over {first.streams} streams needs an update_id")
+        parts = self._parts.get(first.update_id)
+        if parts is None:
+            self._take_arena()
+            parts = self._parts[first.update_id] = _Parts(first.update_id, first.streams)
+            parts.opened = asyncio.ensure_future(self._open_part(first.update_id))
+        elif first.streams != parts.streams:
+            raise InvalidArgument("streams", f"update {first.update_id!r}: this call says {first.streams} streams, "
+                                             f"an earlier one {parts.streams}")
+        if parts.joined == parts.streams:
+            raise InvalidArgument("streams", f"update {first.update_id!r}: more calls than its {parts.streams} streams")
+        parts.joined += 1
+        parts.active += 1
+        return parts
+
+    async def _open_part(self, update_id: str) -> WeightUpload | WeightsApplied:
+        repeated = await self._repeat(update_id)
+        if repeated is not None:
+            return repeated
+        upload = await self._open_upload()
+        upload.update_id = update_id
+        return upload
+
+    async def _run_parts(self, parts: _Parts, upload: WeightUpload) -> None:
+        """The engine's job of an update whose calls all sent everything; its answer goes to every call."""
+        arena = self.engine_loop.weight_arena
+        try:
+            try:
+                job = self._finish(upload)
+            except BaseException:
+                self._release(arena)  # (every call has sent all: nothing writes into it any more)
+                raise
+            applied = await self._run(job, lambda _: self._release(arena))
+            if not parts.answer.done():
+                parts.answer.set_result(applied)
+        except BaseException as exc:
+            parts.fail(exc)
+            raise
+        finally:
+            self._parts.pop(parts.update_id, None)
 
     async def update_shared(self, request: pb.SharedWeights) -> pb.UpdateWeightsResponse:
         """UpdateWeightsShared: checked here, mapped and staged by the engine (rollout.server.shared_weights)."""
@@ -149,6 +236,37 @@ class WeightService:
     def _release(self, arena) -> None:
         arena.release(give_back=self.give_back)
         self._arena_busy = False
+
+
+class _Parts:
+    """An update arriving over several UpdateWeights calls (WeightChunk.streams)."""
+
+    def __init__(self, update_id: str, streams: int):
+        self.update_id, self.streams = update_id, streams
+        self.joined = self.active = self.received = 0  # calls that joined / are still running / sent all
+        self.opened: asyncio.Future  # the upload to write into, or a repeat's answer
+        self.answer: asyncio.Future = asyncio.get_running_loop().create_future()  # WeightsApplied, for all
+        self.answer.add_done_callback(_retrieved)
+        self.run: asyncio.Future | None = None  # the engine's job, once every call has sent all
+
+    def fail(self, exc: BaseException) -> None:
+        """Fails the update for every call (a cancelled call withdraws a job already handed over)."""
+        if self.run is not None and not self.run.done():
+            self.run.cancel()
+        if self.answer.done():
+            return
+        if isinstance(exc, asyncio.CancelledError):
+            self.answer.cancel()
+        else:
+            self.answer.set_exception(exc)
+
+
+async def _prepended(first: WirePiece | None, rest: AsyncIterator[WirePiece]) -> AsyncIterator[WirePiece]:
+    if first is None:
+        return
+    yield first
+    async for piece in rest:
+        yield piece
 
 
 def _retrieved(engine_call: asyncio.Future) -> None:

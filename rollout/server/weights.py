@@ -14,6 +14,7 @@ chunk's `draft` flag. Anything malformed raises InvalidArgument naming the tenso
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import torch
@@ -91,6 +92,7 @@ class WeightUpload:
         self._tensors: dict[tuple[bool, str], tuple[TensorSink, int]] = {}  # (draft, key) -> sink, offset
         self._files: dict[tuple[bool, int], SafetensorsStream] = {}
         self.bytes = 0
+        self.started = time.perf_counter()
 
     def add(self, piece: WirePiece) -> None:
         if piece.error:
@@ -129,7 +131,8 @@ class WeightUpload:
         self._tensors[(draft, key)] = (sink, offset)
         return sink
 
-    def finish(self) -> UploadJob:
+    def finish(self, keep_locked: bool = False) -> UploadJob:
+        """The job of the complete upload (`keep_locked`: the arena stays page-locked after it)."""
         for stream in self._files.values():
             stream.check_complete()
         tensors = []
@@ -138,7 +141,7 @@ class WeightUpload:
             tensors.append(ArenaTensor(draft, key, sink.name, offset, str(sink.dest.dtype).removeprefix("torch.")))
         if not tensors:
             raise InvalidArgument("weights", "the update carries no tensors")
-        return UploadJob(self.token, self.update_id, tensors, self.arena.size)
+        return UploadJob(self.token, self.update_id, tensors, self.arena.size, keep_locked)
 
 
 class SafetensorsStream:

@@ -183,16 +183,18 @@ class SafetensorsPart(_message.Message):
     def __init__(self, file: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("draft", "safetensors", "tensor", "update_id")
+    __slots__ = ("draft", "safetensors", "tensor", "update_id", "streams")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     draft: bool
     safetensors: SafetensorsPart
     tensor: Tensor
     update_id: str
-    def __init__(self, draft: _Optional[bool] = ..., safetensors: _Optional[_Union[SafetensorsPart, _Mapping]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
+    streams: int
+    def __init__(self, draft: _Optional[bool] = ..., safetensors: _Optional[_Union[SafetensorsPart, _Mapping]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[str] = ..., streams: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "num_tensors", "num_draft_tensors", "stage_seconds", "pause_seconds", "repeated")
