@@ -1,12 +1,16 @@
 """`rollout.server.loop.EngineLoop` on its own, with a scripted engine: command results and
 deliveries reach the event loop in order, a command whose future was cancelled while it waited
-still runs and leaves the loop serving, and the deliveries of one step come in one wake-up."""
+still runs and leaves the loop serving, the deliveries of one step come in one wake-up, and a
+weight update that comes after the loop stopped is refused instead of waiting forever."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
+import pytest
+
+from rollout.errors import Unavailable
 from rollout.outputs import SampleOutput
 from rollout.server.convert import GenerateCall
 from rollout.server.loop import Delivery, EngineLoop
@@ -237,3 +241,28 @@ def test_the_draft_budget_is_logged_after_the_first_step_and_when_idle(caplog, m
     lines = [r.fields for r in caplog.records if r.getMessage() == "spec_budget"]
     assert len(lines) == engine.summaries == 2
     assert lines[0]["steps"] == 1 and lines[1]["steps"] >= 5 and lines[1]["request_accept_length"] == {"a": 2.0}
+
+
+class _Stage:
+    closed = False
+
+    def count(self, draft: bool) -> int:
+        return 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_weight_update_queued_after_the_loop_stopped_is_refused_not_left_waiting():
+    async def main():
+        engine = ScriptedEngine()
+        loop = EngineLoop(lambda: engine, asyncio.get_running_loop())
+        await loop.start()
+        await loop.stop()
+        stage = _Stage()
+        job = type("Job", (), dict(token="t", update_id="", stage=lambda self, engine, side: stage))()
+        with pytest.raises(Unavailable, match="engine loop has stopped"):
+            await loop.update_weights(job)
+        assert stage.closed
+
+    asyncio.run(asyncio.wait_for(main(), 30))  # a lost update fails instead of hanging

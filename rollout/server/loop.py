@@ -138,7 +138,11 @@ class EngineLoop:
         fut = self._loop.create_future()
         self._commands.put((lambda engine: self._update(engine, stage, job, summary, fut), None))
         try:
-            return await fut
+            stopped = asyncio.wrap_future(self._finished)
+            await asyncio.wait([fut, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if not fut.done():  # queued after the loop had stopped: it never runs
+                raise Unavailable("the engine loop has stopped; the weight update was not applied")
+            return fut.result()
         finally:
             stage.close()  # applied, refused or withdrawn: nothing reads the stage any more
 
