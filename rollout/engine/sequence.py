@@ -39,7 +39,6 @@ class Sequence:
     started: bool = False  # admitted at least once (its tokens belong to policy_version)
     end_ids: tuple[int, ...] = ()  # EOS + stop_token_ids: banned by min_tokens, a grammar's ends
     stop_ids: frozenset[int] = frozenset()  # the tokens that finish this sample (EOS unless ignore_eos)
-    policy_version: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     support_parts: list | None = None  # per step: (PackedRows, first row, count) of committed tokens
