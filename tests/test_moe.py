@@ -203,3 +203,17 @@ def test_bad_expert_updates_are_refused(tiny_random_qwen3_moe, name, shape, frag
     with pytest.raises(InvalidArgument, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         eng.update_weights({name: torch.zeros(shape)})
     assert eng.policy_version == 0 and not eng.weight_update_pending()
+
+
+def test_the_upload_bound_counts_an_expert_parameter_once_whatever_its_layout(tiny_random_qwen3_moe, tmp_path):
+    """WeightSpecs.budget (the arena an upload may fill) holds a whole update in either layout, and
+    not both: a fused expert tensor and its per-expert parts fill the same parameter."""
+    from rollout.engine.weight_specs import ALIGN
+
+    new_hf = save_random_hf_model(tmp_path, seed=9, **TINY_QWEN3_MOE)
+    engine = build_engine(EngineConfig(model=str(tiny_random_qwen3_moe), block_size=4, num_kv_blocks=16))
+    budget = engine.weights.specs().budget()
+    aligned = lambda state: sum(-(-t.numel() * 4 // ALIGN) * ALIGN for t in state.values())  # noqa: E731 (float32)
+    fused, per_expert = aligned(new_hf.state_dict()), aligned(read_state_dict(tmp_path))
+    params = sum(p.numel() * 4 for p in engine.model.parameters())
+    assert max(fused, per_expert) <= budget < 1.1 * max(fused, per_expert) and budget < 1.5 * params

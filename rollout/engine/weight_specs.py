@@ -38,6 +38,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
     alias_of: str | None = None
+    # a parameter that comes whole or in parts (fused experts: `experts.gate_up_proj` or each expert's
+    # gate and up): the whole one's key, on the whole and on every part
+    either_of: str | None = None
 
     @property
     def numel(self) -> int:
@@ -52,10 +55,13 @@ def model_specs(model: nn.Module) -> dict[str, TensorSpec]:
     """Key -> spec for every parameter of `model` (packed projections by their shard names) and
     every tied alias."""
     slots, aliases = param_slots(model)
+    whole = {id(param): key for key, (param, rows) in slots.items() if rows is None}
+    in_parts = {id(param) for param, rows in slots.values() if rows is not None}
     specs = {}
     for key, (param, rows) in slots.items():
         dest = param.data if rows is None else param.data[rows]
-        specs[key] = TensorSpec(tuple(dest.shape), dtype_name(param.dtype))
+        either = whole.get(id(param)) if rows is not None else (key if id(param) in in_parts else None)
+        specs[key] = TensorSpec(tuple(dest.shape), dtype_name(param.dtype), either_of=either)
     for alias, key in aliases.items():
         specs[alias] = TensorSpec(specs[key].shape, specs[key].dtype, alias_of=key)
     return specs
@@ -92,7 +98,17 @@ class WeightSpecs:
         return key, spec
 
     def budget(self) -> int:
-        """Bytes a staging of every accepted tensor takes (aliases too), offsets page aligned:
-        the bound on what one update may hold."""
-        tables = [self.target, self.draft or {}]
-        return sum(-(-spec.nbytes // ALIGN) * ALIGN for table in tables for spec in table.values())
+        """Bytes a staging of every accepted tensor takes (aliases too), offsets page aligned: the
+        bound on what one update may hold. A parameter that comes whole or in parts counts once, as
+        the larger of the two."""
+        total = 0
+        for table in (self.target, self.draft or {}):
+            either: dict[str, list[int]] = {}  # whole key -> [whole bytes, parts' bytes]
+            for key, spec in table.items():
+                size = -(-spec.nbytes // ALIGN) * ALIGN
+                if spec.either_of is None:
+                    total += size
+                else:
+                    either.setdefault(spec.either_of, [0, 0])[key != spec.either_of] += size
+            total += sum(max(sizes) for sizes in either.values())
+        return total
