@@ -84,7 +84,7 @@ def top_p_rows(z: Tensor, rows: np.ndarray, top_p: Tensor, min_p: Tensor) -> Top
 def _short_rows(reached: Tensor) -> np.ndarray:
     """The host read: [n] bool on the device -> [n] bool on the host, True where a row's candidates
     fall short of top_p."""
-    return ~reached.cpu().numpy()
+    return ~np.array(reached.tolist(), dtype=bool)  # one copy to the host
 
 
 def _row_max_and_sum(z: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
