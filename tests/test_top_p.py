@@ -75,6 +75,8 @@ def test_top_p_at_each_float32_running_mass(path, monkeypatch):
             pol = policy(z[None].clone(), row_params([dict(top_p=float(top_p))], vocab=vocab))
             ids, logp = support(pol, 0)
             assert ids == order[:n], f"m={m} top_p={float(top_p)!r}: {ids}"
+            width = PATHS[path](6)[0]
+            assert (pol.vocab_logp is None) == (n <= width)  # reached exactly at the last candidate: settled
             want = torch.softmax(z[order[:n]], dim=0)
             assert torch.allclose(logp.exp(), want, atol=1e-6)
 
