@@ -360,7 +360,7 @@ def _critical(df: int, z: float = 4.0) -> float:
 
 
 # one case per path of the policy (rollout.engine.sampler): top-k candidates, the vocabulary in
-# vocabulary order (no truncation; min-p only), and top-p rows that sort
+# vocabulary order (no truncation; min-p only), and top-p rows (candidates; every top-p path: test_top_p.py)
 STAT_PATHS = {
     "top_k": STAT_PARAMS,
     "dense": dict(temperature=0.8),

@@ -36,7 +36,8 @@ def _tables(seed: int = 0):
 
 
 # the policy's paths (rollout.engine.sampler): top-k candidates, the vocabulary in vocabulary order
-# (no truncation; min-p only), top-p rows that sort, and a batch whose samples mix all of them
+# (no truncation; min-p only), top-p rows (their candidates; the other top-p paths below), and a
+# batch whose samples mix all of them
 KINDS = {
     "top_k": dict(top_k=5, top_p=0.97, min_p=0.02),
     "dense": dict(),

@@ -5,13 +5,14 @@ speculative verification and mask capture.
 min_tokens) and the truncation (temperature, top-k, top-p, min-p) to raw float32 logits and
 returns p_j of every row in the layout its truncation needs, so that a row costs what its
 request asks for. Which path a row takes is known on the host from the request parameters
-(`RowPlan`), without reading the device:
+(`RowPlan`), without reading the device, except for top-p rows without top-k (below):
 
 * cand layout, rows with a top-k (greedy rows are top-1; mask rows always have one): the k most
   probable tokens, found without sorting the vocabulary (ties at the k-th value to the lowest
   ids, as a stable sort would), sorted by probability desc, ties by id, with top-p and min-p
-  applied inside them: [R, C] ids and log-probs, C the batch's largest top_k. Mask capture reads
-  these columns as they are.
+  applied inside them: [R, C] ids and log-probs, C the batch's largest top_k (or the top-p rows'
+  first width, when wider; a row's columns past its own are filler). Mask capture reads these
+  columns as they are.
 * top-p rows without top-k (rollout.engine.top_p): their most probable tokens first; a row whose
   first candidates reach top_p is in the cand layout too, a row that needs more (more candidates, or
   its whole row sorted) ends in the vocab layout. Which rows fall short is read on the host (the
