@@ -15,7 +15,15 @@ workload), top_k4096 (the largest mask bound), top_p (0.95 without top-k), min_p
 rejected: the residual path runs for almost every sequence). A case the baseline cannot fit
 reports OOM.
 
+Logits are N(0, 9) per token (top_p 0.95 keeps ~13k of 151,936 tokens), except two more top-p
+cases: top_p_peaked, whose rows' scales (4 to 5.5) make top_p 0.95 keep ~50-2000 tokens as a
+trained model's rows do, and top_p_flat (scale 1, ~110k tokens). Top-p cases also time "sort":
+the current code with its top-p rows sorted outright (no candidate stage: the code before the
+candidate preselection), and report the median support and the share of rows settled by the
+first candidates (cand_share) and by the sort (sort_share).
+
     python benchmarks/bench_sampler.py --device cuda
+    python benchmarks/bench_sampler.py --device cuda --drafts 8 --cases top_p top_p_peaked top_p_flat
     python benchmarks/bench_sampler.py --device cpu --quick   # script check
 """
 
@@ -29,6 +37,7 @@ from types import SimpleNamespace
 import torch
 from common import environment, free_memory, print_table, sync, time_ms, write_json
 
+import rollout.engine.top_p as top_p_mod
 from rollout.engine.sampler import (
     PURPOSE_ACCEPT,
     PURPOSE_SAMPLE,
@@ -50,7 +59,8 @@ KINDS = {
     "top_p": dict(top_p=0.95),
     "min_p": dict(min_p=0.05),
 }
-CASES = (*KINDS, "mixed")
+TOP_P_KINDS = {"top_p_peaked": (4.0, 5.5), "top_p_flat": (1.0, 1.0)}  # top_p 0.95; the rows' logit scales
+CASES = (*KINDS, "mixed", *TOP_P_KINDS)
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,7 +93,7 @@ class Step:
 
 def make_step(case: str, entries: int, k: int, vocab: int, device: str) -> Step:
     g = torch.Generator(device=device).manual_seed(0)
-    kinds = [KINDS[c] for c in (KINDS if case == "mixed" else [case])]
+    kinds = [KINDS[c] for c in (KINDS if case == "mixed" else ["top_p" if case in TOP_P_KINDS else case])]
     per_entry = [kinds[e % len(kinds)] for e in range(entries)]
     per_row = [spec for spec in per_entry for _ in range(k + 1)]
     greedy = [spec.get("temperature", 1.0) == 0 for spec in per_row]
@@ -96,7 +106,9 @@ def make_step(case: str, entries: int, k: int, vocab: int, device: str) -> Step:
                      all_greedy=all(greedy))
     rows.plan = None if rows.all_greedy else RowPlan.of(top_k, top_p, min_p, vocab)
     num_rows, num_drafts = entries * (k + 1), entries * k
-    logits = torch.randn(num_rows, vocab, generator=g, device=device) * 3
+    low, high = TOP_P_KINDS.get(case, (3.0, 3.0))
+    scale = torch.linspace(low, high, num_rows, device=device)[torch.randperm(num_rows, generator=g, device=device)]
+    logits = torch.randn(num_rows, vocab, generator=g, device=device) * scale[:, None]
     drafts = torch.randint(0, vocab, (num_drafts,), generator=g, device=device)
     q_old = q_new = None
     if k and not all(greedy):
@@ -122,6 +134,33 @@ def run_new(step: Step, logits: torch.Tensor):
     return verify(policy(logits, step.rows, overwrite=True), step.drafts, step.q_new, step.layout)
 
 
+def run_sort(step: Step, logits: torch.Tensor):
+    """The current code with top-p rows sorted outright (no candidate stage)."""
+    widths, top_p_mod.STAGE_WIDTHS = top_p_mod.STAGE_WIDTHS, ()
+    try:
+        return run_new(step, logits)
+    finally:
+        top_p_mod.STAGE_WIDTHS = widths
+
+
+def top_p_paths(step: Step) -> dict:
+    """Median support of the top-p rows and the share settled by the first candidates / the sort."""
+    reads, real = [], top_p_mod._short_rows
+    top_p_mod._short_rows = lambda reached: reads.append(real(reached)) or reads[-1]
+    try:
+        pol = policy(step.logits.clone(), step.rows, overwrite=True)
+    finally:
+        top_p_mod._short_rows = real
+    sizes = torch.isfinite(pol.vocab_logp).sum(dim=1) if pol.vocab_logp is not None else None
+    if pol.cand_logp is not None:
+        cand = torch.isfinite(pol.cand_logp).sum(dim=1)
+        sizes = cand if sizes is None else torch.where(pol.in_cand, cand, sizes)
+    rows = len(reads[0]) if reads else 1
+    sorted_rows = int(reads[-1].sum()) if len(reads) == len(top_p_mod.STAGE_WIDTHS) else 0  # short at the last
+    return {"support_median": int(sizes.float().median()),
+            "cand_share": 1.0 - float(reads[0].sum()) / rows if reads else 1.0, "sort_share": sorted_rows / rows}
+
+
 def run_old(step: Step, logits: torch.Tensor):
     return old_verify(old_policy(logits, step.rows), step.drafts, step.q_old, step.layout)
 
@@ -130,10 +169,10 @@ def measure(name: str, step: Step, device: str, iters: int) -> dict:
     """Mean ms over `iters` steps (each on a fresh copy of the logits, copied outside the timing
     only for the peak; in the timing both arms include one copy: the old code's own, the new
     code's handed-in) and peak MiB above the inputs."""
-    fn = run_new if name == "new" else run_old
+    fn = {"new": run_new, "sort": run_sort, "old": run_old}[name]
     try:
-        ms = time_ms(lambda: fn(step, step.logits.clone() if name == "new" else step.logits), device, iters, 2)
-        peak = _peak_mib(lambda logits: fn(step, logits), step, device, copy=name == "new")
+        ms = time_ms(lambda: fn(step, step.logits.clone() if name != "old" else step.logits), device, iters, 2)
+        peak = _peak_mib(lambda logits: fn(step, logits), step, device, copy=name != "old")
         return {"ms": ms, "peak_mib": peak}
     except torch.OutOfMemoryError:
         free_memory()
@@ -225,18 +264,22 @@ def main() -> None:
     for k, case in itertools.product(args.drafts, args.cases):
         step = make_step(case, args.entries, k, args.vocab, args.device)
         row = {"rows": step.logits.shape[0], "drafts_per_seq": k, "kind": case}
-        for name in ("old", "new"):
+        top_p = case == "top_p" or case in TOP_P_KINDS
+        for name in ("old", "sort", "new") if top_p else ("old", "new"):
             result = measure(name, step, args.device, args.iters)
             row.update({f"{name}_{key}": value for key, value in result.items()})
         if isinstance(row["old_ms"], float):
             row["speedup"] = row["old_ms"] / row["new_ms"]
+        if top_p:
+            row.update(top_p_paths(step))
         out["results"].append(row)
         print(f"{row}", flush=True)
         write_json(args.json, out)
         del step
         free_memory()
     print_table(f"policy + verify, vocabulary {args.vocab}, {args.entries} sequences ({args.device})",
-                out["results"], ["rows", "kind", "old_ms", "new_ms", "speedup", "old_peak_mib", "new_peak_mib"])
+                out["results"], ["rows", "kind", "old_ms", "sort_ms", "new_ms", "speedup", "old_peak_mib",
+                                 "sort_peak_mib", "new_peak_mib", "support_median", "cand_share", "sort_share"])
     print(f"\nwrote {args.json}")
 
 

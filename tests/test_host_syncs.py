@@ -20,6 +20,11 @@ exceptions, counted exactly:
   per proposal. The cut blocks are ragged and the step's layout (rows, KV slots, positions) is
   built on the host; cutting is what saves the target's compute, so padding to the full block
   instead would undo the feature.
+* top-p rows without top-k: `rollout.engine.top_p._short_rows` reads which rows' candidates fall
+  short of top_p, once per candidate stage that runs (the first in every step with such rows, the
+  next only when some rows were short), so that only those rows take more candidates or the sort
+  (rollout/engine/top_p.py says why a sync-free fallback would cost every step the worst row's
+  price). The stage widths are set small here, below the tiny vocabulary, so that the reads happen.
 
 Negative controls: each kind of wait (the issue's list: `torch.nonzero`, `.nonzero()`,
 `masked_select`, `unique`, `torch.as_tensor(..., device=...)`; and the others the detector names)
@@ -37,6 +42,7 @@ from spec_helpers import cost_table
 
 import rollout.engine.engine as engine_mod
 import rollout.engine.rows as rows_mod
+import rollout.engine.top_p as top_p_mod
 from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
@@ -44,6 +50,7 @@ from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
 
 GRAMMAR_SITE = ("rollout/engine/rows.py", "grammar_bitmask")
+TOP_P_SITE = ("rollout/engine/top_p.py", "_short_rows")
 THRESHOLD_SITE = ("rollout/spec/proposer.py", "_lengths")
 SPECS = {"none": ("none", 0.0, False), "dflash": ("dflash", 0.0, False), "dspark": ("dspark", 0.0, False),
          "dspark-threshold": ("dspark", 0.3, False), "dflash-adaptive": ("dflash", 0.0, True),
@@ -71,6 +78,7 @@ def _add_workload(eng: LLMEngine) -> None:
                                                         max_tokens=12, seed=1), n=3, mask="selected")
     eng.add_request("grammar", [[97, 98]], SamplingParams(temperature=1.0, top_k=16, max_tokens=12, seed=2),
                     grammar=GrammarSpec("regex", "[a-z]{4,12}"), mask="support")
+    eng.add_request("top_p", [[21, 22, 23]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=4), n=2)
 
 
 class _Watched:
@@ -80,8 +88,15 @@ class _Watched:
     def __init__(self, eng: LLMEngine, monkeypatch):
         self.eng, self.waits = eng, HostWaits()
         self.syncs = self.grammar_draft_steps = self.steps = 0
+        self.top_p_reads: list[int] = []  # per step: the top-p host reads
+        self.top_p_steps: list[bool] = []  # per step: it has top-p rows without top-k
         w = self.waits
         real_to_host, real_build = engine_mod._to_host, engine_mod.build_step
+        real_short = top_p_mod._short_rows
+
+        def short_rows(reached):
+            self.top_p_reads[-1] += 1
+            return real_short(reached)
 
         def to_host(result, masks):
             self.syncs += result is not None
@@ -91,10 +106,14 @@ class _Watched:
             step = real_build(*args, **kw)
             rows = step.rows
             self.grammar_draft_steps += any(s.grammar is not None and k for s, k in zip(rows.entries, rows.num_draft))
+            self.top_p_steps.append(any(s.request_id == "top_p" for s in rows.entries))
+            self.top_p_reads.append(0)
             return step
 
         monkeypatch.setattr(engine_mod, "_to_host", w.pausing(to_host))
         monkeypatch.setattr(engine_mod, "build_step", build_step)
+        monkeypatch.setattr(top_p_mod, "_short_rows", short_rows)
+        monkeypatch.setattr(top_p_mod, "STAGE_WIDTHS", (2, 8))
         monkeypatch.setattr(eng.capture, "to_host", w.pausing(eng.capture.to_host))
         monkeypatch.setattr(eng.committer, "commit", w.pausing(eng.committer.commit))
         monkeypatch.setattr(rows_mod, "allocate_bitmask", w.on_host(rows_mod.allocate_bitmask))
@@ -125,7 +144,9 @@ def test_a_step_waits_for_the_device_once(request, target, spec, static, monkeyp
     grammar = next(o for o in outs if o.request_id == "grammar")
     assert grammar.error is None and grammar.supports is not None
     assert (watched.grammar_draft_steps > 0) == (method != "none")  # each exception is exercised, or absent
-    expected = Counter({GRAMMAR_SITE: watched.grammar_draft_steps})
+    expected = Counter({GRAMMAR_SITE: watched.grammar_draft_steps, TOP_P_SITE: sum(watched.top_p_reads)})
+    assert len(watched.top_p_reads) == watched.steps and any(watched.top_p_steps)
+    assert all(n in (1, 2) if top_p else n == 0 for n, top_p in zip(watched.top_p_reads, watched.top_p_steps))
     if threshold:
         assert eng.drafter.num_proposals > 0
         expected[THRESHOLD_SITE] = eng.drafter.num_proposals

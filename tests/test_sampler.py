@@ -87,12 +87,13 @@ def ref_keywords(spec: dict) -> dict:
 def support(pol: Policy, r: int) -> tuple[list[int], torch.Tensor]:
     """Row r's support sorted by probability desc, ties by id, and its log-probs, from whichever
     layout holds the row. A cand row must already be in that order, a prefix of its columns
-    (-inf after it), without repeated ids; a vocab row is sorted here."""
+    (-inf after it), without repeated ids in it (columns past a row's own candidates are filler); a
+    vocab row is sorted here."""
     if pol.cand_ids is not None and (pol.in_cand is None or bool(pol.in_cand[r])):
         ids, logp = pol.cand_ids[r].tolist(), pol.cand_logp[r]
         n = int(torch.isfinite(logp).sum())
         assert torch.isfinite(logp[:n]).all() and torch.isneginf(logp[n:]).all(), f"row {r}: not a prefix"
-        assert len(set(ids)) == len(ids) and all(0 <= t < pol.vocab_size for t in ids)
+        assert len(set(ids[:n])) == n and all(0 <= t < pol.vocab_size for t in ids)
         return ids[:n], logp[:n]
     logp = pol.vocab_logp[r]
     ids = sorted(torch.isfinite(logp).nonzero()[:, 0].tolist(), key=lambda t: (-float(logp[t]), t))
@@ -359,7 +360,7 @@ def _critical(df: int, z: float = 4.0) -> float:
 
 
 # one case per path of the policy (rollout.engine.sampler): top-k candidates, the vocabulary in
-# vocabulary order (no truncation; min-p only), and top-p rows that sort
+# vocabulary order (no truncation; min-p only), and top-p rows (candidates; every top-p path: test_top_p.py)
 STAT_PATHS = {
     "top_k": STAT_PARAMS,
     "dense": dict(temperature=0.8),

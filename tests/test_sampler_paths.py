@@ -1,8 +1,9 @@
-"""The policy's paths (rollout.engine.sampler: top-k candidates, vocabulary order, top-p rows that
-sort) against the sampling-distribution reference where they are easiest to get wrong: ties exactly at the
-k-th value, top-p exactly at a candidate's cumulative mass, top-p supports of every size, the row
-chunks, mask rows, rows left without a token, and batches mixing every kind of row. Draws per path
-and verification are covered statistically in test_sampler.py and test_verify_stats.py.
+"""The policy's paths (rollout.engine.sampler: top-k candidates, vocabulary order, top-p rows; more
+on those in test_top_p.py) against the sampling-distribution reference where they are easiest to
+get wrong: ties exactly at the k-th value, top-p exactly at a candidate's cumulative mass, top-p
+supports of every size, the row chunks, mask rows, rows left without a token, and batches mixing
+every kind of row. Draws per path and verification are covered statistically in test_sampler.py
+and test_verify_stats.py.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from spec_helpers import verify_rows
 from test_sampler import CASES, assert_row_matches, ref_keywords, row_params, support
 
 import rollout.engine.sampler as sampler
+import rollout.engine.top_p as top_p_mod
 import rollout.engine.truncation as truncation
-from rollout.engine.sampler import CAND, SORT, VOCAB, RowPlan, policy
+from rollout.engine.sampler import CAND, TOP_P, VOCAB, RowPlan, policy
 
 NEG_INF = float("-inf")
 
@@ -98,29 +100,12 @@ def test_top_p_reached_exactly_at_a_candidate(path):
             assert set(reference_policy(z[0].tolist(), **ref_keywords(spec))) == set(order[:n])
 
 
-def test_top_p_on_float32_prefix_masses_is_the_same_on_both_paths():
-    """At top_p equal to each float32 running sum of the sorted probabilities (and one float32 step
-    above), the candidate path (a mask row whose k is the vocabulary) and the sorting path keep the
-    same prefix: the one whose float32 mass reaches top_p."""
-    vocab = 40
-    z = torch.randn(vocab, generator=torch.Generator().manual_seed(4)) * 2  # [V]
-    probs = torch.softmax(z.sort(descending=True).values, dim=0)
-    cum = probs.cumsum(dim=0)
-    for m in (1, 2, 5, 17, 30):
-        for top_p, n in ((cum[m - 1], m), (torch.nextafter(cum[m - 1], torch.tensor(2.0)), m + 1)):
-            rows = row_params([dict(top_p=float(top_p))] * 2, vocab=vocab)
-            rows.plan = RowPlan.of([vocab] * 2, [float(top_p)] * 2, [0.0] * 2, vocab, masked=[True, False])
-            pol = policy(z.expand(2, vocab).clone(), rows)
-            assert pol.in_cand.tolist() == [True, False] and pol.cand_ids.shape == (2, vocab)
-            assert len(support(pol, 0)[0]) == n and support(pol, 0)[0] == support(pol, 1)[0]
-            assert torch.allclose(support(pol, 0)[1], support(pol, 1)[1])
-
-
 @pytest.mark.parametrize("chunk_rows", [None, 3])
 def test_top_p_only_rows_of_every_support_size(chunk_rows, monkeypatch):
-    """Top-p rows without top-k sort their rows: flat rows keep most of the vocabulary, peaked rows
-    a few tokens, tied rows cut inside a run of ties; alone, mixed with other rows, and in chunks
-    of 3 rows (the batch's rows then sort in several pieces)."""
+    """Top-p rows without top-k: flat rows keep most of the vocabulary (past their 4 candidates:
+    they sort), peaked rows a few tokens, tied rows cut inside a run of ties; alone, mixed with
+    other rows, and in chunks of 3 rows (the batch's rows then sort in several pieces)."""
+    monkeypatch.setattr(top_p_mod, "STAGE_WIDTHS", (4,))
     if chunk_rows:
         monkeypatch.setattr(truncation, "CHUNK_BYTES", 48 * truncation.SORT_BYTES * chunk_rows)
     g = torch.Generator().manual_seed(6)
@@ -129,9 +114,9 @@ def test_top_p_only_rows_of_every_support_size(chunk_rows, monkeypatch):
     specs = [dict(top_p=p) for p in (0.95, 0.5, 0.99, 0.2)] * 3
     specs[2] = dict(top_p=0.9, min_p=0.2)
     pol = policy(z.clone(), row_params(specs))
-    assert pol.cand_ids is None
     sizes = [len(support(pol, r)[0]) for r in range(len(specs))]
     assert max(sizes) > 40 and min(sizes) <= 2
+    assert pol.in_cand.tolist() == [size <= 4 for size in sizes]  # more than 4 tokens: sorted
     for r, spec in enumerate(specs):
         assert_row_matches(pol, r, reference_policy(z[r].tolist(), **spec))
     mixed = specs + [dict(top_k=5), dict(), dict(temperature=0.0)]
@@ -151,9 +136,9 @@ def test_every_kind_of_row_in_one_batch(chunk_rows, monkeypatch):
     rows = row_params(specs)
     pol = policy(z.clone(), rows)
     plan = RowPlan.of(rows.top_k.tolist(), rows.top_p.tolist(), rows.min_p.tolist(), 48)
-    assert {CAND, SORT, VOCAB} == set(plan.kind.tolist())
-    assert pol.in_cand.tolist() == (plan.kind == CAND).tolist()
-    assert pol.cand_ids.shape == (len(specs), 47)  # the largest top_k among the cand rows
+    assert {CAND, TOP_P, VOCAB} == set(plan.kind.tolist())
+    assert pol.in_cand.tolist() == (plan.kind != VOCAB).tolist()  # top-p rows: their candidates suffice
+    assert pol.cand_ids.shape == (len(specs), 48)  # top-p rows: the first width covers the vocabulary
     for r, spec in enumerate(specs):
         assert_row_matches(pol, r, reference_policy(z[r].tolist(), **ref_keywords(spec)))
 
@@ -162,7 +147,7 @@ def test_row_plan_from_request_parameters():
     top_k, top_p = [1, 5, 48, 48, 48, 48, 48], [1.0, 0.9, 1.0, 0.9, 1.0, 1.0, 0.5]
     min_p, masked = [0.0, 0.1, 0.0, 0.0, 0.3, 0.0, 0.0], [False] * 5 + [True] * 2
     plan = RowPlan.of(top_k, top_p, min_p, 48, masked=masked)
-    assert plan.kind.tolist() == [CAND, CAND, VOCAB, SORT, VOCAB, CAND, CAND]
+    assert plan.kind.tolist() == [CAND, CAND, VOCAB, TOP_P, VOCAB, CAND, CAND]
     assert plan.width == 48 and plan.min_p  # mask rows whose top_k is the vocabulary: all candidates
     assert not RowPlan.of([48], [0.5], [0.3], 48).min_p  # a top-p row applies its min-p while sorting
     assert RowPlan.of([48, 48], [1.0, 1.0], [0.0, 0.0], 48).width == 0

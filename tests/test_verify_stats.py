@@ -19,6 +19,7 @@ import torch
 from spec_helpers import proposal
 from spec_helpers import verify_rows as verify
 
+import rollout.engine.top_p as top_p_mod
 import rollout.engine.verify as verify_mod
 from rollout.engine.sampler import PURPOSE_ACCEPT, RowParams, policy, uniform_of_keys
 
@@ -35,7 +36,8 @@ def _tables(seed: int = 0):
 
 
 # the policy's paths (rollout.engine.sampler): top-k candidates, the vocabulary in vocabulary order
-# (no truncation; min-p only), top-p rows that sort, and a batch whose samples mix all of them
+# (no truncation; min-p only), top-p rows (their candidates; the other top-p paths below), and a
+# batch whose samples mix all of them
 KINDS = {
     "top_k": dict(top_k=5, top_p=0.97, min_p=0.02),
     "dense": dict(),
@@ -130,6 +132,22 @@ def test_joint_law_of_two_committed_tokens_is_exact(q_onehot, kinds):
         stat, df = _chi2(pairs[j::len(kinds)], _exact_joint(*_tables()[:2], KINDS[kind]))
         assert df >= 6
         assert stat < _critical(df), f"{kind}: chi2 {stat:.1f} with {df} dof"
+
+
+@pytest.mark.parametrize("widths", [(2,), (2, 4)], ids=["sorted", "escalated"])
+@pytest.mark.parametrize("q_onehot", [False, True], ids=["sampled-drafts", "greedy-drafts"])
+def test_top_p_rows_past_their_first_candidates_verify_exactly(q_onehot, widths, monkeypatch):
+    """Top-p rows without top-k whose first candidates (2 of 6 tokens) do not reach top_p: some rows
+    of the batch are settled by the candidates (the candidate layout), the others by more candidates
+    or the sort (vocabulary order). The law is the one computed with candidates covering the row."""
+    expected = _exact_joint(*_tables()[:2], KINDS["top_p"])
+    reads = []
+    real = top_p_mod._short_rows
+    monkeypatch.setattr(top_p_mod, "STAGE_WIDTHS", widths)
+    monkeypatch.setattr(top_p_mod, "_short_rows", lambda reached: reads.append(real(reached)) or reads[-1])
+    stat, df = _chi2(_sample_two_tokens(q_onehot, ["top_p"]), expected)
+    assert 0 < reads[0].mean() < 1  # both layouts in the verified batch
+    assert stat < _critical(df), f"chi2 {stat:.1f} with {df} dof"
 
 
 def test_negative_control_accept_everything_is_detected(monkeypatch):

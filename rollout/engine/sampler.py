@@ -5,16 +5,20 @@ speculative verification and mask capture.
 min_tokens) and the truncation (temperature, top-k, top-p, min-p) to raw float32 logits and
 returns p_j of every row in the layout its truncation needs, so that a row costs what its
 request asks for. Which path a row takes is known on the host from the request parameters
-(`RowPlan`), without reading the device:
+(`RowPlan`), without reading the device, except for top-p rows without top-k (below):
 
 * cand layout, rows with a top-k (greedy rows are top-1; mask rows always have one): the k most
   probable tokens, found without sorting the vocabulary (ties at the k-th value to the lowest
   ids, as a stable sort would), sorted by probability desc, ties by id, with top-p and min-p
-  applied inside them: [R, C] ids and log-probs, C the batch's largest top_k. Mask capture reads
-  these columns as they are.
+  applied inside them: [R, C] ids and log-probs, C the batch's largest top_k (or the top-p rows'
+  first width, when wider; a row's columns past its own are filler). Mask capture reads these
+  columns as they are.
+* top-p rows without top-k (rollout.engine.top_p): their most probable tokens first; a row whose
+  first candidates reach top_p is in the cand layout too, a row that needs more (more candidates, or
+  its whole row sorted) ends in the vocab layout. Which rows fall short is read on the host (the
+  one read of the device here, only in steps with such rows).
 * vocab layout, every other row: log p over the vocabulary in vocabulary order, -inf outside the
-  support. No truncation (the RL default) or min-p only: no sort at all. Top-p without top-k
-  sorts those rows only, in bounded chunks (rollout.engine.truncation.top_p_by_sort says why).
+  support. No truncation (the RL default) or min-p only: no sort at all.
 
 Draws are inverse-CDF draws in the layout's own order (any fixed order gives an exact draw):
 `Policy.draw` for plain sampling and for the verifier's residual / bonus, `Policy.logprob_of`
@@ -29,8 +33,9 @@ with the engine's `overwrite` (compute_logits' float32 logits become z and then 
   are read: ~4.25 x [E, V] (p, the rejected draft's q row, the residual, its fallback pick).
 * cand rows (top-k): 0 + a chunk (the tie mask and its running count) + topk's own; then
   [R, C]. Draws and verification read [E, C].
-* top-p rows without top-k: 0 + a chunk of sort temporaries.
-* a batch mixing cand and vocab rows adds a copy of the cand rows' logits ([Rc, V]).
+* top-p rows without top-k: 0 + a chunk (candidates) + [P, W] candidates; a chunk of sort
+  temporaries for the rows that sort.
+* a batch mixing top-k rows with other rows adds a copy of the top-k rows' logits ([Rc, V]).
 Without `overwrite` add 1 (the copy). The drafter keeps no q beside its logits (`Proposal`).
 """
 
@@ -44,15 +49,9 @@ import torch
 from torch import Tensor
 
 from rollout.engine.grammar import apply_bitmask
+from rollout.engine.top_p import TopPCandidates, top_p_rows
 from rollout.engine.transfer import upload
-from rollout.engine.truncation import (
-    NEG_INF,
-    logsumexp_rows,
-    min_p_in_vocab_order,
-    top_candidates,
-    top_p_by_sort,
-    truncate_sorted,
-)
+from rollout.engine.truncation import NEG_INF, logsumexp_rows, min_p_in_vocab_order, top_candidates, truncate_sorted
 
 PURPOSE_SAMPLE = 1  # the token drawn from p (or from the residual after a rejection)
 PURPOSE_ACCEPT = 2  # the acceptance test of a draft token
@@ -94,14 +93,14 @@ def uniform_of_keys(keys: torch.Tensor, purpose: int) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # 23 bits: k + 0.5 is exact in float32
 
 
-CAND, SORT, VOCAB = 0, 1, 2  # RowPlan.kind: top-k candidates; top-p by sorting; vocabulary order
+CAND, TOP_P, VOCAB = 0, 1, 2  # RowPlan.kind: top-k candidates; top-p without top-k; vocabulary order
 
 
 @dataclass(frozen=True)
 class RowPlan:
     """Host side: the truncation path of every row, from the request parameters (no device read)."""
 
-    kind: np.ndarray  # [R] int8: CAND (top-k, greedy, or a mask row), SORT (top-p, no top-k), VOCAB (the rest)
+    kind: np.ndarray  # [R] int8: CAND (top-k, greedy, or a mask row), TOP_P (top-p, no top-k), VOCAB (the rest)
     width: int  # C: the largest top_k among CAND rows (0 without any)
     min_p: bool  # some VOCAB row has min_p > 0
 
@@ -112,7 +111,7 @@ class RowPlan:
         cand = top_k < vocab_size
         if masked is not None:
             cand |= np.asarray(masked, dtype=bool)
-        kind = np.where(cand, CAND, np.where(top_p < 1.0, SORT, VOCAB)).astype(np.int8)
+        kind = np.where(cand, CAND, np.where(top_p < 1.0, TOP_P, VOCAB)).astype(np.int8)
         width = int(np.minimum(top_k[cand], vocab_size).max()) if cand.any() else 0
         return cls(kind, width, bool((min_p[kind == VOCAB] > 0).any()))
 
@@ -190,7 +189,7 @@ class Policy:
         out = self.vocab_logp.exp() if self.vocab_logp is not None else None
         if self.cand_ids is not None:
             cand = torch.zeros(self.has_support.shape[0], self.vocab_size, device=self.has_support.device)
-            cand.scatter_(1, self.cand_ids, self.cand_logp.exp())
+            cand.scatter_add_(1, self.cand_ids, self.cand_logp.exp())  # filler columns add 0 (their ids repeat)
             out = cand if out is None else torch.where(self.in_cand[:, None], cand, out)
         return out
 
@@ -254,13 +253,18 @@ def policy(logits: Tensor, rows: RowParams, overwrite: bool = False) -> Policy:
     z.div_(rows.temperature[:, None])
     plan = rows.plan if rows.plan is not None else RowPlan.of(
         rows.top_k.tolist(), rows.top_p.tolist(), rows.min_p.tolist(), z.shape[1])
-    cand = _cand_layout(z, rows, plan) if plan.width else None  # (ids, log p), [R, C] each
-    vocab = _vocab_layout(z, rows, plan) if (plan.kind != CAND).any() else None  # (log p [R, V], support [R])
+    top_p = np.flatnonzero(plan.kind == TOP_P)
+    found = top_p_rows(z, top_p, rows.top_p, rows.min_p) if len(top_p) else None  # z: the other top-p rows
+    in_cand = plan.kind == CAND  # [R] host
+    if found is not None:
+        in_cand[found.rows] = True
+    cand = _cand_layout(z, rows, plan, found) if in_cand.any() else None  # (ids, log p), [R, C] each
+    vocab = _vocab_layout(z, rows, plan) if not in_cand.all() else None  # (log p [R, V], support [R])
     if vocab is None:
         return Policy(*cand, None, None, cand[1][:, 0] > NEG_INF, z.shape[1])
     if cand is None:
         return Policy(None, None, *vocab[:1], None, vocab[1], z.shape[1])
-    in_cand = upload(plan.kind == CAND, torch.bool, z.device)  # [R]
+    in_cand = upload(in_cand, torch.bool, z.device)  # [R]
     has_support = torch.where(in_cand, cand[1][:, 0] > NEG_INF, vocab[1])
     return Policy(*cand, vocab[0], in_cand, has_support, z.shape[1])
 
@@ -273,30 +277,45 @@ def _argmax(z: Tensor) -> tuple[Tensor, Tensor]:
     return ids, logp.masked_fill_(z.gather(1, ids) == NEG_INF, NEG_INF)
 
 
-def _cand_layout(z: Tensor, rows: RowParams, plan: RowPlan) -> tuple[Tensor, Tensor]:
-    """The CAND rows' top-k candidates and their truncated log p: [R, C] ids and log-probs (rows of
-    other kinds hold filler)."""
+def _cand_layout(z: Tensor, rows: RowParams, plan: RowPlan, found: TopPCandidates | None) -> tuple[Tensor, Tensor]:
+    """The CAND rows' top-k candidates and the `found` top-p rows' candidates, with their truncated
+    log p: [R, C] ids and log-probs, C the widest (rows of other kinds, and columns past a row's
+    own width, hold filler: id 0, log p -inf)."""
+    parts = [_top_k_rows(z, rows, plan)] if plan.width else []  # (rows [n] or None: every row, ids, log p)
+    if found is not None and len(found.rows):
+        parts.append((upload(found.rows, torch.int64, z.device), found.ids, found.logp))
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1:]
+    width = max(ids.shape[1] for _, ids, _ in parts)
+    full_ids = torch.zeros(z.shape[0], width, dtype=torch.int64, device=z.device)
+    full_logp = torch.full((z.shape[0], width), NEG_INF, device=z.device)
+    for index, ids, logp in parts:  # the parts' rows are disjoint, apart from filler rows of `None`
+        at = slice(None) if index is None else index
+        full_ids[at, :ids.shape[1]] = ids
+        full_logp[at, :ids.shape[1]] = logp
+    return full_ids, full_logp
+
+
+def _top_k_rows(z: Tensor, rows: RowParams, plan: RowPlan) -> tuple[Tensor | None, Tensor, Tensor]:
+    """The CAND rows' candidates: (their rows [Rc], or None when computed for every row), ids and
+    log p [Rc or R, plan.width]."""
     if plan.width == 1:  # greedy / top-1 rows only: every row's argmax costs less than a gather
-        return _argmax(z)
+        return None, *_argmax(z)
     idx = np.flatnonzero(plan.kind == CAND)
     if len(idx) == z.shape[0]:
         ids = top_candidates(z, plan.width)  # [R, C]
-        return ids, truncate_sorted(z.gather(1, ids), rows.top_k, rows.top_p, rows.min_p)
+        return None, ids, truncate_sorted(z.gather(1, ids), rows.top_k, rows.top_p, rows.min_p)
     index = upload(idx, torch.int64, z.device)  # [Rc]
     sub = z[index]  # [Rc, V]
     ids = top_candidates(sub, plan.width)
     logp = truncate_sorted(sub.gather(1, ids), rows.top_k[index], rows.top_p[index], rows.min_p[index])
-    del sub
-    full_ids = ids.new_zeros(z.shape[0], plan.width).index_copy_(0, index, ids)
-    return full_ids, logp.new_full(full_ids.shape, NEG_INF).index_copy_(0, index, logp)
+    return index, ids, logp
 
 
 def _vocab_layout(z: Tensor, rows: RowParams, plan: RowPlan) -> tuple[Tensor, Tensor]:
-    """log p in vocabulary order, in place on the tempered logits z [R, V] (CAND rows: filler),
-    and which rows have a token at all ([R] bool)."""
-    sort = np.flatnonzero(plan.kind == SORT)
-    if len(sort):
-        top_p_by_sort(z, sort, rows.top_p, rows.min_p)
+    """log p in vocabulary order, in place on the tempered logits z [R, V] (rows of the cand layout:
+    filler), and which rows have a token at all ([R] bool). Top-p rows not in the cand layout are
+    already -inf outside their support (rollout.engine.top_p)."""
     if plan.min_p:
         min_p_in_vocab_order(z, rows.min_p)
     lse = logsumexp_rows(z)  # [R, 1]

@@ -6,7 +6,10 @@ picks per row.
   is replaced by the lowest-id ties, exactly as a stable sort would keep them.
 * `truncate_sorted`: the one statement of top-k / top-p / min-p on rows sorted by probability
   (desc, ties by id): candidate columns, or whole sorted rows.
-* `top_p_by_sort`: top-p rows without top-k, which sort their rows (see there for why).
+* `truncate_top_p`: the same on the first columns of whole rows sorted the same way (top-p rows
+  without top-k, rollout.engine.top_p), whose mass is of the whole row; it also says whether those
+  columns reach top_p.
+* `top_p_by_sort`: the top-p rows whose candidates do not reach top_p sort their rows.
 * `min_p_in_vocab_order`: min-p without top-p needs no order at all.
 
 Rows are worked in chunks whose temporaries take about `CHUNK_BYTES`, so they stay bounded whatever
@@ -42,20 +45,44 @@ def truncate_sorted(vals: Tensor, top_k: Tensor | None, top_p: Tensor, min_p: Te
     vals: [N, W] float32 (-inf: excluded); top_k: [N] int64 or None (every column); top_p,
     min_p: [N] float32. Returns log p [N, W] float32, -inf outside the support (a prefix).
     """
+    return _truncate(vals, top_k, top_p, min_p, None)[0]
+
+
+def truncate_top_p(vals: Tensor, top_p: Tensor, min_p: Tensor, row_max: Tensor,
+                   row_sum: Tensor) -> tuple[Tensor, Tensor]:
+    """`truncate_sorted` without top-k on the first W columns of whole rows sorted by value desc,
+    ties by id (a row's most probable tokens): the mass of a column is exp(z - row_max) / row_sum,
+    of the whole row (row_max [N] its largest logit, row_sum [N] the sum of exp(z - row_max) over
+    it). -> (log p [N, W], -inf outside the support; reached [N] bool: the columns' running mass
+    reaches top_p, or they hold every token the row allows, so the support lies inside them)."""
+    return _truncate(vals, None, top_p, min_p, (row_max, row_sum))
+
+
+def _truncate(vals: Tensor, top_k: Tensor | None, top_p: Tensor, min_p: Tensor,
+              whole_row: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """The one statement of the truncation on sorted columns (`truncate_sorted`, `truncate_top_p`):
+    whole_row None: the mass is the softmax over the kept columns; else (row_max, row_sum) [N] each."""
     keep = vals > NEG_INF  # [N, W]
     if top_k is not None:
         keep &= torch.arange(vals.shape[1], device=vals.device) < top_k[:, None]
     masked = vals.masked_fill(~keep, NEG_INF)
-    mass = torch.softmax(masked, dim=1).cumsum_(dim=1)  # [N, W] float32 running sums
+    if whole_row is None:
+        mass = torch.softmax(masked, dim=1)
+    else:  # a row without any token: max -inf and sum 0 give mass 0, not NaN
+        row_max, row_sum = whole_row
+        mass = (masked - row_max.clamp(min=torch.finfo(vals.dtype).min)[:, None]).exp_()
+        mass.div_(row_sum.clamp(min=torch.finfo(vals.dtype).tiny)[:, None])
+    mass = mass.cumsum_(dim=1)  # [N, W] float32 running sums
     # a token stays while the running sum before it is short of top_p: the prefix ends at the
     # first token whose running sum reaches top_p (the sum compared is exactly the one the
     # prefix reaches). top_p == 1 is off: a float32 sum reaches 1 before the tail, which stays.
     keep[:, 1:] &= (mass[:, :-1] < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    reached = (mass[:, -1] >= top_p) | (vals[:, -1] == NEG_INF)  # [N]
     del mass
     keep &= min_p_keeps(vals, min_p)
     masked.masked_fill_(~keep, NEG_INF)
     lse = torch.logsumexp(masked, dim=1, keepdim=True)  # [N, 1]; -inf: no token left, log p stays -inf
-    return masked.sub_(lse.masked_fill_(lse == NEG_INF, 0.0))
+    return masked.sub_(lse.masked_fill_(lse == NEG_INF, 0.0)), reached
 
 
 def top_candidates(z: Tensor, width: int) -> Tensor:
@@ -85,13 +112,12 @@ def _top_candidates(z: Tensor, width: int) -> Tensor:
     return ids.gather(1, order)
 
 
-def top_p_by_sort(z: Tensor, rows: np.ndarray, top_p: Tensor, min_p: Tensor) -> None:
-    """Top-p (and min-p) rows without top-k: -inf in place on z [R, V] outside each support, for the
-    host-known `rows` [P]. These rows sort: the support is the shortest prefix reaching top_p, and
-    finding its end exactly takes the order of the whole row. A preselection of candidates with a
-    fallback for the rows it does not cover would need to know, on the host, which rows those are
-    (a device read mid-step), or a kernel that skips the covered rows; without either, the
-    fallback's cost is paid for every row, so it would only add the preselection's."""
+def top_p_by_sort(z: Tensor, rows: np.ndarray, top_p: Tensor, min_p: Tensor, row_max: Tensor,
+                  row_sum: Tensor) -> None:
+    """Top-p (and min-p) rows without top-k whose candidates did not reach top_p
+    (rollout.engine.top_p): -inf in place on z [R, V] outside each support, for the host-known
+    `rows` [P], by sorting them (stably, in row chunks). row_max, row_sum [P]: as for
+    `truncate_top_p`, so that the running sums over the first columns are those the candidates had."""
     every = len(rows) == z.shape[0]
     index = None if every else upload(rows, torch.int64, z.device)  # [P]
     step = chunk_rows(z.shape[1], SORT_BYTES)
@@ -99,7 +125,8 @@ def top_p_by_sort(z: Tensor, rows: np.ndarray, top_p: Tensor, min_p: Tensor) -> 
         pick = slice(a, a + step) if every else index[a:a + step]
         part = z[pick]  # a view when every row sorts, else a copy written back below
         sorted_z, order = torch.where(part == 0, 0.0, part).sort(dim=1, descending=True, stable=True)  # -0.0 == 0.0
-        kept = truncate_sorted(sorted_z, None, top_p[pick], min_p[pick]) > NEG_INF
+        own = slice(a, a + step)
+        kept = truncate_top_p(sorted_z, top_p[pick], min_p[pick], row_max[own], row_sum[own])[0] > NEG_INF
         del sorted_z
         part.masked_fill_(~torch.empty_like(kept).scatter_(1, order, kept), NEG_INF)
         if not every:
