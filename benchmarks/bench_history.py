@@ -103,8 +103,8 @@ def main() -> None:
     warm = heldout_prompts(args.prompts + 8, args.prompt_len)[args.prompts:]
     run_interleaved(engines, {arm: epoch_requests(warm, args, 7) for arm in engines}, "warmup", args.device)
     run_epochs(engines, heldout_prompts(args.prompts, args.prompt_len), args, result)
-    result["history"] = dict(stored_tokens=engines["history"].drafter.history.num_tokens,
-                             prompts=len(engines["history"].drafter.history.prompts))
+    history = engines["history"].drafter.store.history
+    result["history"] = dict(stored_tokens=history.num_tokens, prompts=len(history.prompts))
     print_table(
         f"epochs: {args.prompts} prompts x n={args.n}, temperature 1, up to {args.output_len} tokens, block "
         f"{args.block}, {args.device}", result["epochs"],

@@ -56,6 +56,7 @@ def _run(engine: LLMEngine, seed: int):
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
+    engine.drafter.flush()  # the finished samples stored (a worker thread stores them)
     proposed, accepted = (a - b for a, b in zip(engine.draft_counts.by_key.get(("history", 0), (0, 0)), counts))
     return Counter(tuple(o.token_ids[:3]) for o in outs), accepted / max(proposed, 1)
 
