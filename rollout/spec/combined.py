@@ -117,8 +117,8 @@ class CombinedDrafter(Drafter):
     def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
         rows = [i for i, it in enumerate(items) if it.num_draft > 0]
         found = [self.history.draft(items[i].seq, items[i].num_draft) for i in rows]
-        chosen = self._history_wins([items[i] for i in rows], found) if rows else np.zeros(0, dtype=bool)
-        won = {rows[j]: found[j][0] for j in np.flatnonzero(chosen).tolist()}
+        chosen = self._history_wins([items[i] for i in rows], found) if any(t for t, _ in found) else ()
+        won = {rows[j]: found[j][0] for j in np.flatnonzero(chosen).tolist()}  # item -> the history's drafts
         model_items = [dataclasses.replace(it, num_draft=0) if i in won else it for i, it in enumerate(items)]
         own = self.block_drafter.propose(model_items, block_table) if len(won) < len(rows) or not rows else None
         return self._merged(len(items), own, won)
