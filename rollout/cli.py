@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rollout.cli_generate import INTERRUPTED, add_generate_args, cmd_generate, read_prompts, rpc_error_line
+from rollout.engine.config import SPEC_METHODS
 from rollout.errors import RolloutError
 from rollout.options import add_options, from_options
 from rollout.show import add_show_arguments
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
 
     demo = sub.add_parser("demo", help="local server + one GRPO group with support masks", **kw)
-    demo.add_argument("--spec", choices=("none", "dflash", "dspark"), default="dflash",
+    demo.add_argument("--spec", choices=SPEC_METHODS, default="dflash",
                       help="speculative decoding of the demo's server")
     demo.add_argument("-n", "--n", type=int, default=8, help="samples of the prompt (one GRPO group)")
     demo.add_argument("--max-tokens", type=int, default=96, help="most output tokens per sample")

@@ -200,3 +200,19 @@ def test_demo_whose_server_cannot_start_says_so_without_a_traceback(monkeypatch,
     assert main(["demo", "--model", "/x"]) == 1
     assert capsys.readouterr().err == ("rollout demo: rollout serve did not start: rollout serve: model directory "
                                        "'/x' does not exist\n")
+
+
+def test_demo_picks_an_embedded_drafter_for_each_spec(monkeypatch, tmp_path):
+    from rollout.server import demo
+
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "dflash" / "config.json").write_text("{}")
+    monkeypatch.setattr(demo, "DEFAULT_DRAFTS", {"dflash": tmp_path / "dflash", "dspark": tmp_path / "dspark"})
+    assert demo.pick_spec("history") == ("history", "")
+    assert demo.pick_spec("dflash+history") == ("dflash+history", "")
+    spec, note = demo.pick_spec("dspark+history")
+    assert spec == "dflash+history" and "no embedded dspark drafter" in note
+    assert demo.pick_spec("dspark")[0] == "dflash"
+    assert demo.pick_spec("dspark", draft="/some/dspark") == ("dspark", "")
+    monkeypatch.setattr(demo, "DEFAULT_DRAFTS", {"dflash": tmp_path / "none", "dspark": tmp_path / "dspark"})
+    assert demo.pick_spec("dspark+history")[0] == "history" and demo.pick_spec("dflash")[0] == "none"

@@ -25,15 +25,17 @@ TOP_K = 64
 
 
 def pick_spec(requested: str, draft: str | None = None) -> tuple[str, str]:
-    """The requested method if its drafter was given or is embedded, else another embedded one,
-    else "none"; with a note saying what happened."""
+    """The requested method if its drafter was given or is embedded (the history drafter needs
+    none), else the same with another embedded drafter, else without one; with a note saying
+    what happened."""
     available = [m for m, path in DEFAULT_DRAFTS.items() if (path / "config.json").exists()]
-    if requested == "none" or draft is not None or requested in available:
+    model, plus, history = requested.partition("+")
+    if model in ("none", "history") or draft is not None or model in available:
         return requested, ""
-    fallback = available[0] if available else "none"
+    fallback = available[0] + plus + history if available else (history or "none")
     return (
         fallback,
-        f"note: no embedded {requested} drafter under {DEFAULT_DRAFTS[requested]}; using --spec {fallback}",
+        f"note: no embedded {model} drafter under {DEFAULT_DRAFTS[model]}; using --spec {fallback}",
     )
 
 
