@@ -356,7 +356,7 @@ class LLMEngine:
                     max_seconds=3.0 if self.device.type == "cuda" else 0.5)
             log.info("step cost profile: %s", step_cost.describe())
         max_graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
-        return SpecBudget(num_spec, step_cost, self.graphs is not None, max_graph_rows)
+        return SpecBudget(num_spec, step_cost, self.graphs is not None, max_graph_rows, self.draft_counts)
 
     def spec_budget_summary(self) -> dict | None:
         """The draft budget's summary since the last call (server logs), None without one."""

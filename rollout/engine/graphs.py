@@ -32,9 +32,9 @@ many keys get captured, which is what the engine's memory plan reserves
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata
@@ -56,6 +56,12 @@ def context_bucket(length: int, minimum: int) -> int:
     return max(minimum, 1 << max(length - 1, 0).bit_length())
 
 
+def token_marks(batch: int, q: int) -> np.ndarray:
+    """[M] the token counts a ragged step of batch bucket `batch` and query length q pads to:
+    ceil(batch x step) for the TOKEN_STEPS below q, then batch x q."""
+    return np.ceil(batch * np.asarray([m for m in TOKEN_STEPS if m < q] + [q], dtype=np.float64)).astype(np.int64)
+
+
 def graph_shape(rows: int, tokens: int, q: int, buckets) -> tuple[int, int] | None:
     """(rows, tokens) of the graph that replays a step of `rows` sequences of at most q tokens each,
     `tokens` in all (see the module docstring), or None past the largest bucket. A ragged step's
@@ -64,10 +70,10 @@ def graph_shape(rows: int, tokens: int, q: int, buckets) -> tuple[int, int] | No
     batch = bucket(rows, buckets)
     if batch is None or rows * q == tokens:
         return None if batch is None else (batch, batch * q)
-    steps = [m for m in TOKEN_STEPS if m < q] + [q]
-    i = next(i for i, m in enumerate(steps) if math.ceil(batch * m) >= tokens)
-    padded = math.ceil(batch * steps[i])
-    fewest = math.floor(batch * steps[i - 1]) + 1 if i else padded  # fewest tokens a full bucket pads to it
+    marks = token_marks(batch, q)
+    i = int(np.searchsorted(marks, tokens))  # the first mark >= tokens
+    padded = int(marks[i])
+    fewest = int(marks[i - 1]) + 1 if i else padded  # the fewest tokens a full bucket pads to `padded`
     return batch + -(-(padded - fewest) // q), padded
 
 
