@@ -15,7 +15,7 @@ from spec_helpers import cost_table
 from rollout import build_engine
 from rollout.engine.attention import AttentionMetadata
 from rollout.engine.config import EngineConfig
-from rollout.engine.graphs import TOKEN_STEPS, StepGraphs, graph_shape
+from rollout.engine.graphs import TOKEN_STEPS, StepGraphs, padded_shape
 from rollout.engine.params import SamplingParams
 
 PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 201]]
@@ -101,7 +101,7 @@ def test_padding_tokens_sit_in_padding_rows_of_at_most_q_tokens_on_the_scratch_b
             assert set(seen["slots"][tokens:]) <= {99 * 4}
     steps = sum(m < 4 for m in TOKEN_STEPS) + 1
     assert len(graphs.graphs) <= len(graphs.buckets) * (4 + steps)
-    assert graph_shape(256, 271, 16, (256,)) == (256 + 4, 320)  # one sample's block at batch 256: 1.25 x
+    assert padded_shape(256, 271, 16, (256,)) == (256 + 4, 320)  # one sample's block at batch 256: 1.25 x
 
 
 def _meta(q_lens: list[int]) -> AttentionMetadata:

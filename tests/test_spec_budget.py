@@ -2,7 +2,8 @@
 synthetic acceptance and cost tables, no model: full blocks when drafts are nearly always accepted
 and verifying is cheap, none when they are rejected or verify rows are expensive, drafts for the
 good samples only in a mixed batch (also when steps replay CUDA graphs: ragged ones do too, priced
-at their graph's padded tokens), a budget monotone in acceptance, the limits and the token room kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
+at their graph's padded tokens), a budget monotone in acceptance, the limits and the token room
+kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
 sample at the server-wide estimate; probes stay within their share of the time; the cost model
 learns a kind of step's wall time and stays put when frozen; at start-up the prior's choices verify
 drafts of a few samples only at a large batch, while a good drafter still reaches full blocks within
@@ -111,7 +112,7 @@ def test_ragged_blocks_replay_graphs_and_are_priced_as_graphed_steps():
 
 
 def test_graphed_steps_are_priced_at_their_graphs_padded_tokens():
-    """The cost model prices a graphed step at the tokens its graph computes (graph_shape): a uniform
+    """The cost model prices a graphed step at the tokens its graph computes (padded_shape): a uniform
     step its batch bucket's blocks, a ragged one its tokens padded to a TOKEN_STEPS mark; the drafter
     (graphed whenever the target has graphs) at its batch bucket's rows."""
     graph = linear_target(4.0, 0.01, K + 1)

@@ -328,8 +328,9 @@ class LLMEngine:
         return hidden, aux
 
     def make_step_graphs(self, capture: bool) -> StepGraphs:
-        """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests). The
-        graphs keep the hidden states only: the drafter reads the taps inside the forward."""
+        """Static-buffer replay of decode and verify steps, uniform or ragged; `capture=False` runs it
+        eagerly (tests). The graphs keep the hidden states only: the drafter reads the taps inside the
+        forward."""
         forward = lambda ids, meta: (self._target_forward(ids, meta)[0], None)  # noqa: E731
         max_q = (self.drafter.num_spec + 1) if self.drafter else 1
         max_blocks = -(-self.max_model_len // self.config.block_size) + 1

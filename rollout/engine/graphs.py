@@ -2,7 +2,7 @@
 
 A decode or verify step (every sequence computing at most `max_q` tokens: 1 for plain decode, up to
 K+1 for a verify block) replays a graph captured for a key (rows, q, context bucket, shared, tokens)
-(`graph_shape`), `shared` saying whether the step reads shared prefixes once per group (its plan,
+(`padded_shape`), `shared` saying whether the step reads shared prefixes once per group (its plan,
 prefix_plan.py, lives in static buffers sized by the padded token count, so the key takes no more of
 it). Inputs are copied into static buffers; rows past the real batch are padding rows that read and
 write a scratch KV block no sequence owns, so they can never touch real cache entries, and whose
@@ -62,7 +62,7 @@ def token_marks(batch: int, q: int) -> np.ndarray:
     return np.ceil(batch * np.asarray([m for m in TOKEN_STEPS if m < q] + [q], dtype=np.float64)).astype(np.int64)
 
 
-def graph_shape(rows: int, tokens: int, q: int, buckets) -> tuple[int, int] | None:
+def padded_shape(rows: int, tokens: int, q: int, buckets) -> tuple[int, int] | None:
     """(rows, tokens) of the graph that replays a step of `rows` sequences of at most q tokens each,
     `tokens` in all (see the module docstring), or None past the largest bucket. A ragged step's
     padding rows (at most q tokens each) hold the padding tokens of a full batch bucket: a third of
@@ -115,7 +115,7 @@ class StepGraphs:
             return None
         if s * q != t and not shared:  # ragged: one q for every mix of lengths
             q = self.max_q
-        shape = graph_shape(s, t, q, self.buckets)
+        shape = padded_shape(s, t, q, self.buckets)
         return None if shape is None else (shape[0], q, ctx, shared, shape[1])
 
     @torch.inference_mode()

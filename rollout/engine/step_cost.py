@@ -2,7 +2,7 @@
 
 A step's shape is its rows (sequences), its tokens (everything the target computes: decode anchors,
 drafts, prefill chunks), whether it replays a CUDA graph (decode and verify steps do, uniform or
-ragged; a graphed step computes the padded tokens of its graph, rollout.engine.graphs.graph_shape,
+ragged; a graphed step computes the padded tokens of its graph, rollout.engine.graphs.padded_shape,
 and the drafter's forward, graphed too, its batch bucket's rows) and how many rows draft (the
 drafter's block forward runs when any do). Its cost is the step's wall time, schedule to commit, the end-of-step
 synchronisation inside.
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata
-from rollout.engine.graphs import BATCH_BUCKETS, bucket, graph_shape, token_marks
+from rollout.engine.graphs import BATCH_BUCKETS, bucket, padded_shape, token_marks
 
 PROFILE_ROWS = (1, 4, 16, 64, 256)  # target and drafter forward points
 PROFILE_CONTEXT = 256
@@ -115,7 +115,7 @@ class StepCost:
 
     def ragged_seconds(self, rows: int, tokens: int, draft_rows: np.ndarray, graphed: bool = False) -> np.ndarray:
         """[N] seconds of ragged steps of `rows` rows with tokens + n tokens (n = 1..N), draft_rows [N] of
-        them drafting (> 0); graphed: they replay CUDA graphs (their tokens padded as graph_shape pads)."""
+        them drafting (> 0); graphed: they replay CUDA graphs (their tokens padded as padded_shape pads)."""
         graphed = graphed and self.graph is not None
         counts, batch = tokens + np.arange(1, len(draft_rows) + 1), rows  # [N]
         if graphed:
@@ -151,7 +151,7 @@ class StepCost:
         """The tables' seconds, uncorrected."""
         if graphed and tokens <= rows * self.graph.q:  # its graph's padded tokens (padding rows: by their tokens)
             q = tokens // rows if tokens % rows == 0 else self.graph.q
-            padded = (graph_shape(rows, tokens, q, BATCH_BUCKETS) or (rows, tokens))[1]
+            padded = (padded_shape(rows, tokens, q, BATCH_BUCKETS) or (rows, tokens))[1]
             target = self.graph.at(bucket(rows, BATCH_BUCKETS) or rows, padded)
         else:
             target = self.eager.at(rows, tokens)
