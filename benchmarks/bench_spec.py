@@ -28,7 +28,8 @@ random token ids on the 8B shape; EOS is ignored. Acceptance = committed tokens 
 prefill step of each sample left out (1.0 for steps that verified nothing); `drafts_per_row`: drafts
 the adaptive budget verified per decode row, `probes` its full-block probe steps; `steps` each arm's
 engine steps, `draft_steps` / `draft_seconds` the adaptive arm's steps that verified drafts and their
-wall time.
+wall time, `eager_draft_steps` / `eager_draft_seconds` those of them whose target forward ran eagerly
+(no CUDA graph), `eager_proposals` the drafter forwards that ran eagerly (of the adaptive arm's).
 
     python benchmarks/bench_spec.py --device cuda
     python benchmarks/bench_spec.py --device cuda --cases 8b long-tail
@@ -124,6 +125,7 @@ def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: st
     if arm == "adaptive" and fresh:
         budget.forget_acceptance()
     before = dict(budget.totals) if budget is not None else {}
+    drafts_before, proposals_before = engine.draft_counts.total()[0], _eager_proposals(engine)
     runs = [run_engine(engine, g, f"{tag}-{arm}-{i}", device) for i, g in enumerate(groups)]
     tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
     accepts = [n for r in runs for o in r.outputs for n in o.accept_lengths[1:]]
@@ -131,9 +133,20 @@ def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: st
                mean_acceptance=statistics.fmean(accepts) if accepts else float("nan"))
     if arm == "adaptive":
         spent = {k: budget.totals[k] - before.get(k, 0) for k in budget.totals}
-        row.update(drafts_per_row=spent["drafts"] / max(spent["decode_rows"], 1), probes=spent["probes"],
-                   draft_steps=spent["draft_steps"], draft_seconds=spent["draft_seconds"])
+        drafts = engine.draft_counts.total()[0] - drafts_before
+        row.update(drafts_per_row=drafts / max(spent["decode_rows"], 1), probes=spent["probes"],
+                   draft_steps=spent["draft_steps"], draft_seconds=spent["draft_seconds"],
+                   eager_draft_steps=spent["eager_draft_steps"], eager_draft_seconds=spent["eager_draft_seconds"],
+                   eager_proposals=_eager_proposals(engine) - proposals_before)
     return row
+
+
+def _eager_proposals(engine: LLMEngine) -> int:
+    """The drafter's batched proposals so far that did not replay its CUDA graphs (0 for a drafter
+    without them)."""
+    drafter = engine.drafter
+    graphs = getattr(drafter, "graphs", None)
+    return getattr(drafter, "num_proposals", 0) - (graphs.num_replays if graphs is not None else 0)
 
 
 def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, args, result: dict) -> None:
@@ -286,7 +299,8 @@ def main() -> None:
     write_json(args.out, result)
     print_table(f"speculation: none / full blocks / adaptive budgets, block {args.block}", result["rows"],
                 ["case", "spec", "sampling", "batch", "arm", "tokens_per_s", "vs_none", "mean_acceptance",
-                 "drafts_per_row", "probes", "steps", "draft_steps", "draft_seconds", "seconds"])
+                 "drafts_per_row", "probes", "steps", "draft_steps", "draft_seconds", "eager_draft_steps",
+                 "eager_draft_seconds", "eager_proposals", "seconds"])
     print_table("goals (issue 19): adaptive >= 0.97 x none; >= 95% of full's speedup where it pays; the long "
                 "tail finishes first with adaptive", result["goals"],
                 ["case", "spec", "sampling", "batch", "full", "adaptive", "never_costs", "share_of_full_speedup",

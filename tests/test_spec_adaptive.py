@@ -123,3 +123,16 @@ def test_spec_adaptive_is_the_default_and_the_flag_turns_it_off():
     off = engine_factory(parser.parse_args(["serve", "--spec", "dflash", "--no-spec-adaptive"])).args[0]
     assert on.spec_adaptive and not off.spec_adaptive
     assert _engine("dflash", adaptive=False).spec_budget is None and _engine("none").spec_budget is None
+
+
+def test_drafts_are_counted_once_by_the_engine_and_the_budget_reads_that_count():
+    """The engine's DraftCounts is the one count of drafts proposed and accepted: the budget's summary
+    reads its drafts per decode row from it (since the last summary), keeping no count of its own."""
+    eng = _engine("dflash", cost=cost_table(decode_ms=10.0, token_ms=2.0, drafter_ms=2.0, q=BLOCK))
+    _run(eng, prompts=CODE)
+    proposed, accepted = eng.draft_counts.total()
+    assert proposed > 0 and accepted > 0 and not {"drafts", "accepted"} & set(eng.spec_budget.totals)
+    summary = eng.spec_budget_summary()
+    assert summary["drafts_per_row"] == round(proposed / summary["decode_rows"], 3)
+    assert summary["accepted_per_verify"] > 0
+    assert eng.spec_budget_summary()["drafts_per_row"] == 0  # nothing proposed since

@@ -1,7 +1,8 @@
 """The draft budget (rollout/engine/spec_budget.py) and the step-cost model (step_cost.py) on
 synthetic acceptance and cost tables, no model: full blocks when drafts are nearly always accepted
 and verifying is cheap, none when they are rejected or verify rows are expensive, drafts for the
-good samples only in a mixed batch, a budget monotone in acceptance, the limits and the token room
+good samples only in a mixed batch (also when steps replay CUDA graphs: ragged ones do too, priced
+at their graph's padded tokens), a budget monotone in acceptance, the limits and the token room
 kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
 sample at the server-wide estimate; probes stay within their share of the time; the cost model
 learns a kind of step's wall time and stays put when frozen; at start-up the prior's choices verify
@@ -97,15 +98,34 @@ def test_limits_and_room_are_kept():
     assert drafts.sum() <= 10 and drafts.sum() >= 8
 
 
-def test_uniform_blocks_win_when_only_they_replay_a_graph():
-    """Graphs make a ragged step pay the eager price: with mixed acceptance at small batch the
-    budget picks one block size for all (a graph) over drafts for the good samples only (eager)."""
+def test_ragged_blocks_replay_graphs_and_are_priced_as_graphed_steps():
+    """Ragged steps replay CUDA graphs (rollout.engine.graphs pads them): with mixed acceptance and
+    eager steps far dearer than graphed ones, the budget still drafts for the good samples only, at
+    the graph's price. (Before, a ragged step was priced and run eagerly, so graphs forced one block
+    size for all: 8 x 7 drafts here.)"""
     eager, graph = linear_target(10.0, 0.0025, K + 1), linear_target(4.0, 0.0025, K + 1)
     cost = StepCost(eager, graph, Curve((1.0,), (0.0005,)), learn=False)
     acc = np.concatenate([uniform(0.9, 4), uniform(0.3, 4)])
-    drafts = choose(acc, cost=cost, graphs=True)
-    assert len(set(drafts.tolist())) == 1 and drafts[0] > 0
-    assert len(set(choose(acc, cost=cost, graphs=False).tolist())) > 1  # eager: ragged is fine
+    budget = choose_drafts(acc, np.full(8, K), cost, 8, 8, 10_000, graphs=True)[0]
+    assert budget.drafts[:4].min() > budget.drafts[4:].max()  # the good samples' drafts only (ragged)
+    assert budget.seconds < 5e-3  # the graph's price (an eager step: > 10 ms)
+
+
+def test_graphed_steps_are_priced_at_their_graphs_padded_tokens():
+    """The cost model prices a graphed step at the tokens its graph computes (padded_shape): a uniform
+    step its batch bucket's blocks, a ragged one its tokens padded to a TOKEN_STEPS mark; the drafter
+    (graphed whenever the target has graphs) at its batch bucket's rows."""
+    graph = linear_target(4.0, 0.01, K + 1)
+    cost = StepCost(linear_target(10.0, 0.01, K + 1), graph, Curve((1.0, 256.0), (0.0, 0.255)), learn=False)
+    assert cost.seconds(200, 200 * 8, True) == pytest.approx(graph.at(256, 256 * 8))  # uniform: bucket x q
+    assert cost.seconds(256, 271, True) == pytest.approx(graph.at(256, 320))  # ragged: 256 x 1.25
+    assert cost.seconds(256, 271, False) == pytest.approx(cost.eager.at(256, 271))
+    counts = np.arange(1, 200)  # [N] drafters
+    np.testing.assert_allclose(cost.ragged_seconds(256, 256, counts, True),
+                               [cost.seconds(256, 256 + n, True, d) for n, d in zip(counts, counts)])
+    assert cost.seconds(256, 256, True, 20) - cost.seconds(256, 256, True) == pytest.approx(31e-3)  # bucket 32
+    no_graphs = StepCost(cost.eager, None, cost.drafter, learn=False)
+    assert no_graphs.seconds(256, 256, False, 20) - no_graphs.seconds(256, 256, False) == pytest.approx(19e-3)
 
 
 # -- acceptance estimates ----------------------------------------------------------------------------
@@ -314,13 +334,13 @@ def test_a_good_drafter_still_reaches_full_blocks_within_a_few_steps(batch):
     """All drafts accepted and full blocks pay (1.9x a decode step for 8x the tokens at batch 32):
     batch 1 verifies its full block from the first step; batch 32 explores with a few samples (what
     EXPLORE_SHARE of a step pays for) until MEASURED drafts are tried, then full blocks for all from
-    the fourth step."""
+    the fifth step (the fourth while ragged steps were priced unpadded, as eager ones)."""
     cost = cost_table(decode_ms=4.0, token_ms=0.015, drafter_ms=0.5, graph=True)
     budget = SpecBudget(K, cost, graphs=True, max_graph_rows=256)
     caps = _run_steps(budget, _decoding(batch), 6, accept=lambda j: True)
     full = [sorted(c.values()) == [K] * batch for c in caps]
-    assert full[0] == (batch == 1) and all(full[3:]), caps
-    assert all(0 < sum(c.values()) < batch * K / 4 for c in caps[:3 if batch > 1 else 0])
+    assert full[0] == (batch == 1) and all(full[4:]), caps
+    assert all(0 < sum(c.values()) < batch * K / 4 for c in caps[:4 if batch > 1 else 0])
 
 
 def test_a_choice_of_an_untimed_kind_of_step_serves_one_step():

@@ -102,7 +102,8 @@ class Drafter(ABC):
 
 class DraftCounts:
     """Draft tokens proposed and accepted, by proposer and policy version: what the server's
-    metrics and stats log show of a drafter (rollout.server.engine_stats)."""
+    metrics and stats log show of a drafter (rollout.server.engine_stats), and the draft budget's
+    summary (rollout.engine.spec_budget): the engine's one count of drafts."""
 
     def __init__(self):
         self.by_key: dict[tuple[str, int], tuple[int, int]] = {}  # (proposer, version) -> (proposed, accepted)
@@ -111,3 +112,8 @@ class DraftCounts:
         if proposed:
             before = self.by_key.get((proposer, version), (0, 0))
             self.by_key[(proposer, version)] = (before[0] + proposed, before[1] + accepted)
+
+    def total(self) -> tuple[int, int]:
+        """(proposed, accepted) over every proposer and policy version."""
+        proposed, accepted = (sum(c) for c in zip((0, 0), *self.by_key.values()))
+        return proposed, accepted

@@ -340,8 +340,9 @@ class LLMEngine:
         return hidden, aux
 
     def make_step_graphs(self, capture: bool) -> StepGraphs:
-        """Static-buffer replay of uniform steps; `capture=False` runs it eagerly (tests). The
-        graphs keep the hidden states only: the drafter reads the taps inside the forward."""
+        """Static-buffer replay of decode and verify steps, uniform or ragged; `capture=False` runs it
+        eagerly (tests). The graphs keep the hidden states only: the drafter reads the taps inside the
+        forward."""
         forward = lambda ids, meta: (self._target_forward(ids, meta)[0], None)  # noqa: E731
         max_q = (self.drafter.num_spec + 1) if self.drafter else 1
         max_blocks = -(-self.max_model_len // self.config.block_size) + 1
@@ -368,7 +369,7 @@ class LLMEngine:
                     max_seconds=3.0 if self.device.type == "cuda" else 0.5)
             log.info("step cost profile: %s", step_cost.describe())
         max_graph_rows = self.graphs.buckets[-1] if self.graphs is not None else 0
-        return SpecBudget(num_spec, step_cost, self.graphs is not None, max_graph_rows)
+        return SpecBudget(num_spec, step_cost, self.graphs is not None, max_graph_rows, self.draft_counts)
 
     def spec_budget_summary(self) -> dict | None:
         """The draft budget's summary since the last call (server logs), None without one."""

@@ -1,21 +1,32 @@
-"""CUDA graphs for uniform decode and verify steps.
+"""CUDA graphs for decode and verify steps.
 
-A step where every sequence computes the same number of tokens q (1 for plain decode, K+1
-for a verify block) replays a graph captured for (batch bucket, q, context bucket, shared),
-`shared` saying whether the step reads shared prefixes once per group (its plan, prefix_plan.py,
-lives in static buffers sized by the padded token count, so the key takes no more of it). Inputs
-are copied into static buffers; rows past the real batch are padding that reads and writes a
-scratch KV block no sequence owns, so they can never touch real cache entries. A padded row is a
-well-formed sequence of q tokens with context q, so each of its queries sees at least one key (a
-query seeing none would make a NaN that reaches the drafter's context through the scratch
-block). Prefill and
-ragged steps run eagerly. With `capture=False` the same static-buffer path runs eagerly, which
-is how the padding is tested on CPU.
+A decode or verify step (every sequence computing at most `max_q` tokens: 1 for plain decode, up to
+K+1 for a verify block) replays a graph captured for a key (rows, q, context bucket, shared, tokens)
+(`padded_shape`), `shared` saying whether the step reads shared prefixes once per group (its plan,
+prefix_plan.py, lives in static buffers sized by the padded token count, so the key takes no more of
+it). Inputs are copied into static buffers; rows past the real batch are padding rows that read and
+write a scratch KV block no sequence owns, so they can never touch real cache entries, and whose
+outputs are never returned (so never committed).
+* A uniform step (every sequence q tokens) pads its rows to the batch bucket, each padded row q
+  tokens: key (bucket, q, ctx, shared, bucket * q).
+* A ragged step (sequences of different lengths: the draft budget verifies some drafts of some
+  samples, DSpark shortens blocks, a short prefill chunk rides along) pads its tokens to the batch
+  bucket times a step of TOKEN_STEPS, the padding tokens going to padding rows of at most q tokens
+  each after the real ones (so the real tokens keep their places): a few padding rows more than
+  the bucket when the batch fills it. Its q is `max_q` (one graph for every mix of block lengths),
+  or with a shared-prefix plan the step's own longest query (the plan's launch depends on it).
+So the keys of a (context bucket, shared) pair number at most buckets x (max_q + steps) without a
+shared-prefix plan, buckets x max_q x (1 + steps) with one, `steps` being the TOKEN_STEPS up to
+max_q (12 buckets, max_q 16, 10 steps: 312 and 2,112; a run meets a few of them).
+A padded row is a well-formed sequence of at most q tokens with context q, so each of its queries
+sees at least one key (a query seeing none would make a NaN that reaches the drafter's context
+through the scratch block). A step with a longer query (a prefill chunk) runs eagerly. With
+`capture=False` the same static-buffer path runs eagerly, which is how the padding is tested on CPU.
 
 Every graph of a set writes its outputs into the set's one `StaticOutputs` (a replay's outputs are
 read before the next replay): a graph's private memory is then its working set, shared with the
 set's other graphs, and not also its outputs, so the pool stays one forward's working set however
-many (batch, q, context) keys get captured, which is what the engine's memory plan reserves
+many keys get captured, which is what the engine's memory plan reserves
 (rollout/engine/profile.py).
 """
 
@@ -23,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata
@@ -30,6 +42,8 @@ from rollout.engine.prefix_attention import StaticSharedPrefix
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# a ragged step's padded tokens, in tokens per row of its batch bucket
+TOKEN_STEPS = (1, 1.25, 1.5, *(m for k in range(12) for m in (2 << k, 3 << k)))
 
 
 def bucket(n: int, buckets) -> int | None:
@@ -40,6 +54,27 @@ def bucket(n: int, buckets) -> int | None:
 def context_bucket(length: int, minimum: int) -> int:
     """A context length rounded up to a power of two, at least `minimum`."""
     return max(minimum, 1 << max(length - 1, 0).bit_length())
+
+
+def token_marks(batch: int, q: int) -> np.ndarray:
+    """[M] the token counts a ragged step of batch bucket `batch` and query length q pads to:
+    ceil(batch x step) for the TOKEN_STEPS below q, then batch x q."""
+    return np.ceil(batch * np.asarray([m for m in TOKEN_STEPS if m < q] + [q], dtype=np.float64)).astype(np.int64)
+
+
+def padded_shape(rows: int, tokens: int, q: int, buckets) -> tuple[int, int] | None:
+    """(rows, tokens) of the graph that replays a step of `rows` sequences of at most q tokens each,
+    `tokens` in all (see the module docstring), or None past the largest bucket. A ragged step's
+    padding rows (at most q tokens each) hold the padding tokens of a full batch bucket: a third of
+    the bucket at most (TOKEN_STEPS grow by at most a third of a step; the last one, q, likewise)."""
+    batch = bucket(rows, buckets)
+    if batch is None or rows * q == tokens:
+        return None if batch is None else (batch, batch * q)
+    marks = token_marks(batch, q)
+    i = int(np.searchsorted(marks, tokens))  # the first mark >= tokens
+    padded = int(marks[i])
+    fewest = int(marks[i - 1]) + 1 if i else padded  # the fewest tokens a full bucket pads to `padded`
+    return batch + -(-(padded - fewest) // q), padded
 
 
 class StepGraphs:
@@ -53,47 +88,53 @@ class StepGraphs:
         self.block_size = block_size
         self.capture = capture
         self.buckets = tuple(b for b in BATCH_BUCKETS if b <= max_batch)
-        s, t = self.buckets[-1], self.buckets[-1] * max_q
+        t = self.buckets[-1] * max_q
+        s = self.buckets[-1] + self.buckets[-1] // 3 + 1  # the largest bucket and its padding rows
         kw = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(t, **kw)  # [T_max]
         self.positions = torch.zeros(t, **kw)
         self.slot_mapping = torch.full((t,), self.scratch_slot, **kw)
+        self.cu_seqlens = torch.arange(s + 1, **kw)  # [S_max + 1]
+        self.row_index = torch.arange(s + 1, **kw)  # [S_max + 1] constant
         self.context_lens = torch.ones(s, **kw)  # [S_max]
         self.block_tables = torch.full((s, max_blocks_per_seq), scratch_block, **kw)
         self.shared = StaticSharedPrefix(prefix_planner, t, device) if prefix_planner is not None else None
         self.max_q = max_q
         self.outputs = StaticOutputs(t)
-        self.graphs: dict[tuple[int, int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, int, bool, int], tuple] = {}
         self.pool = None
         self.num_replays = 0
 
-    def key(self, meta: AttentionMetadata) -> tuple[int, int, int, bool] | None:
-        """(batch bucket, q, context bucket, shared) when the step is uniform and fits, else None."""
-        s, t = meta.num_seqs, meta.slot_mapping.shape[0]
-        q = meta.max_query_len
-        if q > self.max_q or s * q != t:
-            return None
-        batch = bucket(s, self.buckets)
+    def key(self, meta: AttentionMetadata) -> tuple[int, int, int, bool, int] | None:
+        """(rows, q, context bucket, shared, tokens) of the graph that replays this step, or None
+        (a query longer than max_q, a batch or context past the largest bucket: run it eagerly)."""
+        s, t, q = meta.num_seqs, meta.slot_mapping.shape[0], meta.max_query_len
+        shared = meta.shared is not None
         ctx = context_bucket(meta.max_context_len, 256)
-        if batch is None or -(-ctx // self.block_size) > self.block_tables.shape[1]:
+        if q > self.max_q or -(-ctx // self.block_size) > self.block_tables.shape[1]:
             return None
-        return batch, q, ctx, meta.shared is not None
+        if s * q != t and not shared:  # ragged: one q for every mix of lengths
+            q = self.max_q
+        shape = padded_shape(s, t, q, self.buckets)
+        return None if shape is None else (shape[0], q, ctx, shared, shape[1])
 
     @torch.inference_mode()
     def run(self, key, input_ids: torch.Tensor, meta: AttentionMetadata):
-        s_pad, q, ctx, shared = key
+        rows, q, ctx, shared, t_pad = key
         s, t = meta.num_seqs, input_ids.shape[0]
-        t_pad = s_pad * q
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(meta.positions)
         self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.slot_mapping[t:t_pad].fill_(self.scratch_slot)
         self.positions[t:t_pad].fill_(0)
+        self.cu_seqlens[: s + 1].copy_(meta.cu_seqlens_q)
+        # padding rows: q tokens each (the last one the rest, any after it none) up to t_pad
+        self.cu_seqlens[s + 1: rows + 1] = (self.row_index[1: rows - s + 1] * q + t).clamp_(max=t_pad)
         self.context_lens[:s].copy_(meta.context_lens)
-        self.context_lens[s:s_pad].fill_(q)  # a padded row's q queries see keys 0..j of the scratch block
+        self.context_lens[s:rows].fill_(q)  # a padded row's queries see keys 0..j of the scratch block
         width = meta.block_tables.shape[1]
         self.block_tables[:s, :width].copy_(meta.block_tables)
-        self.block_tables[s:s_pad].fill_(self.scratch_block)
+        self.block_tables[s:rows].fill_(self.scratch_block)
         if shared:
             self.shared.load(meta.shared, t_pad)
         if key not in self.graphs:
@@ -104,17 +145,15 @@ class StepGraphs:
         return hidden[:t], (aux[:t] if aux is not None else None)
 
     def _static_meta(self, key) -> AttentionMetadata:
-        s_pad, q, ctx, shared = key
-        t_pad = s_pad * q
+        rows, q, ctx, shared, t_pad = key
         return AttentionMetadata(
             positions=self.positions[:t_pad], slot_mapping=self.slot_mapping[:t_pad],
-            cu_seqlens_q=torch.arange(0, t_pad + 1, q, device=self.positions.device),
-            context_lens=self.context_lens[:s_pad], block_tables=self.block_tables[:s_pad],
-            max_query_len=q, max_context_len=ctx, block_size=self.block_size,
+            cu_seqlens_q=self.cu_seqlens[: rows + 1], context_lens=self.context_lens[:rows],
+            block_tables=self.block_tables[:rows], max_query_len=q, max_context_len=ctx, block_size=self.block_size,
             shared=self.shared.plan(t_pad, q) if shared else None)
 
     def _build(self, key):
-        t_pad = key[0] * key[1]
+        t_pad = key[4]
         run = lambda: self.forward(self.input_ids[:t_pad], self._static_meta(key))  # noqa: E731
         replay, (hidden, aux), self.pool = capture_graph(run, self.capture, self.outputs, self.pool)
         return replay, hidden, aux

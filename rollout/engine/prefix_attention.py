@@ -68,7 +68,7 @@ class SharedPrefixPlan:
 class StaticSharedPrefix:
     """Fixed device buffers a CUDA graph's shared-prefix plan lives in, sized for `max_tokens`
     query tokens: each replay copies the step's plan in (`load`); `plan` gives the plan over them
-    for a padded token count and query length (uniform in a graph step), with host ints that
+    for a padded token count and the step's longest query, with host ints that
     depend on those alone."""
 
     def __init__(self, planner: SharedPrefixPlanner, max_tokens: int, device: torch.device):

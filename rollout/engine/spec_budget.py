@@ -5,11 +5,11 @@ expectation, a_j being the conditional acceptance of its draft j (accepted, give
 The step's time comes from the cost model (step_cost.py). The budget maximises the step's expected
 committed tokens per second over
 * no drafts at all: a plain decode step, the drafter's forward skipped;
-* uniform blocks, k drafts for every sample (k = 1, 3, 7, ... and K: a few graph shapes serve them,
-  each captured once): one CUDA graph when the step has no prefill;
+* uniform blocks, k drafts for every sample (k = 1, 3, 7, ... and K);
 * ragged blocks: draft slots (sample, position) admitted best expected gain first, the step re-priced
-  at every count (as an eager step: a ragged step replays no graph), keeping the count with the best
-  rate (vLLM's adaptive verification).
+  at every count, keeping the count with the best rate (vLLM's adaptive verification).
+Either replays a CUDA graph when the step has no prefill (a ragged one padded to a graph's tokens,
+rollout.engine.graphs; the cost model prices the padding).
 A sample given no drafts is a plain decode row of the same step. Verifying a prefix of a draft block
 is what Contract 2 verifies losslessly already, so the budget changes the speed, never the law of the
 committed tokens (DESIGN.md).
@@ -45,6 +45,7 @@ import dataclasses
 
 import numpy as np
 
+from rollout.engine.drafter import DraftCounts
 from rollout.engine.sequence import Sequence
 from rollout.engine.step_cost import StepCost, rows_bucket
 
@@ -147,22 +148,22 @@ def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int
                   room: int, graphs: bool) -> tuple[Budget, Budget]:
     """acc: [S, K] conditional acceptance of the step's S decode samples; limits: [S] the most drafts
     each may verify; rows: the step's sequences (decode + prefill); base_tokens: its tokens without
-    drafts; room: the most draft tokens it may add; graphs: a uniform step replays a CUDA graph.
+    drafts; room: the most draft tokens it may add; graphs: the step replays a CUDA graph.
     Returns the budget with the best expected committed tokens per second (ties: fewer drafts), and
     full blocks (every sample its limit; what a probe verifies)."""
     gain = slot_gains(acc, limits)  # [S, K]
     committed = len(limits) + np.concatenate([[0.0], np.cumsum(gain.sum(axis=0))])  # [K+1] uniform k
-    drafting, shortest = int(np.count_nonzero(limits)), int(limits.min())
+    drafting = int(np.count_nonzero(limits))
     fitting = []
     for k in uniform_sizes(acc.shape[1]):
         drafts = np.minimum(limits, k)
-        seconds = cost.seconds(rows, base_tokens + int(drafts.sum()), graphs and k <= shortest, drafting if k else 0)
+        seconds = cost.seconds(rows, base_tokens + int(drafts.sum()), graphs, drafting if k else 0)
         full = Budget(drafts, float(committed[k]), seconds, k)
         if int(drafts.sum()) <= room:
             fitting.append(full)
     best = max(fitting, key=lambda b: b.rate)  # k = 0 always fits; the first of equals
-    if len(limits) > 1:  # (one sample: ragged blocks are uniform ones, eager)
-        ragged = _ragged(gain, cost, rows, base_tokens, room)
+    if len(limits) > 1:  # (one sample: ragged blocks are uniform ones)
+        ragged = _ragged(gain, cost, rows, base_tokens, room, graphs)
         if ragged.rate > best.rate * (1 + 1e-9):
             best = ragged
     return best, full
@@ -171,8 +172,8 @@ def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int
 def explore(budget: Budget, acc: np.ndarray, cost: StepCost, rows: int, base_tokens: int,
             graphs: bool) -> Budget:
     """`budget` (from choose_drafts) cut to its first drafting samples whose drafts add at most
-    EXPLORE_SHARE of a plain decode step's seconds (the first one's drafts at least), priced as an
-    eager step; unchanged when all of them fit. acc: [S, K] as choose_drafts'."""
+    EXPLORE_SHARE of a plain decode step's seconds (the first one's drafts at least), priced as a
+    ragged step; unchanged when all of them fit. acc: [S, K] as choose_drafts'."""
     order = np.flatnonzero(budget.drafts)  # [n] the samples that draft, in order
     if len(order) <= 1:
         return budget
@@ -181,7 +182,7 @@ def explore(budget: Budget, acc: np.ndarray, cost: StepCost, rows: int, base_tok
         return budget
     counts = budget.drafts[order]  # [n]
     per_token = np.repeat(np.arange(1, len(order) + 1), counts)  # [D] samples drafting once a token is in
-    seconds = cost.ragged_seconds(rows, base_tokens, per_token)[np.cumsum(counts) - 1]  # [n] first n samples'
+    seconds = cost.ragged_seconds(rows, base_tokens, per_token, graphs)[np.cumsum(counts) - 1]  # [n] first n'
     n = max(1, int(np.searchsorted(seconds, bound, side="right")))
     if n == len(order):
         return budget
@@ -201,16 +202,16 @@ def slot_gains(acc: np.ndarray, limits: np.ndarray) -> np.ndarray:
     return np.cumprod(acc, axis=1) * (np.arange(acc.shape[1]) < limits[:, None])
 
 
-def _ragged(gain: np.ndarray, cost: StepCost, rows: int, base_tokens: int, room: int) -> Budget:
+def _ragged(gain: np.ndarray, cost: StepCost, rows: int, base_tokens: int, room: int, graphs: bool) -> Budget:
     """The best count n of draft slots taken best gain first (a sample's slots in position order),
-    priced as an eager step."""
+    priced as a ragged step (graphs: replaying a CUDA graph)."""
     num = gain.shape[0]
     flat = gain.T.ravel()  # position-major: a stable sort keeps each sample's positions in order
     order = np.argsort(-flat, kind="stable")[: min(room, int(np.count_nonzero(flat)))]
     if not len(order):
         return Budget(np.zeros(num, dtype=np.int64), float(num), float("inf"), 0)
     committed = num + np.cumsum(flat[order])  # [n]
-    seconds = cost.ragged_seconds(rows, base_tokens, np.cumsum(order < num))  # a sample's first slot: it drafts
+    seconds = cost.ragged_seconds(rows, base_tokens, np.cumsum(order < num), graphs)  # a sample's first slot drafts
     n = int(np.argmax(committed / seconds))
     drafts = np.bincount(order[: n + 1] % num, minlength=num)
     return Budget(drafts, float(committed[n]), float(seconds[n]), -1, float(flat[order[n]]))
@@ -221,15 +222,18 @@ class SpecBudget:
     verify results and wall time (`record`), which the acceptance estimates and the cost model learn
     from. `summary` is for the server's periodic log line."""
 
-    def __init__(self, num_spec: int, cost: StepCost, graphs: bool, max_graph_rows: int):
+    def __init__(self, num_spec: int, cost: StepCost, graphs: bool, max_graph_rows: int,
+                 counts: DraftCounts | None = None):
         self.num_spec = num_spec
         self.cost = cost
-        self.graphs = graphs  # uniform decode / verify steps replay CUDA graphs
+        self.graphs = graphs  # decode / verify steps replay CUDA graphs
         self.max_graph_rows = max_graph_rows
+        self.counts = counts if counts is not None else DraftCounts()  # the engine's drafts proposed, accepted
+        self._summarised = self.counts.total()  # ... at the last summary
         self.acceptance = AcceptanceEstimates(num_spec)
         self.credit = 0.0  # seconds of probing earned (see the module docstring)
-        self.totals = dict.fromkeys(("steps", "decode_rows", "drafts", "probes", "verified_rows", "accepted",
-                                     "draft_steps", "draft_seconds"), 0)
+        self.totals = dict.fromkeys(("steps", "decode_rows", "probes", "verified_rows", "draft_steps",
+                                     "draft_seconds", "eager_draft_steps", "eager_draft_seconds"), 0)
         self._timings: list[tuple] = []  # recorded steps' shapes and wall times, not learned from yet
         self._verified: list[tuple] = []  # recorded steps' (entries, num_draft, num_accepted), the same
         self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
@@ -259,7 +263,6 @@ class SpecBudget:
         self.totals["decode_rows"] += len(decode)
         if drafts is None:
             return {}
-        self.totals["drafts"] += int(drafts.sum())
         return dict(zip(decode, drafts.tolist()))
 
     def _choose(self, decode: list[Sequence], limits: list[int], rows: int, base: int, room: int,
@@ -285,8 +288,7 @@ class SpecBudget:
         exploring = budget.k != 0 and not self.acceptance.measured()
         if exploring:
             budget = explore(budget, acc, self.cost, rows, base, graphs)
-        graphed = graphs and budget.k >= 0 and budget.k <= min(limits)
-        self._tentative = exploring or not self.cost.timed(rows, graphed, budget.k != 0)
+        self._tentative = exploring or not self.cost.timed(rows, graphs, budget.k != 0)
         self._key, self._last, self._age = key, (budget, full.seconds), 1
         return budget, full.seconds
 
@@ -318,9 +320,11 @@ class SpecBudget:
         drafting = len(rows.num_draft) - rows.num_draft.count(0)
         tokens = step.tokens.meta.slot_mapping.shape[0]
         self._timings.append((len(step.tokens.items), tokens, graphed, drafting, seconds))
-        if drafting:  # (bench_spec: the time steps with drafts took)
+        if drafting:  # (bench_spec: the time steps with drafts took, and those whose target ran eagerly)
             self.totals["draft_steps"] += 1
             self.totals["draft_seconds"] += seconds
+            self.totals["eager_draft_steps"] += not graphed
+            self.totals["eager_draft_seconds"] += 0.0 if graphed else seconds
         if num_accepted is not None and drafting:
             self._verified.append((rows.entries, rows.num_draft, num_accepted))
 
@@ -338,7 +342,6 @@ class SpecBudget:
         self.acceptance.observe(seqs, num_draft[verified], num_accepted[verified], len(self._verified))
         self._verified = []
         self.totals["verified_rows"] += len(seqs)
-        self.totals["accepted"] += int(num_accepted[verified].sum())
 
     def forget_acceptance(self) -> None:
         """Back to the prior, as at a server's start (its cost model kept): bench_spec's fresh starts."""
@@ -352,6 +355,9 @@ class SpecBudget:
         tokens of a full block for (up to 16) running requests, the cost model."""
         self._learn()
         t, self.totals = self.totals, dict.fromkeys(self.totals, 0)
+        now = self.counts.total()
+        drafts, accepted = (a - b for a, b in zip(now, self._summarised))
+        self._summarised = now
         requests: dict[str, list[float]] = {}
         live = [s for s in self.acceptance.rows if not s.is_finished]
         if live:
@@ -360,8 +366,8 @@ class SpecBudget:
                 if len(requests) < 16 or seq.request_id in requests:
                     requests.setdefault(seq.request_id, []).append(e)
         return dict(steps=t["steps"], decode_rows=t["decode_rows"], probes=t["probes"],
-                    drafts_per_row=round(t["drafts"] / max(t["decode_rows"], 1), 3),
-                    accepted_per_verify=round(t["accepted"] / max(t["verified_rows"], 1), 3),
+                    drafts_per_row=round(drafts / max(t["decode_rows"], 1), 3),
+                    accepted_per_verify=round(accepted / max(t["verified_rows"], 1), 3),
                     acceptance=[round(a, 3) for a in self.acceptance.server_wide().tolist()],
                     request_accept_length={r: round(sum(v) / len(v), 3) for r, v in requests.items()},
                     cost=self.cost.describe())

@@ -1,9 +1,10 @@
 """What an engine step costs on this device, by shape: the price list of speculation (spec_budget.py).
 
 A step's shape is its rows (sequences), its tokens (everything the target computes: decode anchors,
-drafts, prefill chunks), whether it replays a CUDA graph (uniform decode and verify steps do; a
-graphed step computes its batch bucket's padded rows) and how many rows draft (the drafter's block
-forward runs when any do). Its cost is the step's wall time, schedule to commit, the end-of-step
+drafts, prefill chunks), whether it replays a CUDA graph (decode and verify steps do, uniform or
+ragged; a graphed step computes the padded tokens of its graph, rollout.engine.graphs.padded_shape,
+and the drafter's forward, graphed too, its batch bucket's rows) and how many rows draft (the
+drafter's block forward runs when any do). Its cost is the step's wall time, schedule to commit, the end-of-step
 synchronisation inside.
 
 The model: measured tables times a learned correction.
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from rollout.engine.attention import AttentionMetadata
-from rollout.engine.graphs import BATCH_BUCKETS, bucket
+from rollout.engine.graphs import BATCH_BUCKETS, bucket, padded_shape, token_marks
 
 PROFILE_ROWS = (1, 4, 16, 64, 256)  # target and drafter forward points
 PROFILE_CONTEXT = 256
@@ -112,12 +113,18 @@ class StepCost:
         graphed = graphed and self.graph is not None
         return self._model(rows, tokens, graphed, draft_rows) * self._scale(rows, graphed, draft_rows > 0)
 
-    def ragged_seconds(self, rows: int, tokens: int, draft_rows: np.ndarray) -> np.ndarray:
-        """[N] seconds of eager steps of `rows` rows with tokens + n tokens (n = 1..N), draft_rows [N] of
-        them drafting (> 0)."""
-        d, per_token = self.eager.line(rows)
-        target = d + per_token * (tokens - rows + np.arange(1, len(draft_rows) + 1))
-        return (target + self.drafter(draft_rows.astype(np.float64))) * self._scale(rows, False, True)
+    def ragged_seconds(self, rows: int, tokens: int, draft_rows: np.ndarray, graphed: bool = False) -> np.ndarray:
+        """[N] seconds of ragged steps of `rows` rows with tokens + n tokens (n = 1..N), draft_rows [N] of
+        them drafting (> 0); graphed: they replay CUDA graphs (their tokens padded as padded_shape pads)."""
+        graphed = graphed and self.graph is not None
+        counts, batch = tokens + np.arange(1, len(draft_rows) + 1), rows  # [N]
+        if graphed:
+            batch = bucket(rows, BATCH_BUCKETS) or rows
+            marks = token_marks(batch, self.graph.q)  # [M]
+            counts = marks[np.minimum(np.searchsorted(marks, counts), len(marks) - 1)]  # [N] padded
+        d, per_token = (self.graph if graphed else self.eager).line(batch)
+        target = d + per_token * (counts - batch)
+        return (target + self._drafter(draft_rows)) * self._scale(rows, graphed, True)
 
     def observe(self, rows: int, tokens: int, graphed: bool, draft_rows: int, seconds: float) -> None:
         """A step of this shape took `seconds` (wall time): the corrections of its kind (graphed,
@@ -142,12 +149,23 @@ class StepCost:
 
     def _model(self, rows: int, tokens: int, graphed: bool, draft_rows: int) -> float:
         """The tables' seconds, uncorrected."""
-        if graphed:  # a graph computes its batch bucket's padded rows
-            padded = bucket(rows, BATCH_BUCKETS) or rows
-            target = self.graph.at(padded, tokens * padded / rows)
+        if graphed and tokens <= rows * self.graph.q:  # its graph's padded tokens (padding rows: by their tokens)
+            q = tokens // rows if tokens % rows == 0 else self.graph.q
+            padded = (padded_shape(rows, tokens, q, BATCH_BUCKETS) or (rows, tokens))[1]
+            target = self.graph.at(bucket(rows, BATCH_BUCKETS) or rows, padded)
         else:
             target = self.eager.at(rows, tokens)
-        return target + (self.drafter.at(draft_rows) if draft_rows > 0 else 0.0)
+        return target + (float(self._drafter(np.asarray([draft_rows]))[0]) if draft_rows > 0 else 0.0)
+
+    def _drafter(self, draft_rows: np.ndarray) -> np.ndarray:
+        """[N] seconds of the drafter's forward over draft_rows [N] rows: over their batch bucket's with
+        CUDA graphs (the drafter's graphs pad its rows as the target's do, whatever the target step)."""
+        rows = np.asarray(draft_rows, dtype=np.float64)
+        if self.graph is not None:
+            buckets = np.asarray(BATCH_BUCKETS, dtype=np.float64)
+            i = np.searchsorted(buckets, rows)
+            rows = np.where(i < len(buckets), buckets[np.minimum(i, len(buckets) - 1)], rows)
+        return self.drafter(rows)
 
     def _scale(self, rows: int, graphed: bool, drafts: bool) -> float:
         log_c = self.log_correction
