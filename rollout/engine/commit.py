@@ -75,6 +75,9 @@ class Committer:
         masks = StepMasks(captured, host.masks) if captured is not None else None
         outputs, finishing = [], []
         for e, seq in enumerate(rows.entries):
+            seq.pending_entry = -1  # its token is read now (rollout.engine.overlap)
+            if seq.is_finished:  # finished or aborted before this step's results: a discarded slot
+                continue
             count = num_accepted[e] + 1
             if not host.has_support[e]:
                 position = seq.num_output_tokens + num_accepted[e]

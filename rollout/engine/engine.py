@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rollout.engine import memory, profile, triton_ops, triton_prefix_attention
+from rollout.engine import memory, overlap, profile, triton_ops, triton_prefix_attention
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.capture import MaskCapture
@@ -37,11 +37,12 @@ from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake, Limits
 from rollout.engine.kv import allocate_kv, bytes_per_block, copy_blocks
 from rollout.engine.loader import LoadedModel, LoadProgress, load_model
+from rollout.engine.overlap import Launched, Pipeline
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.release import MemoryReport, ReleasedMemory
 from rollout.engine.rows import build_row_params, grammar_bitmask
 from rollout.engine.sampler import policy
-from rollout.engine.scheduler import Scheduler
+from rollout.engine.scheduler import ScheduledSeq, Scheduler
 from rollout.engine.spec_budget import SpecBudget
 from rollout.engine.step_cost import StepCost, profile_step_cost
 from rollout.engine.verify import VerifyResult, verify
@@ -110,6 +111,7 @@ class LLMEngine:
         self._graphed = False  # the last target forward replayed a CUDA graph
         self.spec_budget = self._spec_budget(step_cost) if self.drafter and config.spec_adaptive else None
         self.scheduler.draft_budget = self.spec_budget
+        self.pipeline = Pipeline(config.overlap)  # the step launched ahead (rollout.engine.overlap)
 
     def _plan_kv_blocks(self, max_model_len: int) -> int:
         """KV blocks for the pool (see rollout.engine.memory): on CUDA what the profile of the largest
@@ -197,6 +199,7 @@ class LLMEngine:
             raise FailedPrecondition("memory: requests are running or a weight update is draining; release "
                                      "between rollouts")
         before = self._device_bytes()
+        self.pipeline.take()  # a step left in flight holds only discarded slots (its samples were aborted)
         self.kv_caches, self.graphs = [], None
         if self.drafter is not None:
             self.drafter.free()
@@ -242,26 +245,55 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SampleOutput]:
-        self._apply_weights()
+        if self.pipeline.idle:
+            self._apply_weights()
         if self.memory.released:
             return []
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if not plan:
+        current = self.pipeline.take() or self._launch(self.scheduler.schedule())
+        if current is None:
             self.committer.hand_over_masks()
             return []
+        has_drafter, weights_pending = self.drafter is not None, self.weights.pending
+        after = self._launch_after(current) if self.pipeline.overlaps(current, has_drafter, weights_pending) else None
+        outputs = self._finish(current, start)
+        if after is not None and self.scheduler.has_unfinished():  # else every slot of `after` is discarded
+            self._copy_blocks(overlap.advance(self.scheduler, after))
+            self.pipeline.inflight = after
+        return outputs
+
+    def _launch(self, plan: list[ScheduledSeq], prev: Launched | None = None) -> Launched | None:
+        """Schedule's plan -> draft -> build -> (pending tokens from `prev`) -> forward, policy, verify,
+        capture, the masks' copy started: queued on the device, nothing read back."""
+        if not plan:
+            return None
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
         drafts = self._draft(plan, table)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table,
                           self.prefix_planner)
+        if prev is not None:
+            overlap.fill_pending(step, drafts.num_per_item, prev, self.device)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
+        return Launched(plan, drafts, step, result, captured, masks)
+
+    def _launch_after(self, current: Launched) -> Launched | None:
+        """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap)."""
+        if not current.advanced:
+            self._copy_blocks(overlap.advance(self.scheduler, current))
+        self.committer.hand_over_masks()  # n-1's, before n+1's mask copy reuses their staging buffer
+        return self._launch(self.scheduler.schedule(), current)
+
+    def _finish(self, current: Launched, start: float) -> list[SampleOutput]:
+        """(last step's masks) -> sync -> count drafts -> advance -> commit/emit -> truncate drafts -> record."""
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
-        host = _to_host(result, masks)
-        self._count_drafts(drafts, host)
-        copies = self.scheduler.advance(plan, step.accepted_per_item(None if host is None else host.num_accepted))
-        self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
-        outputs = self.committer.commit(step.rows, host, captured)
+        host = _to_host(current.result, current.masks)
+        plan, step = current.plan, current.step
+        self._count_drafts(current.drafts, host)
+        if not current.advanced:
+            copies = self.scheduler.advance(plan, step.accepted_per_item(None if host is None else host.num_accepted))
+            self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
+        outputs = self.committer.commit(step.rows, host, current.captured)
         self.scheduler.truncate_drafts(plan)
         if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
             self.spec_budget.record(step, host and host.num_accepted, time.perf_counter() - start, self._graphed)
