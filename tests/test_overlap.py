@@ -158,6 +158,26 @@ def test_an_abort_leaves_no_step_behind(tiny_random_qwen3):
     assert _run(eng)[("b", 0, 0)].token_ids[:2] == out[0].token_ids
 
 
+def test_an_abort_while_a_prefill_chunk_is_in_flight(tiny_random_qwen3):
+    """The aborted prompt's chunk in flight still writes its (correct) KV; a later request with the
+    same prompt reuses the blocks registered for it and draws what the synchronous loop draws."""
+    long_prompt = list(range(100, 140))  # five chunks of 8
+    params = SamplingParams(max_tokens=4, seed=1, **SAMPLED)
+    ref = _engine(tiny_random_qwen3, overlap=False)
+    ref.add_request("again", [long_prompt], params)
+    want = _run(ref)
+    eng = _engine(tiny_random_qwen3, overlap=True, max_num_batched_tokens=8)
+    eng.add_request("long", [long_prompt], params)
+    eng.add_request("other", [PROMPTS[1]], SamplingParams(max_tokens=6, seed=2, **SAMPLED))
+    eng.step()
+    assert any(it.seq.request_id == "long" and it.num_new_tokens > 1 for it in eng.pipeline.inflight.plan)
+    assert eng.abort("long")[0].finish_reason == "abort"
+    assert len(_run(eng)[("other", 0, 0)].token_ids) == 6 and eng.kv_blocks()[0] == eng.kv_blocks()[1]
+    assert eng.block_manager.hash_to_block  # the aborted prompt's computed blocks
+    eng.add_request("again", [long_prompt], params)
+    _same(_run(eng), want)
+
+
 def test_a_weight_update_between_steps(tiny_random_qwen3, greedy_ref):
     def update_at(eng, i):
         if i == 3:

@@ -45,7 +45,7 @@ import torch
 
 from rollout.engine.batch import StepBatch
 from rollout.engine.drafter import Drafts
-from rollout.engine.scheduler import Scheduler, ScheduledSeq
+from rollout.engine.scheduler import ScheduledSeq, Scheduler
 from rollout.engine.transfer import upload
 from rollout.engine.verify import VerifyResult
 
