@@ -2,8 +2,12 @@
 synchronisation per step). tests/host_waits.py finds, on CPU, every operation that would make the
 host wait on a GPU (each aten op replayed on the meta device, plus the Python-level reads and
 blocking copies); here it watches the whole `LLMEngine.step()` (draft, step layout, forward,
-policy, verify, capture) except the sanctioned synchronisation itself (`_to_host`, with
-`MaskCapture.to_host`, which starts its copy) and the commit after it, which reads host copies.
+policy, verify, capture, the results' copy started at launch) except the sanctioned
+synchronisation itself (`_to_host`, with `MaskCapture.to_host`, which starts the masks' copy) and
+the commit after it, which reads host copies. With overlapped scheduling (the default,
+rollout/engine/overlap.py) step n+1 is built and launched before step n's synchronisation, and
+nothing before that synchronisation reads the device (its pending tokens come from n's on the
+device): `test_the_next_step_launches_before_the_sync_without_a_read`.
 
 The workload mixes greedy, sampled, penalised, biased, masked (both modes) and grammar requests,
 with no drafter, DFlash, DSpark and DSpark with a confidence threshold, full draft blocks and the
@@ -84,10 +88,10 @@ class _Watched:
         w = self.waits
         real_to_host, real_build = engine_mod._to_host, engine_mod.build_step
 
-        def to_host(result, masks):
-            self.syncs += result is not None
+        def to_host(copy, masks):
+            self.syncs += copy is not None
             self.events.append("sync")
-            return real_to_host(result, masks)
+            return real_to_host(copy, masks)
 
         def build_step(*args, **kw):
             self.events.append("build")

@@ -2,7 +2,7 @@
 (`overlap=False`, the reference) for greedy and seeded sampling, masks in both modes, stop ids and
 strings, min_tokens, max_tokens, n > 1 with shared prefixes, aborts between steps, preemption under a
 small KV pool and a weight update between steps; the cases that need step n's committed tokens to
-build step n+1 (drafters, grammar, penalties, a draining weight update) run synchronously, each
+build step n+1 (drafters, grammar, a draining weight update) run synchronously, each
 counted by its reason. tests/test_host_syncs.py checks that step n+1 launches before step n's sync
 without any host read."""
 
@@ -196,23 +196,34 @@ def test_a_weight_update_between_steps(tiny_random_qwen3, greedy_ref):
     assert eng.pipeline.sync_steps["weight update"] > 0 and eng.pipeline.overlapped > 5
 
 
-@pytest.mark.parametrize("case", ["grammar", "penalties"])
-def test_steps_needing_the_last_tokens_on_the_host_run_synchronously(tiny_random_qwen3, greedy_ref, case):
-    runs = {}
-    for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap)
-        eng.add_request("plain", [PROMPTS[1]], SamplingParams(max_tokens=20, seed=3, **SAMPLED))
-        if case == "grammar":
-            eng.add_request("g", [PROMPTS[0]], SamplingParams(max_tokens=10, seed=4, temperature=1.0, top_k=20),
-                            grammar=GrammarSpec("regex", "[a-z]{4,8}"), mask="support")
-        else:
-            eng.add_request("p", [PROMPTS[0]], SamplingParams(max_tokens=10, seed=4, repetition_penalty=1.5,
-                                                              frequency_penalty=0.5, **SAMPLED))
-        runs[overlap] = _run(eng), eng
-    (want, _), (got, eng) = runs[False], runs[True]
-    _same(got, want)
-    assert eng.pipeline.sync_steps[case] >= 4  # every step the constrained sample draws in
+def _plain_and(eng, add) -> dict:
+    eng.add_request("plain", [PROMPTS[1]], SamplingParams(max_tokens=20, seed=3, **SAMPLED))
+    add(eng)
+    return _run(eng)
+
+
+def test_grammar_samples_run_synchronously(tiny_random_qwen3):
+    def grammar(eng):
+        eng.add_request("g", [PROMPTS[0]], SamplingParams(max_tokens=10, seed=4, temperature=1.0, top_k=20),
+                        grammar=GrammarSpec("regex", "[a-z]{4,8}"), mask="support")
+
+    want = _plain_and(_engine(tiny_random_qwen3, overlap=False), grammar)
+    eng = _engine(tiny_random_qwen3, overlap=True)
+    _same(_plain_and(eng, grammar), want)
+    assert eng.pipeline.sync_steps["grammar"] >= 4  # every step the grammar sample draws in
     assert eng.pipeline.overlapped >= 5  # "plain" alone overlaps again
+
+
+def test_penalties_count_the_pending_token_on_the_device(tiny_random_qwen3):
+    def penalised(eng):
+        params = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.5, max_tokens=16)
+        eng.add_request("p", [PROMPTS[0]], SamplingParams(seed=4, **params, **SAMPLED), n=2)
+        eng.add_request("pg", [[7, 7, 7]], SamplingParams(temperature=0.0, **params))
+
+    want = _plain_and(_engine(tiny_random_qwen3, overlap=False), penalised)
+    eng = _engine(tiny_random_qwen3, overlap=True)
+    _same(_plain_and(eng, penalised), want)
+    assert eng.pipeline.overlapped > 15 and not eng.pipeline.sync_steps
 
 
 @pytest.mark.parametrize("spec", ["dflash", "dspark"])

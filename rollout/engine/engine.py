@@ -1,15 +1,21 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    (a drained weight update) -> schedule (with the draft budget) -> draft -> forward -> policy
-    -> verify -> capture -> (last step's masks) -> sync -> count drafts -> advance (scheduler)
-    -> commit/emit (committer) -> truncate drafts (scheduler) -> record (draft budget)
+    (a drained weight update) -> schedule (with the draft budget) -> draft -> build -> forward
+    -> policy -> verify -> capture (`_launch`) -> [overlap: launch the next step] -> (last step's
+    masks) -> sync -> count drafts -> advance (scheduler) -> commit/emit (committer) -> truncate
+    drafts (scheduler) -> record (draft budget) (`_finish`)
 
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
 blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
-(docs/verification.md), one host synchronisation. The engine is single-threaded: the server
-calls it from one loop. Its parts get what they need as arguments (the scheduler its block
-manager, the intake and the committer the scheduler, the weight updater the modules it loads
-into); the drafter comes from a factory (rollout.engine.drafter), so the engine imports none.
+(docs/verification.md), one host synchronisation. With overlapped scheduling (`overlap`, on by
+default; docs/overlap.md, rollout.engine.overlap) step n+1 is scheduled, built and launched before
+step n's synchronisation: it assumes each sample of n commits one token, filled into its inputs on
+the device; slots of samples that finished meanwhile are discarded. Steps that need the previous
+step's tokens on the host (drafted steps, grammar samples, a draining weight update) run
+synchronously. The engine is single-threaded: the server calls it from one loop. Its parts get
+what they need as arguments (the scheduler its block manager, the intake and the committer the
+scheduler, the weight updater the modules it loads into); the drafter comes from a factory
+(rollout.engine.drafter), so the engine imports none.
 
 With a drafter, the scheduler's draft budget (spec_budget.py, `--no-spec-adaptive` turns it off)
 decides each step how many drafts of each sample to verify, from the acceptance each sample has
@@ -45,7 +51,7 @@ from rollout.engine.sampler import policy
 from rollout.engine.scheduler import ScheduledSeq, Scheduler
 from rollout.engine.spec_budget import SpecBudget
 from rollout.engine.step_cost import StepCost, profile_step_cost
-from rollout.engine.verify import VerifyResult, verify
+from rollout.engine.verify import verify
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import FailedPrecondition, InvalidArgument
 from rollout.outputs import SampleOutput
@@ -275,7 +281,7 @@ class LLMEngine:
             overlap.fill_pending(step, drafts.num_per_item, prev, self.device)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
-        return Launched(plan, drafts, step, result, captured, masks)
+        return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result))
 
     def _launch_after(self, current: Launched) -> Launched | None:
         """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap)."""
@@ -287,7 +293,7 @@ class LLMEngine:
     def _finish(self, current: Launched, start: float) -> list[SampleOutput]:
         """(last step's masks) -> sync -> count drafts -> advance -> commit/emit -> truncate drafts -> record."""
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
-        host = _to_host(current.result, current.masks)
+        host = _to_host(current.copy, current.masks)
         plan, step = current.plan, current.step
         self._count_drafts(current.drafts, host)
         if not current.advanced:
@@ -334,7 +340,7 @@ class LLMEngine:
         rows = step.rows
         logits = self.model.compute_logits(hidden[rows.logits_index])  # [R, V]
         bitmask = grammar_bitmask(rows, drafts.tokens, self.vocab_size, self.device)
-        params = build_row_params(rows, drafts.tokens, self.vocab_size, bitmask, self.device)
+        params = build_row_params(rows, drafts.tokens, self.vocab_size, bitmask, self.device, step.tokens.input_ids)
         pol = policy(logits, params, overwrite=True)  # logits are not read again
         result = verify(pol, drafts.tokens, drafts.q, rows)
         return result, self.capture.capture(pol, rows)
@@ -403,17 +409,15 @@ class LLMEngine:
             self.drafter.copy_blocks(pairs)
 
 
-def _to_host(result: VerifyResult | None, masks: np.ndarray | None) -> HostStep | None:
-    """The step's one device -> host synchronisation: committed tokens, logprobs and
-    acceptance counts, with the packed masks' host array (its copy already started: see
+def _to_host(copy: overlap.StepCopy | None, masks: np.ndarray | None) -> HostStep | None:
+    """The step's one device -> host synchronisation: waits for its copies (`overlap.start_copy`; not for a
+    step launched after them), with the packed masks' host array (its copy started before them: see
     `MaskCapture.to_host`) when the batch has mask requests."""
-    if result is None:
+    if copy is None:
         return None
-    tensors = (result.tokens, result.logprobs, result.num_accepted, result.has_support)
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    if result.tokens.is_cuda:
-        torch.cuda.current_stream().synchronize()
-    return HostStep(*(h.tolist() for h in host), masks)
+    if copy.event is not None:
+        copy.event.synchronize()
+    return HostStep(*(h.tolist() for h in copy.tensors), masks)
 
 
 def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:

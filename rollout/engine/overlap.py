@@ -12,7 +12,8 @@ The order inside one `LLMEngine.step()`, step n launched already (by the previou
   token each sample draws as pending (`Sequence.pending_entry`: its entry in step n). A pending
   token counts in the sequence's length (KV blocks are reserved for it, the scheduler plans it as
   the next anchor, min_tokens counts it) but its id is on the device only: `fill_pending` writes
-  it into n+1's input ids from n's sampled tokens (a gather and an index_put, no host read).
+  it into n+1's input ids from n's sampled tokens (a gather and an index_put, no host read), where
+  penalty counts read it too (rollout.engine.rows).
 * Discarded slots: a sample that finishes in step n (max_tokens, a stop token or string, the
   context, a failure) or is aborted before n+1's results arrive keeps its slot in n+1, whose
   result is never read: the committer skips finished samples, `advance` skips them, so nothing of
@@ -30,7 +31,6 @@ A step runs synchronously (n+1 is scheduled after n's commit, as with `--no-over
 n+1 needs host state of step n; `sync_reason` names each case, and `Pipeline.sync_steps` counts them:
 * "drafter": drafted steps (their positions depend on how many drafts step n accepts);
 * "grammar": a grammar sample of step n (its bitmask in n+1 needs the matcher advanced by n's token);
-* "penalties": a penalised sample of step n (its counts in n+1 include n's token);
 * "weight update": a pending weight update (the pipeline drains, then it applies between steps);
 * "off": `overlap=False`.
 """
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +49,28 @@ from rollout.engine.drafter import Drafts
 from rollout.engine.scheduler import ScheduledSeq, Scheduler
 from rollout.engine.transfer import upload
 from rollout.engine.verify import VerifyResult
+
+
+class StepCopy(NamedTuple):
+    """A step's results on their way to the host, queued right behind the step's own work (a step
+    launched after it does not delay them): tokens, logprobs, num_accepted and has_support as host
+    tensors (pinned on CUDA), and on CUDA the event that marks the copies' end."""
+
+    tensors: tuple[torch.Tensor, ...]
+    event: torch.cuda.Event | None
+
+
+def start_copy(result: VerifyResult | None) -> StepCopy | None:
+    """Starts the copy of the step's committed tokens, logprobs and acceptance counts (no wait)."""
+    if result is None:
+        return None
+    tensors = (result.tokens, result.logprobs, result.num_accepted, result.has_support)
+    event = None
+    host = tuple(t.to("cpu", non_blocking=True) for t in tensors)
+    if result.tokens.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return StepCopy(host, event)
 
 
 @dataclass
@@ -60,6 +83,7 @@ class Launched:
     result: VerifyResult | None  # None: no sampling entries
     captured: object  # the capture's Captured, None without mask entries
     masks: np.ndarray | None  # the host array its mask copy lands in (MaskCapture.to_host)
+    copy: StepCopy | None  # its results' copy to the host, started at launch; None without entries
     advanced: bool = False  # `advance` ran: its sync only commits
 
 
@@ -98,11 +122,8 @@ def sync_reason(current: Launched, enabled: bool, has_drafter: bool, weights_pen
         return "drafter"
     if weights_pending:
         return "weight update"
-    entries = current.step.rows.entries
-    if any(seq.grammar is not None for seq in entries):
+    if any(seq.grammar is not None for seq in current.step.rows.entries):
         return "grammar"
-    if any(seq.params.has_penalties for seq in entries):
-        return "penalties"
     return None
 
 
