@@ -96,6 +96,20 @@ def test_overlap_gives_the_synchronous_samples(tiny_random_qwen3, greedy_ref):
     assert set(eng.block_manager.hash_to_block) == set(runs[False][1].block_manager.hash_to_block)
 
 
+def test_samples_reaching_the_context_limit(tiny_random_qwen3):
+    """Samples that fill max_model_len: the discarded slot in the step in flight after the last token
+    sits at the context's last position (its block is reserved like any other)."""
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap, max_model_len=24, num_kv_blocks=12)
+        eng.add_request("a", [list(range(30, 50))], SamplingParams(max_tokens=4, seed=6, **SAMPLED), n=2)
+        eng.add_request("b", [list(range(60, 77))], SamplingParams(max_tokens=7, seed=7, **SAMPLED), n=2)
+        runs[overlap] = _run(eng)
+    _same(runs[True], runs[False])
+    assert {len(o.prompt_token_ids) + len(o.token_ids) for o in runs[True].values()} == {24}
+    assert {o.finish_reason for o in runs[True].values()} == {"length"}
+
+
 def test_a_finished_sample_keeps_a_discarded_slot_in_the_step_in_flight(tiny_random_qwen3):
     eng = _engine(tiny_random_qwen3, overlap=True)
     sizes = []

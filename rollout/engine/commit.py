@@ -1,6 +1,8 @@
 """After the step's one host copy (and the scheduler's `advance`): append committed tokens with
 their logprobs and masks, stop at the finish (max_tokens, the context, a stop token, or the token
-completing a stop string: rollout.engine.stops), and emit finished samples.
+completing a stop string: rollout.engine.stops), and emit finished samples. Under overlapped
+scheduling (rollout.engine.overlap) an entry whose sample finished or was aborted before the step's
+results arrived is a discarded slot: nothing of it is read.
 
 The mask hand-over, one step late (explained here once; capture and the engine refer here): a
 step's masks reach its samples one step late, unless one of its masked samples finishes (then
