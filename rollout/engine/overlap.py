@@ -16,14 +16,17 @@ The order inside one `LLMEngine.step()`, step n launched already (by the previou
   penalty counts read it too (rollout.engine.rows).
 * Discarded slots: a sample that finishes in step n (max_tokens, a stop token or string, the
   context, a failure) or is aborted before n+1's results arrive keeps its slot in n+1, whose
-  result is never read: the committer skips finished samples, `advance` skips them, so nothing of
-  theirs is counted as computed and no block of theirs is registered in the prefix cache (a pending
-  token sits past the prompt, never in a full prompt block, which are the only ones registered).
-  Their blocks were freed when they finished; a later step that gets them writes after n+1's
-  discarded writes (the device runs steps in order).
+  result is never read: the committer skips finished samples and `advance` skips those finished
+  by then. A discarded write never lands in a registered prefix block: a pending token sits past
+  the prompt, and only full prompt blocks are registered (a prompt chunk still runs in full after
+  an abort, so blocks registered for it hold the prompt's KV). Their blocks were freed when they
+  finished; a later step that gets them writes after n+1's discarded writes (the device runs
+  steps in order).
 * Preemption while scheduling n+1 may take a sequence of step n: it waits with its pending token,
   which step n's commit then appends (a sequence readmitted at once recomputes it, filled like any
   pending token).
+* Step n's results are copied to the host right behind its own work (`start_copy`, at launch), and
+  its sync waits on an event after those copies, not on the stream (which holds n+1 by then).
 * The one-step-late mask hand-over (rollout.engine.commit) runs before n+1's launch: n+1's mask copy
   reuses the staging buffer of n-1's.
 
