@@ -12,8 +12,14 @@ eager decode step), plus the KV cache at the mean decode context. A MoE shape's 
 can be limited to some batches (`--hf-batches`) and fewer tokens (`--hf-output-len`), as its
 per-expert dispatch is slow. Prints a table, writes JSON (`--out`).
 
+Overlapped scheduling (issue 17, rollout/engine/overlap.py): `--overlap both` measures the engine
+with and without it on the same engine in one run (`no_overlap_tokens_per_s`, `overlap_speedup`);
+`--overlap off` measures the synchronous loop only. The shape `embedded` is the embedded tiny Qwen3
+with its trained weights (no transformers arm, no floors: its steps are host time).
+
     python benchmarks/bench_engine.py --device cuda
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --hf-batches 64 --hf-output-len 32
+    python benchmarks/bench_engine.py --device cuda --shapes qwen3-8b embedded --batches 1 256 --no-hf --overlap both
     python benchmarks/bench_engine.py --device cpu --quick     # checks the script itself
 """
 
@@ -52,6 +58,7 @@ from rollout.engine.moe import SparseMoeBlock, route
 from rollout.engine.params import SamplingParams
 
 KV_BLOCK = 16
+EMBEDDED = "embedded"  # the embedded tiny Qwen3, its own weights
 # Runs before the timed N-token one: a 4-token warm-up (captures the decode CUDA graphs), then
 # two 1-token runs (prefill + first token; the faster one is subtracted).
 LENGTHS = (4, 1, 1)
@@ -61,13 +68,15 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="tiny shape and lengths (CPU check)")
-    p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-0.6b"], choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-0.6b"], choices=[*SHAPES, EMBEDDED])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--hf-batches", nargs="+", type=int, default=None, help="transformers at these batches only")
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
+    p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
+                   help="overlapped scheduling; both: measure with and without it on the same engine")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
     if args.quick:
@@ -93,11 +102,13 @@ def build_hf(shape: dict, device: str):
     return hf.eval().requires_grad_(False)
 
 
-def build_engine(shape: dict, root: Path, hf, args: argparse.Namespace) -> LLMEngine:
-    """The engine on a config-only directory, then given transformers' weights."""
+def build_engine(shape: dict | None, root: Path, hf, args: argparse.Namespace) -> LLMEngine:
+    """The engine on a config-only directory, then given transformers' weights; the embedded model
+    when `shape` is None."""
     per_seq = -(-(args.prompt_len + args.output_len) // KV_BLOCK) + 1
+    model = None if shape is None else str(write_config_dir(shape, root))
     config = EngineConfig(
-        model=str(write_config_dir(shape, root)), load_format="random", device=args.device,
+        model=model, load_format="safetensors" if shape is None else "random", device=args.device,
         num_kv_blocks=max(args.batches) * per_seq + 8, block_size=KV_BLOCK, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len), enable_prefix_caching=False,
     )  # fmt: skip
@@ -116,7 +127,9 @@ def rates(batch: int, output_len: int, seconds_1: float, seconds_n: float) -> di
                 decode=batch * (output_len - 1) / extra if extra > 0 else float("nan"))  # fmt: skip
 
 
-def engine_rates(engine: LLMEngine, prompts: list[list[int]], output_len: int, device: str) -> dict:
+def engine_rates(engine: LLMEngine, prompts: list[list[int]], output_len: int, device: str,
+                 overlap: bool = True) -> dict:
+    engine.pipeline.enabled = overlap  # between runs: nothing is in flight
     seconds: dict[int, float] = {}
     for i, n in enumerate(LENGTHS + (output_len,)):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -181,9 +194,9 @@ def experts_touched(engine: LLMEngine, prompts: list[list[int]], device: str) ->
 
 
 def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: dict) -> None:
-    shape = SHAPES[name]
+    shape = SHAPES.get(name)
     start = time.perf_counter()
-    hf = None if args.no_hf else build_hf(shape, args.device)
+    hf = None if args.no_hf or shape is None else build_hf(shape, args.device)
     with tempfile.TemporaryDirectory() as tmp:
         engine = build_engine(shape, Path(tmp), hf, args)
     nbytes = weight_bytes(engine.model)
@@ -192,13 +205,17 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: d
     rng = random.Random(0)
     context = args.prompt_len + args.output_len // 2  # the mean context of the decode steps
     for batch in args.batches:
-        prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(batch)]
+        prompts = [[rng.randrange(engine.vocab_size) for _ in range(args.prompt_len)] for _ in range(batch)]
         touched = experts_touched(engine, prompts, args.device)
         read = step_read_bytes(engine.model, batch, context, touched)
         row = dict(shape=name, batch=batch, weight_gb=nbytes / 1e9, read_gb=read / 1e9, experts_touched=touched,
                    read_floor_tokens_per_s=batch * bandwidth / read)  # fmt: skip
-        ours = engine_rates(engine, prompts, args.output_len, args.device)
-        row.update(engine_tokens_per_s=ours["decode"], engine_e2e_tokens_per_s=ours["e2e"])
+        ours = engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
+        row.update(engine_tokens_per_s=ours["decode"], engine_e2e_tokens_per_s=ours["e2e"], overlap=args.overlap)
+        if args.overlap == "both":
+            sync_loop = engine_rates(engine, prompts, args.output_len, args.device, overlap=False)
+            row.update(no_overlap_tokens_per_s=sync_loop["decode"], no_overlap_e2e_tokens_per_s=sync_loop["e2e"],
+                       overlap_speedup=ours["decode"] / sync_loop["decode"])
         row["fraction_of_read_floor"] = ours["decode"] / row["read_floor_tokens_per_s"]
         if batch == 1 and not moe:
             row["floor_tokens_per_s"] = bandwidth / nbytes
@@ -224,7 +241,8 @@ def main() -> None:
     result = dict(args=vars(args), env=environment(args.device), copy_bandwidth_bytes_per_s=bandwidth, rows=[])
     for name in args.shapes:
         bench_shape(name, args, bandwidth, result)
-    columns = ["shape", "batch", "engine_tokens_per_s", "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
+    columns = ["shape", "batch", "engine_tokens_per_s", "no_overlap_tokens_per_s", "overlap_speedup",
+               "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
                "fraction_of_floor", "experts_touched", "read_floor_tokens_per_s", "fraction_of_read_floor",
                "engine_e2e_tokens_per_s", "hf_e2e_tokens_per_s"]  # fmt: skip
     print_table(

@@ -165,7 +165,7 @@ def test_the_seed_decides_the_tokens(tiny_random_qwen3, one_at_a_time):
 
 def test_n_samples_share_the_prompt_blocks_and_prefill_once(tiny_random_qwen3):
     n, prompt, max_tokens = 4, list(range(30, 39)), 6  # 9 tokens: 2 full blocks of 4 + a partial one
-    eng = make_engine(tiny_random_qwen3, block_size=4, num_kv_blocks=64)
+    eng = make_engine(tiny_random_qwen3, block_size=4, num_kv_blocks=64, overlap=False)
     forwarded = count_forward_tokens(eng)
     eng.add_request("grp", [prompt], SamplingParams(max_tokens=max_tokens, seed=3, **SAMPLED), n=n)
     eng.step()
@@ -198,7 +198,7 @@ def test_a_sample_that_stops_at_once_costs_its_group_no_second_prefill(tiny_rand
             break
     else:
         pytest.fail("no seed in range gives sample 0 a first token its siblings never draw")
-    eng = make_engine(tiny_random_qwen3)
+    eng = make_engine(tiny_random_qwen3, overlap=False)
     forwarded = count_forward_tokens(eng)
     eng.add_request("grp", [prompt], SamplingParams(stop_token_ids=[stop], **base), n=n)
     outs = run_all(eng)
@@ -249,7 +249,7 @@ def test_prefix_cache_reuses_a_finished_prompt_and_computes_the_rest(tiny_random
     fresh = make_engine(tiny_random_qwen3, enable_prefix_caching=False)
     fresh.add_request("b", [branch], greedy)
     want_branch = run_all(fresh)[("b", 0, 0)].token_ids
-    eng = make_engine(tiny_random_qwen3, block_size=4)
+    eng = make_engine(tiny_random_qwen3, block_size=4, overlap=False)
     forwarded = count_forward_tokens(eng)
     eng.add_request("a", [prompt], greedy)
     first = run_all(eng)[("a", 0, 0)].token_ids
@@ -316,7 +316,7 @@ def test_eos_stops_unless_ignored_and_waits_for_min_tokens(tiny_random_qwen3):
 
 
 def test_abort_frees_every_block_at_once(tiny_random_qwen3):
-    eng = make_engine(tiny_random_qwen3, block_size=2, num_kv_blocks=128, max_num_batched_tokens=20)
+    eng = make_engine(tiny_random_qwen3, block_size=2, num_kv_blocks=128, max_num_batched_tokens=20, overlap=False)
     long = SamplingParams(max_tokens=30, seed=1, **SAMPLED)
     eng.add_request("a", [PROMPTS[1], PROMPTS[3]], long, n=2)
     eng.add_request("b", [PROMPTS[5]], long, n=3)  # still prefilling: its samples are not forked yet

@@ -2,8 +2,12 @@
 synchronisation per step). tests/host_waits.py finds, on CPU, every operation that would make the
 host wait on a GPU (each aten op replayed on the meta device, plus the Python-level reads and
 blocking copies); here it watches the whole `LLMEngine.step()` (draft, step layout, forward,
-policy, verify, capture) except the sanctioned synchronisation itself (`_to_host`, with
-`MaskCapture.to_host`, which starts its copy) and the commit after it, which reads host copies.
+policy, verify, capture, the results' copy started at launch) except the sanctioned
+synchronisation itself (`_to_host`, with `MaskCapture.to_host`, which starts the masks' copy) and
+the commit after it, which reads host copies. With overlapped scheduling (the default,
+rollout/engine/overlap.py) step n+1 is built and launched before step n's synchronisation, and
+nothing before that synchronisation reads the device (its pending tokens come from n's on the
+device): `test_the_next_step_launches_before_the_sync_without_a_read`.
 
 The workload mixes greedy, sampled, penalised, biased, masked (both modes) and grammar requests,
 with no drafter, DFlash, DSpark and DSpark with a confidence threshold, full draft blocks and the
@@ -90,6 +94,7 @@ class _Watched:
         self.syncs = self.grammar_draft_steps = self.steps = 0
         self.top_p_reads: list[int] = []  # per step: the top-p host reads
         self.top_p_steps: list[bool] = []  # per step: it has top-p rows without top-k
+        self.events: list[str] = []  # "build" (a step's layout) and "sync", in order
         w = self.waits
         real_to_host, real_build = engine_mod._to_host, engine_mod.build_step
         real_short = top_p_mod._short_rows
@@ -98,11 +103,13 @@ class _Watched:
             self.top_p_reads[-1] += 1
             return real_short(reached)
 
-        def to_host(result, masks):
-            self.syncs += result is not None
-            return real_to_host(result, masks)
+        def to_host(copy, masks):
+            self.syncs += copy is not None
+            self.events.append("sync")
+            return real_to_host(copy, masks)
 
         def build_step(*args, **kw):
+            self.events.append("build")
             step = real_build(*args, **kw)
             rows = step.rows
             self.grammar_draft_steps += any(s.grammar is not None and k for s, k in zip(rows.entries, rows.num_draft))
@@ -151,6 +158,31 @@ def test_a_step_waits_for_the_device_once(request, target, spec, static, monkeyp
         assert eng.drafter.num_proposals > 0
         expected[THRESHOLD_SITE] = eng.drafter.num_proposals
     assert watched.sites() == expected, "host waits inside a step:\n" + "\n".join(map(str, watched.waits.found))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_the_next_step_launches_before_the_sync_without_a_read(tiny_random_qwen3, overlap, monkeypatch):
+    """Overlapped scheduling (rollout/engine/overlap.py): step n+1 is built and launched before step
+    n's sync, with no device -> host read anywhere before that sync (the pending tokens of n+1 come
+    from n's on the device). The workload has nothing that falls back (no grammar, no penalties)."""
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300, overlap=overlap))
+    eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3),
+                    mask="support")
+    eng.add_request("s", [[11, 12, 13]], SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.05,
+                                                        logit_bias={5: 1.0}, max_tokens=12, seed=1), n=3,
+                    mask="selected")
+    eng.add_request("short", [[20, 21]], SamplingParams(temperature=1.0, max_tokens=2, seed=3))
+    watched = _Watched(eng, monkeypatch)
+    watched.run()
+    assert watched.steps > 10 and watched.syncs == watched.steps and not eng.pipeline.sync_steps.keys() - {"off"}
+    assert watched.sites() == Counter(), "host waits inside a step:\n" + "\n".join(map(str, watched.waits.found))
+    builds = syncs = ahead = 0
+    for event in watched.events:
+        builds += event == "build"
+        syncs += event == "sync"
+        ahead += event == "sync" and builds > syncs  # the next step was launched before this sync
+    assert ahead == (eng.pipeline.overlapped if overlap else 0)
+    assert ahead >= watched.steps - 1 if overlap else True
 
 
 def _nonzero_method(r):
@@ -210,5 +242,7 @@ def test_the_detector_finds_each_kind_of_wait(plain_engine, name, monkeypatch):
     watched = _Watched(plain_engine, monkeypatch)
     watched.run()
     here = [w for w in watched.waits.found if w.file == "tests/test_host_syncs.py"]
-    assert len(here) == watched.steps == 3, f"{name}: found {[str(w) for w in watched.waits.found]}"
+    launched = watched.events.count("build")  # 4: overlap launches a 4th step, whose one slot is discarded
+    assert watched.steps == 3 and launched == 4, watched.events
+    assert len(here) == launched, f"{name}: found {[str(w) for w in watched.waits.found]}"
     assert len(watched.waits.found) == len(here)

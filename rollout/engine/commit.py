@@ -1,6 +1,8 @@
 """After the step's one host copy (and the scheduler's `advance`): append committed tokens with
 their logprobs and masks, stop at the finish (max_tokens, the context, a stop token, or the token
-completing a stop string: rollout.engine.stops), and emit finished samples.
+completing a stop string: rollout.engine.stops), and emit finished samples. Under overlapped
+scheduling (rollout.engine.overlap) an entry whose sample finished or was aborted before the step's
+results arrived is a discarded slot: nothing of it is read.
 
 The mask hand-over, one step late (explained here once; capture and the engine refer here): a
 step's masks reach its samples one step late, unless one of its masked samples finishes (then
@@ -75,6 +77,9 @@ class Committer:
         masks = StepMasks(captured, host.masks) if captured is not None else None
         outputs, finishing = [], []
         for e, seq in enumerate(rows.entries):
+            seq.pending_entry = -1  # its token is read now (rollout.engine.overlap)
+            if seq.is_finished:  # finished or aborted before this step's results: a discarded slot
+                continue
             count = num_accepted[e] + 1
             if not host.has_support[e]:
                 position = seq.num_output_tokens + num_accepted[e]

@@ -82,6 +82,10 @@ class EngineConfig:
                                            "sequences share (forked samples, cached prefixes) once per step for "
                                            "all of them; off: the plain paged kernel",
                                            default_text="on")
+    overlap: bool = option(True, "run every step synchronously: schedule step n+1 only once step n's tokens are "
+                           "read back (by default n+1 is scheduled and launched while the device computes n, "
+                           "rollout/engine/overlap.py; steps with drafts or grammar samples, and a draining weight "
+                           "update, run synchronously anyway)", default_text="overlapped")
     weight_staging: str = option("auto", "where a weight update waits for its swap while the engine keeps "
                                  "generating: spare device memory (the swap is a device copy) or host memory "
                                  "(one host-to-device copy per tensor in the swap); auto = the device when the "

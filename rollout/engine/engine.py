@@ -1,16 +1,21 @@
 """The engine: requests in, finished samples out. `step()` is the table of contents.
 
-    (a drained weight update) -> schedule (with the draft budget) -> draft -> forward -> policy
-    -> verify -> capture -> (last step's masks) -> sync -> count drafts -> advance (scheduler)
-    -> commit/emit (committer) -> truncate drafts (scheduler) -> verified (drafter)
-    -> record (draft budget)
+    (a drained weight update) -> schedule (with the draft budget) -> draft -> build -> forward
+    -> policy -> verify -> capture (`_launch`) -> [overlap: launch the next step] -> (last step's
+    masks) -> sync -> count drafts -> advance (scheduler) -> commit/emit (committer) -> truncate
+    drafts (scheduler) -> verified (drafter) -> record (draft budget) (`_finish`)
 
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
 blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
-(docs/verification.md), one host synchronisation. The engine is single-threaded: the server
-calls it from one loop. Its parts get what they need as arguments (the scheduler its block
-manager, the intake and the committer the scheduler, the weight updater the modules it loads
-into); the drafter comes from a factory (rollout.engine.drafter), so the engine imports none.
+(docs/verification.md), one host synchronisation. With overlapped scheduling (`overlap`, on by
+default; docs/overlap.md, rollout.engine.overlap) step n+1 is scheduled, built and launched before
+step n's synchronisation: it assumes each sample of n commits one token, filled into its inputs on
+the device; slots of samples that finished meanwhile are discarded. Steps that need the previous
+step's tokens on the host (drafted steps, grammar samples, a draining weight update) run
+synchronously. The engine is single-threaded: the server calls it from one loop. Its parts get
+what they need as arguments (the scheduler its block manager, the intake and the committer the
+scheduler, the weight updater the modules it loads into); the drafter comes from a factory
+(rollout.engine.drafter), so the engine imports none.
 
 With a drafter, the scheduler's draft budget (spec_budget.py, `--no-spec-adaptive` turns it off)
 decides each step how many drafts of each sample to verify, from the acceptance each sample has
@@ -27,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rollout.engine import memory, profile, triton_ops, triton_prefix_attention
+from rollout.engine import memory, overlap, profile, triton_ops, triton_prefix_attention
 from rollout.engine.batch import StepBatch, build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.capture import MaskCapture
@@ -38,14 +43,15 @@ from rollout.engine.graphs import StepGraphs
 from rollout.engine.intake import Intake, Limits
 from rollout.engine.kv import allocate_kv, bytes_per_block, copy_blocks
 from rollout.engine.loader import LoadedModel, LoadProgress, load_model
+from rollout.engine.overlap import Launched, Pipeline
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.release import MemoryReport, ReleasedMemory
 from rollout.engine.rows import build_row_params, grammar_bitmask
 from rollout.engine.sampler import policy
-from rollout.engine.scheduler import Scheduler
+from rollout.engine.scheduler import ScheduledSeq, Scheduler
 from rollout.engine.spec_budget import SpecBudget
 from rollout.engine.step_cost import StepCost, profile_step_cost
-from rollout.engine.verify import VerifyResult, verify
+from rollout.engine.verify import verify
 from rollout.engine.weights import WeightUpdater
 from rollout.errors import FailedPrecondition, InvalidArgument
 from rollout.outputs import SampleOutput
@@ -111,6 +117,7 @@ class LLMEngine:
         self._graphed = False  # the last target forward replayed a CUDA graph
         self.spec_budget = self._spec_budget(step_cost) if self.drafter and config.spec_adaptive else None
         self.scheduler.draft_budget = self.spec_budget
+        self.pipeline = Pipeline(config.overlap)  # the step launched ahead (rollout.engine.overlap)
 
     def _plan_kv_blocks(self, max_model_len: int) -> int:
         """KV blocks for the pool (see rollout.engine.memory): on CUDA what the profile of the largest
@@ -198,6 +205,7 @@ class LLMEngine:
             raise FailedPrecondition("memory: requests are running or a weight update is draining; release "
                                      "between rollouts")
         before = self._device_bytes()
+        self.pipeline.take()  # a step left in flight holds only discarded slots (its samples were aborted)
         self.kv_caches, self.graphs = [], None
         if self.drafter is not None:
             self.drafter.free()
@@ -243,27 +251,56 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[SampleOutput]:
-        self._apply_weights()
+        if self.pipeline.idle:
+            self._apply_weights()
         if self.memory.released:
             return []
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if not plan:
+        current = self.pipeline.take() or self._launch(self.scheduler.schedule())
+        if current is None:
             self.committer.hand_over_masks()
             return []
+        has_drafter, weights_pending = self.drafter is not None, self.weights.pending
+        after = self._launch_after(current) if self.pipeline.overlaps(current, has_drafter, weights_pending) else None
+        outputs = self._finish(current, start)
+        if after is not None and self.scheduler.has_unfinished():  # else every slot of `after` is discarded
+            self._copy_blocks(overlap.advance(self.scheduler, after))
+            self.pipeline.inflight = after
+        return outputs
+
+    def _launch(self, plan: list[ScheduledSeq], prev: Launched | None = None) -> Launched | None:
+        """Schedule's plan -> draft -> build -> (pending tokens from `prev`) -> forward, policy, verify,
+        capture, the masks' copy started: queued on the device, nothing read back."""
+        if not plan:
+            return None
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
         drafts = self._draft(plan, table)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table,
                           self.prefix_planner)
+        if prev is not None:
+            overlap.fill_pending(step, drafts.num_per_item, prev, self.device)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
+        return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result))
+
+    def _launch_after(self, current: Launched) -> Launched | None:
+        """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap)."""
+        if not current.advanced:
+            self._copy_blocks(overlap.advance(self.scheduler, current))
+        self.committer.hand_over_masks()  # n-1's, before n+1's mask copy reuses their staging buffer
+        return self._launch(self.scheduler.schedule(), current)
+
+    def _finish(self, current: Launched, start: float) -> list[SampleOutput]:
+        """(last step's masks) -> sync -> count drafts -> advance -> commit/emit -> truncate drafts -> record."""
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
-        host = _to_host(result, masks)
+        host = _to_host(current.copy, current.masks)
+        plan, step, drafts = current.plan, current.step, current.drafts
         accepted = step.accepted_per_item(None if host is None else host.num_accepted)
         self._count_drafts(drafts, host, accepted)
-        copies = self.scheduler.advance(plan, accepted)
-        self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
-        outputs = self.committer.commit(step.rows, host, captured)
+        if not current.advanced:
+            copies = self.scheduler.advance(plan, accepted)
+            self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
+        outputs = self.committer.commit(step.rows, host, current.captured)
         self.scheduler.truncate_drafts(plan)
         if host is not None and self.drafter is not None:
             self.drafter.verified(plan, drafts, accepted)
@@ -314,7 +351,7 @@ class LLMEngine:
         rows = step.rows
         logits = self.model.compute_logits(hidden[rows.logits_index])  # [R, V]
         bitmask = grammar_bitmask(rows, drafts.tokens, self.vocab_size, self.device)
-        params = build_row_params(rows, drafts.tokens, self.vocab_size, bitmask, self.device)
+        params = build_row_params(rows, drafts.tokens, self.vocab_size, bitmask, self.device, step.tokens.input_ids)
         pol = policy(logits, params, overwrite=True)  # logits are not read again
         result = verify(pol, drafts.tokens, drafts.q, rows)
         return result, self.capture.capture(pol, rows)
@@ -384,17 +421,15 @@ class LLMEngine:
             self.drafter.copy_blocks(pairs)
 
 
-def _to_host(result: VerifyResult | None, masks: np.ndarray | None) -> HostStep | None:
-    """The step's one device -> host synchronisation: committed tokens, logprobs and
-    acceptance counts, with the packed masks' host array (its copy already started: see
+def _to_host(copy: overlap.StepCopy | None, masks: np.ndarray | None) -> HostStep | None:
+    """The step's one device -> host synchronisation: waits for its copies (`overlap.start_copy`; not for a
+    step launched after them), with the packed masks' host array (its copy started before them: see
     `MaskCapture.to_host`) when the batch has mask requests."""
-    if result is None:
+    if copy is None:
         return None
-    tensors = (result.tokens, result.logprobs, result.num_accepted, result.has_support)
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    if result.tokens.is_cuda:
-        torch.cuda.current_stream().synchronize()
-    return HostStep(*(h.tolist() for h in host), masks)
+    if copy.event is not None:
+        copy.event.synchronize()
+    return HostStep(*(h.tolist() for h in copy.tensors), masks)
 
 
 def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:

@@ -4,6 +4,9 @@ distribution (docs/sampling.md).
 Row r of a step belongs to sampling entry e (a sample) and predicts output index
 `num_output(e) + (r - cu_rows[e])`; its conditioning prefix is the sample's committed
 tokens plus the drafts before it, so penalty counts include those drafts (docs/verification.md).
+Under overlapped scheduling a sample's last token may be pending (drawn by the step in flight, on the
+device only: rollout.engine.overlap): its output index counts it, and penalty counts read it from
+the step's input ids, where it is the token the sample's first row reads.
 Processors no row needs are left out entirely.
 """
 
@@ -20,8 +23,9 @@ from rollout.engine.transfer import upload
 
 
 def build_row_params(step: SampleRows, drafts: torch.Tensor, vocab_size: int,
-                     bitmask: torch.Tensor | None, device: torch.device) -> RowParams:
-    """drafts: [D] int64 flattened draft tokens on the device; bitmask: `grammar_bitmask`'s."""
+                     bitmask: torch.Tensor | None, device: torch.device, input_ids: torch.Tensor) -> RowParams:
+    """drafts: [D] int64 flattened draft tokens on the device; bitmask: `grammar_bitmask`'s;
+    input_ids: [T] the step's token ids on the device, pending tokens filled in."""
     truncation: dict[int, tuple] = {}  # id(SamplingParams) -> its rows' (temperature, top_p, min_p, top_k)
     per_entry = []
     bias_r, bias_t, bias_v, ban_r, ban_t = [], [], [], [], []
@@ -59,7 +63,7 @@ def build_row_params(step: SampleRows, drafts: torch.Tensor, vocab_size: int,
     if ban_r:
         params.banned = (as_i(ban_r), as_i(ban_t))
     if pen_entries:
-        params.counts, params.penalties = _penalty_counts(step, pen_entries, drafts, vocab_size, device)
+        params.counts, params.penalties = _penalty_counts(step, pen_entries, drafts, vocab_size, device, input_ids)
     params.bitmask = bitmask
     return params
 
@@ -82,13 +86,14 @@ def _truncation(sp: SamplingParams, vocab_size: int) -> tuple[float, float, floa
 
 
 def _penalty_counts(step: SampleRows, pen_entries: list[int], drafts: torch.Tensor, vocab_size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """counts [R, V]: prompt + output tokens of the row's sample plus the drafts before the
-    row; penalties [R, 3] (rows of samples without penalties stay neutral). Each sample's
-    history is counted once and shared by its rows."""
+                    device: torch.device, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts [R, V]: prompt + output tokens (a pending one from `input_ids` [T]) of the row's sample
+    plus the drafts before the row; penalties [R, 3] (rows of samples without penalties stay
+    neutral). Each sample's history is counted once and shared by its rows."""
     num_rows = step.cu_rows[-1]
     pen = [(1.0, 0.0, 0.0)] * num_rows
     hist_of, toks, rows, row_hist, draft_rows, draft_idx = [], [], [], [], [], []
+    pending_hist, pending_row = [], []
     draft_base = step.first_draft
     for h, e in enumerate(pen_entries):
         seq, sp = step.entries[e], step.entries[e].params
@@ -96,6 +101,9 @@ def _penalty_counts(step: SampleRows, pen_entries: list[int], drafts: torch.Tens
         hist_of += [h] * len(history)
         toks += history
         r0, r1 = step.cu_rows[e], step.cu_rows[e + 1]
+        if seq.pending_entry >= 0:  # its last token, on the device only: the one its first row reads
+            pending_hist.append(h)
+            pending_row.append(r0)
         pen[r0:r1] = [(sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty)] * (r1 - r0)
         rows += range(r0, r1)
         row_hist += [h] * (r1 - r0)
@@ -105,6 +113,10 @@ def _penalty_counts(step: SampleRows, pen_entries: list[int], drafts: torch.Tens
     as_i = lambda x: upload(x, torch.int64, device)  # noqa: E731
     history_counts = torch.zeros(len(pen_entries), vocab_size, device=device)  # [P, V]
     history_counts.index_put_((as_i(hist_of), as_i(toks)), torch.ones(len(toks), device=device), accumulate=True)
+    if pending_hist:
+        pending = input_ids[step.logits_index[as_i(pending_row)]]  # [P]
+        history_counts.index_put_((as_i(pending_hist), pending), torch.ones(len(pending_hist), device=device),
+                                  accumulate=True)
     counts = torch.zeros(num_rows, vocab_size, device=device)
     counts[as_i(rows)] = history_counts[as_i(row_hist)]
     if draft_rows:

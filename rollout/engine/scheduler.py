@@ -13,6 +13,10 @@ A step also has at most `max_rows` logits rows (min(max_num_batched_tokens, max_
 reserves for. The samples forked from a prompt read its last row too; those that do not fit
 start later as sequences of their own (their prompt's full blocks come from the prefix cache).
 
+Under overlapped scheduling (rollout.engine.overlap) a sequence's last token may be pending (drawn
+by the step in flight, its id on the device only): it counts in `num_tokens` like any other, so the
+next step plans it as the anchor and reserves its KV slot.
+
 How many drafts a decode step verifies is the draft budget's (`draft_budget`, spec_budget.py:
 per-sample caps chosen once per step from measured acceptance and step costs); without one,
 full blocks.

@@ -47,6 +47,9 @@ class Sequence:
     accept_lengths: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # overlapped scheduling (rollout.engine.overlap): the entry of the step in flight whose sampled
+    # token is this sample's next one, not read back yet (its slot holds a placeholder); -1: none
+    pending_entry: int = -1
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
 
@@ -57,7 +60,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt, output and the pending token, if any (its id is on the device only)."""
+        return len(self.prompt_token_ids) + self.num_output_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,15 +69,19 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Committed output tokens plus the pending one (`pending_entry`)."""
+        return len(self.output_token_ids) + (self.pending_entry >= 0)
 
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Token ids at positions [start, end) of prompt + output, without copying both."""
-        n = len(self.prompt_token_ids)
+        """Token ids at positions [start, end) of prompt + output, without copying both; the pending
+        token's position holds a placeholder 0 (filled on the device: rollout.engine.overlap)."""
+        n, known = len(self.prompt_token_ids), len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end > known:
+            return self.tokens(start, known) + [0] * (end - max(start, known))
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
@@ -86,4 +94,4 @@ class Sequence:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.params.max_tokens - len(self.output_token_ids)
+        return self.params.max_tokens - self.num_output_tokens

@@ -1,0 +1,260 @@
+"""Overlapped scheduling (rollout/engine/overlap.py): the same samples as the synchronous loop
+(`overlap=False`, the reference) for greedy and seeded sampling, masks in both modes, stop ids and
+strings, min_tokens, max_tokens, n > 1 with shared prefixes, aborts between steps, preemption under a
+small KV pool and a weight update between steps; the cases that need step n's committed tokens to
+build step n+1 (drafters, grammar, a draining weight update) run synchronously, each
+counted by its reason. tests/test_host_syncs.py checks that step n+1 launches before step n's sync
+without any host read."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from rollout import build_engine
+from rollout.engine.config import EngineConfig
+from rollout.engine.grammar import GrammarSpec
+from rollout.engine.params import SamplingParams
+from rollout.options import add_options, from_options
+
+SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.9, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [100, 101], list(range(60, 73)), [42, 43, 44]]
+
+
+def _engine(model, overlap: bool, **kw):
+    cfg = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=32)
+    cfg.update(kw)
+    return build_engine(EngineConfig(model=str(model), overlap=overlap, **cfg))
+
+
+def _run(eng, between=None) -> dict:
+    """Steps until idle; `between(eng, step_index)` runs between steps. Samples by key."""
+    outs, i = [], 0
+    while eng.has_unfinished():
+        outs += eng.step()
+        if between is not None:
+            outs += between(eng, i) or []
+        i += 1
+        assert i < 2000
+    return {(o.request_id, o.prompt_index, o.sample_index): o for o in outs}
+
+
+def _same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        g = got[key]
+        assert g.token_ids == w.token_ids, f"{key}: tokens differ"
+        assert (g.finish_reason, g.stop_reason, g.error) == (w.finish_reason, w.stop_reason, w.error), key
+        assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-5), key
+        assert g.policy_version == w.policy_version, key
+        assert g.support_ids == w.support_ids, key
+        if w.support_logprobs is not None:
+            for a, b in zip(g.support_logprobs, w.support_logprobs):
+                assert a == pytest.approx(b, abs=1e-5), key
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny_random_qwen3):
+    eng = _engine(tiny_random_qwen3, overlap=False)
+    eng.add_request("r", [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    out = _run(eng)[("r", 0, 0)]
+    return out.token_ids, eng.decode(out.token_ids)
+
+
+def _workload(eng, greedy_ref) -> None:
+    ref, text = greedy_ref
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    eng.add_request("greedy", PROMPTS[:2], SamplingParams(max_tokens=10, **greedy))
+    eng.add_request("seeded", [PROMPTS[2]], SamplingParams(max_tokens=12, seed=7, **SAMPLED), n=3)
+    eng.add_request("shared", [PROMPTS[2], PROMPTS[3]], SamplingParams(max_tokens=9, seed=8, **SAMPLED), n=2)
+    eng.add_request("selected", [PROMPTS[1]], SamplingParams(max_tokens=8, seed=9, **SAMPLED), mask="selected")
+    eng.add_request("support", [PROMPTS[3]], SamplingParams(max_tokens=8, seed=10, **SAMPLED), n=2, mask="support")
+    eng.add_request("greedy-mask", [PROMPTS[0]], SamplingParams(max_tokens=7, **greedy), mask="support")
+    eng.add_request("stop-id", [PROMPTS[0]], SamplingParams(max_tokens=12, stop_token_ids=[ref[3]], **greedy))
+    eng.add_request("min-tokens", [PROMPTS[0]], SamplingParams(max_tokens=12, min_tokens=6,
+                                                                stop_token_ids=[ref[1]], **greedy), mask="support")
+    eng.add_request("stop-str", [PROMPTS[0]], SamplingParams(max_tokens=12, stop=[text[4:6]], **greedy),
+                    return_text=True)
+    eng.add_request("one", [PROMPTS[1], PROMPTS[2]], SamplingParams(max_tokens=1, seed=11, **SAMPLED), n=2)
+    eng.add_request("eos", [PROMPTS[3]], SamplingParams(max_tokens=30, seed=12, temperature=1.0), n=3)
+
+
+def test_overlap_gives_the_synchronous_samples(tiny_random_qwen3, greedy_ref):
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap)
+        _workload(eng, greedy_ref)
+        runs[overlap] = _run(eng), eng
+    (want, _), (got, eng) = runs[False], runs[True]
+    _same(got, want)
+    assert want[("stop-id", 0, 0)].finish_reason == "stop" and want[("stop-str", 0, 0)].stop_reason is not None
+    assert len(want[("min-tokens", 0, 0)].token_ids) >= 6
+    assert eng.pipeline.overlapped > 10 and not eng.pipeline.sync_steps  # nothing here falls back
+    assert eng.kv_blocks()[0] == eng.kv_blocks()[1] and eng.pipeline.idle  # every block back, nothing in flight
+    # the prefix cache holds the same prompt blocks: none holding a discarded slot's write
+    assert set(eng.block_manager.hash_to_block) == set(runs[False][1].block_manager.hash_to_block)
+
+
+def test_samples_reaching_the_context_limit(tiny_random_qwen3):
+    """Samples that fill max_model_len: the discarded slot in the step in flight after the last token
+    sits at the context's last position (its block is reserved like any other)."""
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap, max_model_len=24, num_kv_blocks=12)
+        eng.add_request("a", [list(range(30, 50))], SamplingParams(max_tokens=4, seed=6, **SAMPLED), n=2)
+        eng.add_request("b", [list(range(60, 77))], SamplingParams(max_tokens=7, seed=7, **SAMPLED), n=2)
+        runs[overlap] = _run(eng)
+    _same(runs[True], runs[False])
+    assert {len(o.prompt_token_ids) + len(o.token_ids) for o in runs[True].values()} == {24}
+    assert {o.finish_reason for o in runs[True].values()} == {"length"}
+
+
+def test_a_finished_sample_keeps_a_discarded_slot_in_the_step_in_flight(tiny_random_qwen3):
+    eng = _engine(tiny_random_qwen3, overlap=True)
+    sizes = []
+    eng.model.register_forward_pre_hook(lambda _m, args: sizes.append(args[0].numel()))
+    eng.add_request("a", [PROMPTS[0]], SamplingParams(max_tokens=1, seed=1, **SAMPLED))
+    eng.add_request("b", [PROMPTS[1]], SamplingParams(max_tokens=4, seed=2, **SAMPLED))
+    first = eng.step()  # commits step 1; step 2 is in flight with a's slot
+    assert [o.request_id for o in first] == ["a"] and len(first[0].token_ids) == 1
+    assert sizes == [7, 2]  # both prompts, then both anchors (a's discarded)
+    assert [s.seq.request_id for s in eng.pipeline.inflight.plan] == ["a", "b"]
+    outs = _run(eng)
+    assert len(outs[("b", 0, 0)].token_ids) == 4 and sizes[2:] == [1, 1, 1]  # b alone; its last slot discarded
+
+
+def test_preemption_under_a_small_kv_pool(tiny_random_qwen3, greedy_ref):
+    want = None
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap, num_kv_blocks=14)
+        _workload(eng, greedy_ref)
+        got = _run(eng)
+        assert eng.scheduler.num_preemptions > 0
+        want = want or got
+    _same(got, want)
+    assert eng.pipeline.overlapped > 10
+
+
+def _abort_after(step: int, request_id: str):
+    def between(eng, i):
+        if i == step:
+            assert request_id in {s.seq.request_id for s in eng.pipeline.inflight.plan} if eng.pipeline.inflight \
+                else True
+            return eng.abort(request_id)
+    return between
+
+
+def test_aborts_between_steps(tiny_random_qwen3, greedy_ref):
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap)
+        _workload(eng, greedy_ref)
+        runs[overlap] = _run(eng, _abort_after(4, "seeded")), eng
+    (want, _), (got, eng) = runs[False], runs[True]
+    _same(got, want)
+    aborted = [want[("seeded", 0, s)] for s in range(3)]
+    assert all(o.finish_reason == "abort" and 0 < len(o.token_ids) < 12 for o in aborted)
+    assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
+
+
+def test_an_abort_leaves_no_step_behind(tiny_random_qwen3):
+    eng = _engine(tiny_random_qwen3, overlap=True)
+    eng.add_request("a", [PROMPTS[0]], SamplingParams(max_tokens=20, seed=1, **SAMPLED))
+    eng.step()
+    eng.step()
+    assert eng.pipeline.inflight is not None
+    out = eng.abort("a")
+    assert len(out[0].token_ids) == 2 and not eng.has_unfinished()
+    eng.release_memory()  # the step left in flight held only the aborted sample's slot
+    eng.resume_memory()
+    eng.add_request("b", [PROMPTS[0]], SamplingParams(max_tokens=20, seed=1, **SAMPLED))
+    assert _run(eng)[("b", 0, 0)].token_ids[:2] == out[0].token_ids
+
+
+def test_an_abort_while_a_prefill_chunk_is_in_flight(tiny_random_qwen3):
+    """The aborted prompt's chunk in flight still writes its (correct) KV; a later request with the
+    same prompt reuses the blocks registered for it and draws what the synchronous loop draws."""
+    long_prompt = list(range(100, 140))  # five chunks of 8
+    params = SamplingParams(max_tokens=4, seed=1, **SAMPLED)
+    ref = _engine(tiny_random_qwen3, overlap=False)
+    ref.add_request("again", [long_prompt], params)
+    want = _run(ref)
+    eng = _engine(tiny_random_qwen3, overlap=True, max_num_batched_tokens=8)
+    eng.add_request("long", [long_prompt], params)
+    eng.add_request("other", [PROMPTS[1]], SamplingParams(max_tokens=6, seed=2, **SAMPLED))
+    eng.step()
+    assert any(it.seq.request_id == "long" and it.num_new_tokens > 1 for it in eng.pipeline.inflight.plan)
+    assert eng.abort("long")[0].finish_reason == "abort"
+    assert len(_run(eng)[("other", 0, 0)].token_ids) == 6 and eng.kv_blocks()[0] == eng.kv_blocks()[1]
+    assert eng.block_manager.hash_to_block  # the aborted prompt's computed blocks
+    eng.add_request("again", [long_prompt], params)
+    _same(_run(eng), want)
+
+
+def test_a_weight_update_between_steps(tiny_random_qwen3, greedy_ref):
+    def update_at(eng, i):
+        if i == 3:
+            w = eng.model.layers[0].mlp.down_proj.weight
+            eng.update_weights({"model.layers.0.mlp.down_proj.weight": w.detach().clone() + 0.5})
+            eng.add_request("late", [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))
+
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap)
+        _workload(eng, greedy_ref)
+        runs[overlap] = _run(eng, update_at), eng
+    (want, _), (got, eng) = runs[False], runs[True]
+    _same(got, want)
+    assert want[("late", 0, 0)].policy_version == 1 and want[("greedy", 0, 0)].policy_version == 0
+    assert eng.pipeline.sync_steps["weight update"] > 0 and eng.pipeline.overlapped > 5
+
+
+def _plain_and(eng, add) -> dict:
+    eng.add_request("plain", [PROMPTS[1]], SamplingParams(max_tokens=20, seed=3, **SAMPLED))
+    add(eng)
+    return _run(eng)
+
+
+def test_grammar_samples_run_synchronously(tiny_random_qwen3):
+    def grammar(eng):
+        eng.add_request("g", [PROMPTS[0]], SamplingParams(max_tokens=10, seed=4, temperature=1.0, top_k=20),
+                        grammar=GrammarSpec("regex", "[a-z]{4,8}"), mask="support")
+
+    want = _plain_and(_engine(tiny_random_qwen3, overlap=False), grammar)
+    eng = _engine(tiny_random_qwen3, overlap=True)
+    _same(_plain_and(eng, grammar), want)
+    assert eng.pipeline.sync_steps["grammar"] >= 4  # every step the grammar sample draws in
+    assert eng.pipeline.overlapped >= 5  # "plain" alone overlaps again
+
+
+def test_penalties_count_the_pending_token_on_the_device(tiny_random_qwen3):
+    def penalised(eng):
+        params = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.5, max_tokens=16)
+        eng.add_request("p", [PROMPTS[0]], SamplingParams(seed=4, **params, **SAMPLED), n=2)
+        eng.add_request("pg", [[7, 7, 7]], SamplingParams(temperature=0.0, **params))
+
+    want = _plain_and(_engine(tiny_random_qwen3, overlap=False), penalised)
+    eng = _engine(tiny_random_qwen3, overlap=True)
+    _same(_plain_and(eng, penalised), want)
+    assert eng.pipeline.overlapped > 15 and not eng.pipeline.sync_steps
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_drafted_steps_run_synchronously(tiny_random_qwen3, random_drafters, greedy_ref, spec):
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap, spec=spec, draft=random_drafters[spec], spec_adaptive=False)
+        eng.add_request("s", [PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=10, seed=5, **SAMPLED), n=2)
+        eng.add_request("g", [PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0.0), mask="support")
+        runs[overlap] = _run(eng), eng
+    (want, _), (got, eng) = runs[False], runs[True]
+    _same(got, want)
+    assert eng.pipeline.sync_steps["drafter"] > 0 and eng.pipeline.overlapped == 0
+
+
+def test_no_overlap_flag():
+    parser = argparse.ArgumentParser()
+    add_options(parser, EngineConfig)
+    assert from_options(EngineConfig, parser.parse_args(["--no-overlap"])).overlap is False
+    assert from_options(EngineConfig, parser.parse_args([])).overlap is True
