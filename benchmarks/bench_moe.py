@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import SHAPES, copy_bandwidth, environment, free_memory, print_table, time_us, write_json  # noqa: E402
 
-from rollout.engine import moe, moe_launch, triton_moe  # noqa: E402
+from rollout.engine import moe, moe_launch, triton_moe, triton_moe_route  # noqa: E402
 from rollout.engine.moe_launch import MoeLaunch, Tiles  # noqa: E402
 
 # Variants per kernel (block_n, block_k, warps, stages); each list's first entry leads, the table's
@@ -135,7 +135,7 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
     ref = moe.experts_reference(x.float(), gate_up0.float(), down0.float(), weights.float(), ids)
     nbytes = layer.expert_bytes(ids)
     pairs = num_tokens * layer.top_k  # the element counts of the paths' hidden and output buffers:
-    hidden_rows = [pairs] + [triton_moe.max_blocks(pairs, layer.experts, bm) * bm for bm in (16, 64)]
+    hidden_rows = [pairs] + [triton_moe_route.max_blocks(pairs, layer.experts, bm) * bm for bm in (16, 64)]
     outputs = [n * layer.inter for n in hidden_rows] + [pairs * layer.hidden, x.numel()]
 
     def check(launch: MoeLaunch) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from common import SHAPES, eager_step_kernels, metadata, print_table, run_engine, time_us, write_config_dir
 
-from rollout.engine import moe_launch, triton_moe, triton_ops
+from rollout.engine import moe_launch, triton_moe, triton_moe_route, triton_ops
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.moe import SparseMoeBlock
@@ -130,7 +130,7 @@ def parts(engine: LLMEngine, batch: int, args, bandwidth: float, rates: dict) ->
 def experts_touched(sparse: list[tuple], cfg) -> float:
     """Distinct experts the step routes to, mean over the sparse layers."""
     k, renorm = cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob
-    return sum(triton_moe.route(i[3], k, renorm)[1].unique().numel() for _, _, i in sparse) / len(sparse)
+    return sum(triton_moe_route.route(i[3], k, renorm)[1].unique().numel() for _, _, i in sparse) / len(sparse)
 
 
 def moe_phases(launch, cfg, down_bytes: float) -> list[tuple]:

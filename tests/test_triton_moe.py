@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_spec_engine import PROMPTS, _generate
 
-from rollout.engine import moe, moe_launch, triton_moe
+from rollout.engine import moe, moe_launch, triton_moe, triton_moe_route
 from rollout.engine.moe_launch import MoeLaunch, Tiles
 from rollout.engine.params import SamplingParams
 from rollout.engine.triton_attention import supported
@@ -47,7 +47,7 @@ def test_routing_equals_the_reference_and_transformers(renormalize):
         x = torch.randn(37, 32, generator=gen).to(DEVICE)
         logits, hf_weights, hf_ids = router(x)
     weights, ids = moe.route(logits, 3, renormalize)
-    k_weights, k_ids = triton_moe.route(logits, 3, renormalize)
+    k_weights, k_ids = triton_moe_route.route(logits, 3, renormalize)
     assert torch.equal(ids, hf_ids) and torch.equal(k_ids.long(), hf_ids)
     torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
     torch.testing.assert_close(k_weights, hf_weights, atol=1e-5, rtol=1e-5)  # exp in Triton vs torch
@@ -57,7 +57,7 @@ def test_routing_equals_the_reference_and_transformers(renormalize):
 def test_ties_go_to_the_lowest_expert_id():
     logits = torch.tensor([[0.0] * 6, [1, 3, 3, 0, 3, 3], [2, 2, 1, 1, 5, 5], [-1, 0, 0, 0, 0, -1]], device=DEVICE)
     want = [[0, 1, 2], [1, 2, 4], [4, 5, 0], [1, 2, 3]]
-    for route in (moe.route, triton_moe.route, _gemv_routing):
+    for route in (moe.route, triton_moe_route.route, _gemv_routing):
         weights, ids = route(logits, 3, True)
         assert ids.tolist() == want
         torch.testing.assert_close(weights[0], torch.full((3,), 1 / 3, device=DEVICE))
@@ -89,7 +89,7 @@ def _align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
         blocks = -(-len(mine) // block_m)
         rows += mine + [num_pairs] * (blocks * block_m - len(mine))
         experts += [expert] * blocks
-    total = triton_moe.max_blocks(num_pairs, num_experts, block_m)
+    total = triton_moe_route.max_blocks(num_pairs, num_experts, block_m)
     return rows + [num_pairs] * (total * block_m - len(rows)), experts + [-1] * (total - len(experts))
 
 
@@ -110,9 +110,9 @@ def test_align_is_a_stable_sort_padded_to_blocks(case):
     if case == "two-experts-used":
         logits[:, [2, 6]] += 10.0
     logits = logits.to(DEVICE)
-    weights, ids = triton_moe.route(logits, top_k, False)
+    weights, ids = triton_moe_route.route(logits, top_k, False)
     want_rows, want_experts = _align_reference(ids, num_experts, block_m)
-    for sorted_pairs, block_expert in (triton_moe.align(ids, num_experts, block_m),
+    for sorted_pairs, block_expert in (triton_moe_route.align(ids, num_experts, block_m),
                                        triton_moe.sorted_route(logits, top_k, False, block_m)[1:]):
         assert sorted_pairs.tolist() == want_rows
         assert block_expert.tolist() == want_experts
@@ -121,7 +121,7 @@ def test_align_is_a_stable_sort_padded_to_blocks(case):
 
 def test_align_pads_each_experts_run_to_whole_blocks():
     ids = torch.tensor([[1, 0], [1, 3], [0, 1], [3, 1]], device=DEVICE)  # experts 2 and 4 get nothing
-    sorted_pairs, block_expert = triton_moe.align(ids, 5, 4)
+    sorted_pairs, block_expert = triton_moe_route.align(ids, 5, 4)
     pad = 8  # M: the sentinel of padding rows
     assert block_expert.tolist() == [0, 1, 3, -1, -1]  # max_blocks(8, 5, 4) = 5
     assert sorted_pairs[:12].tolist() == [1, 4, pad, pad, 0, 2, 5, 7, 3, 6, pad, pad]
@@ -132,7 +132,7 @@ def test_align_invariants_on_a_random_routing():
     gen = torch.Generator().manual_seed(3)
     num_experts, block_m = 7, 16
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:3] for _ in range(50)]).to(DEVICE)  # [50, 3]
-    sorted_pairs, block_expert = (t.cpu() for t in triton_moe.align(ids, num_experts, block_m))
+    sorted_pairs, block_expert = (t.cpu() for t in triton_moe_route.align(ids, num_experts, block_m))
     flat = ids.flatten().cpu()
     counts = torch.bincount(flat, minlength=num_experts)
     assert (block_expert >= 0).sum() == (-(-counts // block_m)).sum()
@@ -218,7 +218,7 @@ def test_bad_tiles_are_refused(bad):
         MoeLaunch("dense", Tiles(16, 16), Tiles(16, 16))
 
 
-@pytest.mark.parametrize("num_tokens", [9, 2 * triton_moe.ROUTE_BLOCK_T + 6])  # one / three routing tiles
+@pytest.mark.parametrize("num_tokens", [9, 2 * triton_moe_route.ROUTE_BLOCK_T + 6])  # one / three routing tiles
 def test_fused_moe_equals_the_sparse_block(num_tokens):
     block = moe.SparseMoeBlock(48, moe.MoeConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
                                                  norm_topk_prob=False)).to(DEVICE)
