@@ -44,7 +44,7 @@ from rollout.engine.intake import Intake, Limits
 from rollout.engine.kv import allocate_kv, bytes_per_block, copy_blocks
 from rollout.engine.loader import LoadedModel, LoadProgress, load_model
 from rollout.engine.overlap import Launched, Pipeline
-from rollout.engine.prefix_plan import SharedPrefixPlanner
+from rollout.engine.prefix_plan import planner_for
 from rollout.engine.release import MemoryReport, ReleasedMemory
 from rollout.engine.rows import build_row_params, grammar_bitmask
 from rollout.engine.sampler import policy
@@ -80,14 +80,16 @@ class LLMEngine:
         self.vocab_size = self.loaded.config.vocab_size
         self.eos_token_ids = self.loaded.eos_token_ids
         self.model_name = self.loaded.name
-        self.kernel_backend = _kernel_backend(config, self.loaded.config, self.model.embed_tokens.weight)
+        self.kernel_backend = triton_ops.choose_backend(config.kernel_backend, self.loaded.config.head_dim,
+                                                        self.model.embed_tokens.weight)
         self.model.set_kernel_backend(self.kernel_backend)
         self.drafter = _build_drafter(config, self.loaded, drafter_factory)
         self.drafter_name = (self.drafter.name or type(self.drafter).__name__) if self.drafter else ""
         self.capture = MaskCapture()
         self.layer_ids = self.drafter.target_layer_ids if self.drafter else ()
         self._no_drafts = torch.zeros(0, dtype=torch.int64, device=self.device)  # [0]
-        self.prefix_planner = _prefix_planner(config, self.loaded.config, self.kernel_backend)
+        self.prefix_planner = planner_for(config.shared_prefix_attention, self.kernel_backend, config.block_size,
+                                          self.loaded.config)
         self.graphs: StepGraphs | None = None
         self.memory_plan: memory.DeviceMemory | None = None  # what the profile measured (CUDA)
         limits = memory.context_limits(config, self.loaded.config.max_position_embeddings,
@@ -430,28 +432,6 @@ def _to_host(copy: overlap.StepCopy | None, masks: np.ndarray | None) -> HostSte
     if copy.event is not None:
         copy.event.synchronize()
     return HostStep(*(h.tolist() for h in copy.tensors), masks)
-
-
-def _kernel_backend(config: EngineConfig, model_config, weight: torch.Tensor) -> str:
-    """The configured backend; "auto" is the Triton kernel on CUDA when it supports the shape."""
-    from rollout.engine import triton_attention
-
-    fits = triton_attention.supported(model_config.head_dim, weight.dtype, weight.device)
-    if config.kernel_backend == "auto":
-        return "triton" if fits and weight.device.type == "cuda" else "torch"
-    if config.kernel_backend == "triton" and not fits:
-        raise InvalidArgument("kernel_backend", f"triton does not run head_dim {model_config.head_dim} "
-                              f"{weight.dtype} on {weight.device} here (needs CUDA or TRITON_INTERPRET=1)")
-    return config.kernel_backend
-
-
-def _prefix_planner(config: EngineConfig, model_config, backend: str) -> SharedPrefixPlanner | None:
-    """Shared-prefix attention runs on the Triton backend only: the torch path gathers every
-    sequence's keys into a dense copy anyway, so reading a shared block once would not save that."""
-    if not config.shared_prefix_attention or backend != "triton":
-        return None
-    groups = model_config.num_attention_heads // model_config.num_key_value_heads
-    return SharedPrefixPlanner(config.block_size, groups, model_config.num_key_value_heads)
 
 
 def _build_drafter(config: EngineConfig, loaded: LoadedModel, factory: DrafterFactory | None) -> Drafter | None:

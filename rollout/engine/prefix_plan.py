@@ -71,7 +71,7 @@ MAX_SHARED_QUERY_LEN = 64  # decode and verify rows share; longer prefill chunks
 PARTIALS_PER_TOKEN = 5
 SPLIT_ROWS = 1024
 
-__all__ = ["ITEM_FIELDS", "SEG_FIELDS", "HostPlan", "PlanArrays", "SharedPrefixPlanner"]
+__all__ = ["ITEM_FIELDS", "SEG_FIELDS", "HostPlan", "PlanArrays", "SharedPrefixPlanner", "planner_for"]
 
 
 class PlanArrays(NamedTuple):
@@ -359,3 +359,13 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenated arange(start, start + count) for each pair."""
     offsets = np.cumsum(counts) - counts
     return np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()))
+
+
+def planner_for(enabled: bool, backend: str, block_size: int, model_config) -> SharedPrefixPlanner | None:
+    """The engine's planner, or None. Shared-prefix attention runs on the Triton backend only: the
+    torch path gathers every sequence's keys into a dense copy anyway, so reading a shared block
+    once would not save that."""
+    if not enabled or backend != "triton":
+        return None
+    groups = model_config.num_attention_heads // model_config.num_key_value_heads
+    return SharedPrefixPlanner(block_size, groups, model_config.num_key_value_heads)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from rollout.engine import triton_attention, triton_moe
 from rollout.engine.triton_attention import triton
+from rollout.errors import InvalidArgument
 
 if triton is not None:
     import triton.language as tl
@@ -140,6 +141,18 @@ def silu_mul(gate_up: Tensor) -> Tensor:
         _silu_mul_kernel[(num_tokens, triton.cdiv(size, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), SIZE=size, BLOCK=block)
     return out
+
+
+def choose_backend(requested: str, head_dim: int, weight: Tensor) -> str:
+    """The attention backend for `requested` ("auto", "triton" or "torch"): "auto" is the Triton
+    kernel on CUDA when it supports the shape; "triton" where it cannot run is InvalidArgument."""
+    fits = triton_attention.supported(head_dim, weight.dtype, weight.device)
+    if requested == "auto":
+        return "triton" if fits and weight.device.type == "cuda" else "torch"
+    if requested == "triton" and not fits:
+        raise InvalidArgument("kernel_backend", f"triton does not run head_dim {head_dim} {weight.dtype} on "
+                                                f"{weight.device} here (needs CUDA or TRITON_INTERPRET=1)")
+    return requested
 
 
 def compiled_variants() -> int:
