@@ -15,7 +15,7 @@ from spec_helpers import cost_table
 from rollout import build_engine
 from rollout.engine.attention import AttentionMetadata
 from rollout.engine.config import EngineConfig
-from rollout.engine.graphs import TOKEN_STEPS, StepGraphs, padded_shape
+from rollout.engine.graphs import TOKEN_STEPS, StepGraphs, bucket, graph_shape, padded_shape
 from rollout.engine.params import SamplingParams
 
 PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 201]]
@@ -118,3 +118,37 @@ def _meta(q_lens: list[int]) -> AttentionMetadata:
                              cu_seqlens_q=torch.tensor(cu), context_lens=torch.tensor(ctx),
                              block_tables=torch.tensor([[3 * s, 3 * s + 1, 3 * s + 2] for s in range(len(q_lens))]),
                              max_query_len=max(q_lens), max_context_len=max(ctx), block_size=4)
+
+
+def _ragged(rows: int, tokens: int, max_q: int) -> AttentionMetadata:
+    """A step of `rows` sequences of 1..max_q queries, `tokens` in all, each at context max_q + 4."""
+    q_lens = [1 + min(max_q - 1, max(0, tokens - rows - (max_q - 1) * i)) for i in range(rows)]
+    ctx, width = max_q + 4, -(-(max_q + 4) // 4)
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    positions = [p for q in q_lens for p in range(ctx - q, ctx)]
+    return AttentionMetadata(positions=torch.tensor(positions), slot_mapping=torch.tensor(positions),
+                             cu_seqlens_q=torch.tensor(cu), context_lens=torch.full((rows,), ctx),
+                             block_tables=torch.zeros(rows, width, dtype=torch.int64), max_query_len=max(q_lens),
+                             max_context_len=ctx, block_size=4)
+
+
+@pytest.mark.parametrize("max_num_seqs, max_tokens, max_q", [(256, 256, 2), (256, 2048, 16), (64, 200, 5)])
+def test_no_graph_pads_past_the_largest_uniform_graph_the_memory_profile_measures(max_num_seqs, max_tokens, max_q):
+    """A ragged step that would pad to more tokens than the profiled graph (rollout.engine.profile
+    measures the uniform one of the most padded tokens) runs eagerly instead, so every setting the
+    server accepts stays within its measured memory. At 256 sequences, 256 tokens and blocks of one
+    draft, 129 sequences of 241 tokens would pad to 288 tokens: that step runs eagerly."""
+    graphs = StepGraphs(lambda ids, meta: (ids[:, None].float(), None), scratch_block=99, block_size=4,
+                        max_blocks_per_seq=64, max_q=max_q, device=torch.device("cpu"), capture=False,
+                        max_batch=min(256, max_num_seqs), max_num_batched_tokens=max_tokens)
+    rows, q = graph_shape(min(256, max_num_seqs), max_tokens, max_q, graphs.buckets)
+    assert graphs.max_tokens == bucket(rows, graphs.buckets) * q
+    for s in range(1, min(max_num_seqs, max_tokens) + 1, 3):
+        for t in range(s, min(s * max_q, max_tokens) + 1, 7):
+            key = graphs.key(_ragged(s, t, max_q))
+            assert key is None or key[4] <= graphs.max_tokens
+    if max_tokens == 256:
+        assert padded_shape(129, 241, 2, graphs.buckets)[1] == 288 > graphs.max_tokens
+        assert graphs.key(_ragged(129, 241, 2)) is None

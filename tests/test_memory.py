@@ -10,7 +10,7 @@ import contextlib
 import pytest
 
 from rollout import build_engine
-from rollout.engine import memory, profile
+from rollout.engine import graphs, memory, profile
 from rollout.engine.config import EngineConfig
 from rollout.engine.memory import DeviceMemory
 from rollout.engine.params import SamplingParams
@@ -67,7 +67,7 @@ def test_the_largest_steps_reach_max_rows_and_the_token_budget():
     assert sum(t for t, _ in shapes[profile.ROWS]) == 20 and len(shapes[profile.ROWS]) == 5
     tokens = shapes[profile.TOKENS]  # chunks of at most max_model_len: 5 x 8 is the most a step can have
     assert tokens == [(8, 0)] * 5
-    assert profile.graph_shape(256, 2048, 16, (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)) == (136, 15)
+    assert graphs.graph_shape(256, 2048, 16, (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)) == (136, 15)
 
 
 @contextlib.contextmanager

@@ -391,7 +391,8 @@ class LLMEngine:
                                     capture)
         return StepGraphs(forward, scratch_block=self.block_manager.num_blocks, block_size=self.config.block_size,
                           max_blocks_per_seq=max_blocks, max_q=max_q, device=self.device, capture=capture,
-                          max_batch=max_batch, prefix_planner=self.prefix_planner)
+                          max_batch=max_batch, prefix_planner=self.prefix_planner,
+                          max_num_batched_tokens=self.config.max_num_batched_tokens)
 
     def _spec_budget(self, step_cost: StepCost | None) -> SpecBudget:
         """The draft budget, its cost model profiled here unless given (a few seconds at most on a

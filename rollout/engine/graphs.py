@@ -77,10 +77,21 @@ def padded_shape(rows: int, tokens: int, q: int, buckets) -> tuple[int, int] | N
     return batch + -(-(padded - fewest) // q), padded
 
 
+def graph_shape(max_num_seqs: int, max_tokens: int, max_q: int, buckets: tuple[int, ...]) -> tuple[int, int]:
+    """(sequences, q) of the uniform step whose graph has the most padded tokens: what the memory
+    profile measures (rollout.engine.profile), so no graph may have more (`StepGraphs.max_tokens`)."""
+    best = (0, 1, 1)
+    for q in range(1, max_q + 1):
+        s = min(max_num_seqs, buckets[-1], max_tokens // q)
+        if s >= 1 and bucket(s, buckets) * q > best[0]:
+            best = (bucket(s, buckets) * q, s, q)
+    return best[1], best[2]
+
+
 class StepGraphs:
     def __init__(self, forward: Callable, scratch_block: int, block_size: int, max_blocks_per_seq: int,
                  max_q: int, device: torch.device, capture: bool = True, max_batch: int = 256,
-                 prefix_planner: SharedPrefixPlanner | None = None):
+                 prefix_planner: SharedPrefixPlanner | None = None, max_num_batched_tokens: int | None = None):
         # forward(input_ids [T], meta) -> (hidden [T, H], aux [T, n*H] | None)
         self.forward = forward
         self.scratch_slot = scratch_block * block_size
@@ -100,6 +111,12 @@ class StepGraphs:
         self.block_tables = torch.full((s, max_blocks_per_seq), scratch_block, **kw)
         self.shared = StaticSharedPrefix(prefix_planner, t, device) if prefix_planner is not None else None
         self.max_q = max_q
+        # the most tokens a graph may pad to: the largest uniform graph, which the memory profile measures
+        # (a ragged step that would pad past it runs eagerly); None: bounded by the buffers alone
+        self.max_tokens = None
+        if max_num_batched_tokens is not None:
+            rows, q = graph_shape(max_batch, max_num_batched_tokens, max_q, self.buckets)
+            self.max_tokens = bucket(rows, self.buckets) * q
         self.outputs = StaticOutputs(t)
         self.graphs: dict[tuple[int, int, int, bool, int], tuple] = {}
         self.pool = None
@@ -107,7 +124,8 @@ class StepGraphs:
 
     def key(self, meta: AttentionMetadata) -> tuple[int, int, int, bool, int] | None:
         """(rows, q, context bucket, shared, tokens) of the graph that replays this step, or None
-        (a query longer than max_q, a batch or context past the largest bucket: run it eagerly)."""
+        (a query longer than max_q, a batch or context past the largest bucket, or padding past
+        `max_tokens`: run it eagerly)."""
         s, t, q = meta.num_seqs, meta.slot_mapping.shape[0], meta.max_query_len
         shared = meta.shared is not None
         ctx = context_bucket(meta.max_context_len, 256)
@@ -116,7 +134,9 @@ class StepGraphs:
         if s * q != t and not shared:  # ragged: one q for every mix of lengths
             q = self.max_q
         shape = padded_shape(s, t, q, self.buckets)
-        return None if shape is None else (shape[0], q, ctx, shared, shape[1])
+        if shape is None or (self.max_tokens is not None and shape[1] > self.max_tokens):
+            return None
+        return shape[0], q, ctx, shared, shape[1]
 
     @torch.inference_mode()
     def run(self, key, input_ids: torch.Tensor, meta: AttentionMetadata):

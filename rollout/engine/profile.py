@@ -28,7 +28,7 @@ import torch
 
 from rollout.engine.batch import build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
-from rollout.engine.graphs import bucket
+from rollout.engine.graphs import graph_shape
 from rollout.engine.intake import new_sequence
 from rollout.engine.kv import allocate_kv
 from rollout.engine.memory import DeviceMemory
@@ -62,16 +62,6 @@ def step_shapes(max_num_seqs: int, max_tokens: int, num_spec: int, max_model_len
             left -= chunks[-1][0]
         shapes[TOKENS] = [(q, num_spec)] * decode + chunks
     return shapes
-
-
-def graph_shape(max_num_seqs: int, max_tokens: int, max_q: int, buckets: tuple[int, ...]) -> tuple[int, int]:
-    """(sequences, q) of the uniform step a graph of the most padded tokens is captured for."""
-    best = (0, 1, 1)
-    for q in range(1, max_q + 1):
-        s = min(max_num_seqs, buckets[-1], max_tokens // q)
-        if s >= 1 and bucket(s, buckets) * q > best[0]:
-            best = (bucket(s, buckets) * q, s, q)
-    return best[1], best[2]
 
 
 def row_kinds(vocab_size: int, max_mask_tokens: int) -> dict[str, list[tuple[SamplingParams, str | None, bool]]]:
