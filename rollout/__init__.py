@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 
 def build_engine(config, drafter_factory=None, load_progress=None, step_cost=None):
     """An `LLMEngine` for `config` (a rollout.engine.config.EngineConfig) whose drafter, when
-    `config.spec` names one, is rollout.spec's DFlash / DSpark drafter or its rollout-history
-    drafter; `drafter_factory(config, target)` replaces it (a custom drafter, a test double).
+    `config.spec` names one, is rollout.spec's DFlash / DSpark drafter, its rollout-history
+    drafter, or the two combined; `drafter_factory(config, target)` replaces it (a custom drafter, a test double).
     `load_progress` shows the checkpoint reads, the target's and rollout.spec's drafter's
     (rollout.engine.loader.LoadProgress). `step_cost` gives the adaptive draft budget its cost
     model instead of the startup profile (tests; rollout.engine.step_cost). Module-level, so that
@@ -31,6 +31,10 @@ def build_engine(config, drafter_factory=None, load_progress=None, step_cost=Non
         from rollout.spec.history_drafter import build_history_drafter
 
         drafter_factory = build_history_drafter
+    elif drafter_factory is None and config.history_drafts:
+        from rollout.spec.combined import build_combined_drafter
+
+        drafter_factory = functools.partial(build_combined_drafter, progress=load_progress)
     elif drafter_factory is None and config.spec != "none":
         from rollout.spec.proposer import build_drafter
 

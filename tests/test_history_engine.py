@@ -33,6 +33,8 @@ def _run(eng, request_id, prompts, params, n=1, mask=None):
     while eng.has_unfinished():
         outs += eng.step()
     assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
+    if eng.drafter is not None:
+        eng.drafter.flush()  # the finished samples stored (a worker thread stores them)
     return sorted(outs, key=lambda o: (o.prompt_index, o.sample_index))
 
 
@@ -85,7 +87,7 @@ def _same_weights(eng):
 def test_a_weight_update_drops_the_earlier_policy_history(tiny_random_qwen3, keep):
     eng = _engine(tiny_random_qwen3, spec_history_keep_versions=keep)
     first = _run(eng, "v0", PROMPTS[:1], GREEDY)
-    assert eng.drafter.history.num_tokens > 0
+    assert eng.drafter.store.history.num_tokens > 0
     eng.update_weights(_same_weights(eng))
     again = _run(eng, "v1", PROMPTS[:1], GREEDY)  # the same policy, but a new version
     assert eng.policy_version == 1 and [o.token_ids for o in again] == [o.token_ids for o in first]
@@ -93,7 +95,7 @@ def test_a_weight_update_drops_the_earlier_policy_history(tiny_random_qwen3, kee
     if keep:
         assert accepted > 0
     else:
-        assert proposed == 0 and eng.drafter.history.num_tokens == len(first[0].token_ids) + 2
+        assert proposed == 0 and eng.drafter.store.history.num_tokens == len(first[0].token_ids) + 2
     assert set(eng.draft_counts.by_key) == ({("history", 1)} if keep else set())
 
 
@@ -102,9 +104,10 @@ def test_aborted_samples_are_not_stored_and_the_store_stays_bounded(tiny_random_
     eng.add_request("gone", PROMPTS[:2], GREEDY)
     eng.step()
     eng.abort("gone")
-    assert eng.drafter.history.num_tokens == 0 and eng.drafter.matchers == {}
+    eng.drafter.flush()
+    assert eng.drafter.store.history.num_tokens == 0 and eng.drafter.matchers == {}
     _run(eng, "kept", PROMPTS, GREEDY)
-    assert 0 < eng.drafter.history.num_tokens <= 40 and eng.drafter.history.evicted_prompts > 0
+    assert 0 < eng.drafter.store.history.num_tokens <= 40 and eng.drafter.store.history.evicted_prompts > 0
 
 
 def test_history_config_is_checked_where_it_enters(tiny_random_qwen3):

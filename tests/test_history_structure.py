@@ -97,12 +97,12 @@ def test_one_prompt_larger_than_the_cap_keeps_its_newest_samples():
     for i in range(30):
         history.add(key, seed=i, tokens=[i] * 9, version=0)
         assert history.num_tokens <= 100
-    entry = history.get(key)
+    entry = history.prompts.get(key)
     assert [seed for seed, _ in entry.samples][-1] == 29
     assert entry.seeds == {seed for seed, _ in entry.samples}
     assert entry.num_tokens == sum(len(t) + SAMPLE_OVERHEAD for _, t in entry.samples)
     history.add(key, seed=99, tokens=[0] * 200, version=0)  # longer than the cap: not stored
-    assert 99 not in history.get(key).seeds
+    assert 99 not in history.prompts.get(key).seeds
 
 
 def test_least_recently_used_prompts_go_first():
@@ -110,7 +110,7 @@ def test_least_recently_used_prompts_go_first():
     a, b, c, d = (prompt_key([i]) for i in range(4))
     for key in (a, b, c):
         history.add(key, seed=0, tokens=[1] * 10, version=0)
-    history.get(a)  # a drafted for: b is now the least recently used
+    history.touch(a)  # a drafted for: b is now the least recently used
     history.add(d, seed=0, tokens=[1] * 10, version=0)
     assert set(history.prompts) == {a, c, d}
 
@@ -122,7 +122,7 @@ def test_earlier_versions_are_dropped_unless_kept():
         history.add(key, seed=1, tokens=[1, 2, 3], version=0)
         history.policy_updated(1)
         history.add(key, seed=2, tokens=[4, 5], version=0)  # a sample of the old policy, reported late
-    assert dropped.get(key) is None and dropped.num_tokens == 0
-    assert kept.get(key).seeds == {1, 2}
+    assert dropped.prompts.get(key) is None and dropped.num_tokens == 0
+    assert kept.prompts.get(key).seeds == {1, 2}
     dropped.add(key, seed=3, tokens=[6], version=1)
-    assert dropped.get(key).seeds == {3}
+    assert dropped.prompts.get(key).seeds == {3}

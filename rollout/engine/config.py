@@ -11,8 +11,8 @@ from rollout.options import option
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = ASSETS / "tiny-qwen3"
 DEFAULT_DRAFTS = {"dflash": ASSETS / "tiny-qwen3-dflash", "dspark": ASSETS / "tiny-qwen3-dspark"}
-SPEC_METHODS = ("none", "dflash", "dspark", "history")
-DRAFTER_CHECKPOINTS = ("dflash", "dspark")  # the --spec kinds that load a drafter model
+SPEC_METHODS = ("none", "dflash", "dspark", "history", "dflash+history", "dspark+history")
+DRAFTER_CHECKPOINTS = ("dflash", "dspark")  # the drafter model kinds (--spec KIND or KIND+history loads one)
 # "random": only config.json is read and the weights are drawn at random on the device
 # (benchmarks of model shapes without a checkpoint, like other engines' `--load-format dummy`).
 LOAD_FORMATS = ("safetensors", "random")
@@ -39,17 +39,18 @@ class EngineConfig:
                                "with --spec none or history", metavar="DIR",
                                default_text="the embedded drafter of --spec")
     spec: str = option("none", "speculative decoding: none, or the drafter kind (history: drafts from the samples "
-                       "generated for the same prompt in recent rollouts); drafts are verified against the target, "
-                       "so the samples' distribution does not change", choices=SPEC_METHODS)
+                       "generated for the same prompt in recent rollouts; KIND+history: per request and step, "
+                       "whichever of the two is expected to have more drafts accepted); drafts are verified "
+                       "against the target, so the samples' distribution does not change", choices=SPEC_METHODS)
     spec_block_size: int | None = option(None, "draft block: tokens per verify step (the drafts plus one), in "
                                          "[2, 64]", default_text="the drafter checkpoint's; 8 for history")
     spec_confidence_threshold: float = option(0.0, "DSpark, history: cut a draft block at the first position the "
                                               "drafter predicts below this confidence (history: the fraction of "
                                               "stored samples continuing that way); 0 = full blocks")
-    spec_history_tokens: int = option(1 << 20, "--spec history: most tokens the history stores over all prompts "
+    spec_history_tokens: int = option(1 << 20, "with history drafts: most tokens the history stores over all prompts "
                                       "(about 0.5 KB of host memory each); the least recently used prompts are "
                                       "evicted first", default_text="1,048,576")
-    spec_history_keep_versions: bool = option(False, "--spec history: keep the samples of earlier policy versions "
+    spec_history_keep_versions: bool = option(False, "with history drafts: keep the samples of earlier policy versions "
                                               "after a weight update (otherwise they are dropped: the new policy "
                                               "samples differently)", default_text="dropped")
     spec_adaptive: bool = option(True, "verify per step only the drafts expected to pay, from measured "
@@ -99,9 +100,9 @@ class EngineConfig:
             raise InvalidArgument("weight_staging", f"must be one of {WEIGHT_STAGING}, got {self.weight_staging!r}")
         if self.device not in ("cpu", "cuda"):
             raise InvalidArgument("device", f"must be cpu or cuda, got {self.device!r}")
-        if self.draft is not None and self.spec not in DRAFTER_CHECKPOINTS:
-            raise InvalidArgument("draft", f"a drafter needs --spec dflash or --spec dspark (its kind), "
-                                           f"got --spec {self.spec}")
+        if self.draft is not None and self.draft_kind is None:
+            raise InvalidArgument("draft", f"a drafter needs --spec dflash or --spec dspark (its kind, or "
+                                           f"KIND+history), got --spec {self.spec}")
         if self.spec_history_tokens < 1:
             raise InvalidArgument("spec_history_tokens", f"must be >= 1, got {self.spec_history_tokens}")
         if self.spec_block_size is not None and not 2 <= self.spec_block_size <= 64:
@@ -123,8 +124,19 @@ class EngineConfig:
         return Path(self.model) if self.model else DEFAULT_MODEL
 
     @property
+    def draft_kind(self) -> str | None:
+        """The drafter model --spec loads (dflash, dspark), None: none."""
+        kind = self.spec.removesuffix("+history")
+        return kind if kind in DRAFTER_CHECKPOINTS else None
+
+    @property
+    def history_drafts(self) -> bool:
+        """Whether --spec drafts from the rollout history (alone or with a drafter model)."""
+        return self.spec == "history" or self.spec.endswith("+history")
+
+    @property
     def draft_path(self) -> Path | None:
-        if self.spec not in DRAFTER_CHECKPOINTS:
+        if self.draft_kind is None:
             return None
-        return Path(self.draft) if self.draft else DEFAULT_DRAFTS[self.spec]
+        return Path(self.draft) if self.draft else DEFAULT_DRAFTS[self.draft_kind]
 

@@ -4,7 +4,9 @@ A `Drafter` proposes, in one batched call, a draft block for every sample in a d
 (anchor = its last committed token, context = what the target already processed) together
 with the distributions `q` the drafts were drawn from (None = deterministic, one-hot q), and
 keeps its own context state up to date from the target's hidden states after each step. It may
-also learn from finished samples (`sample_finished`) and hear of weight updates (`policy_updated`).
+also learn from verify results (`verified`) and finished samples (`sample_finished`), and hear of
+weight updates (`policy_updated`). A drafter combining proposers says per item which one drafted
+(`Drafts.proposers`), so drafts are counted per proposer.
 
 The engine owns this interface and never imports a drafter: it receives a factory
 (`LLMEngine(config, drafter_factory=...)`; `rollout.build_engine` passes the DFlash / DSpark one
@@ -33,6 +35,7 @@ class Drafts:
     tokens: torch.Tensor  # [D] int64 drafts of all decode items, flattened in item order
     num_per_item: list[int]  # drafts carried by each scheduled item (0 for prefill chunks)
     q: Proposal | None = None  # [D] proposal distributions, None = all one-hot
+    proposers: list[str] | None = None  # per item, the proposer of its drafts (None: all the drafter's own)
 
 
 class Drafter(ABC):
@@ -73,6 +76,11 @@ class Drafter(ABC):
     def sample_finished(self, seq: Sequence) -> None:
         """A sample has finished (`seq.finish_reason` says how: stop, length, abort, error); called
         once per sample, before the engine forgets it. Optional."""
+        return None
+
+    def verified(self, items: list[ScheduledSeq], drafts: Drafts, accepted: list[int]) -> None:
+        """After a step's verification: `accepted[i]` of item i's `drafts.num_per_item[i]` drafts were
+        accepted (the step's host copy). Optional."""
         return None
 
     def policy_updated(self, version: int) -> None:

@@ -2,7 +2,8 @@
 
     (a drained weight update) -> schedule (with the draft budget) -> draft -> forward -> policy
     -> verify -> capture -> (last step's masks) -> sync -> count drafts -> advance (scheduler)
-    -> commit/emit (committer) -> truncate drafts (scheduler) -> record (draft budget)
+    -> commit/emit (committer) -> truncate drafts (scheduler) -> verified (drafter)
+    -> record (draft budget)
 
 One step is one target forward over a ragged batch (prefill chunks, decode anchors and draft
 blocks mixed), one policy (docs/sampling.md) over the rows that sample, one verification
@@ -258,11 +259,14 @@ class LLMEngine:
         masks = None if captured is None else self.capture.to_host(captured)
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
         host = _to_host(result, masks)
-        self._count_drafts(drafts, host)
-        copies = self.scheduler.advance(plan, step.accepted_per_item(None if host is None else host.num_accepted))
+        accepted = step.accepted_per_item(None if host is None else host.num_accepted)
+        self._count_drafts(drafts, host, accepted)
+        copies = self.scheduler.advance(plan, accepted)
         self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
         outputs = self.committer.commit(step.rows, host, captured)
         self.scheduler.truncate_drafts(plan)
+        if host is not None and self.drafter is not None:
+            self.drafter.verified(plan, drafts, accepted)
         if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
             self.spec_budget.record(step, host and host.num_accepted, time.perf_counter() - start, self._graphed)
         return outputs
@@ -272,10 +276,18 @@ class LLMEngine:
         if self.weights.apply_if_drained() and self.drafter is not None:
             self.drafter.policy_updated(self.weights.version)
 
-    def _count_drafts(self, drafts: Drafts, host: HostStep | None) -> None:
-        if host is not None and self.drafter is not None:
-            self.draft_counts.record(self.drafter_name, self.weights.version, sum(drafts.num_per_item),
-                                     sum(host.num_accepted))
+    def _count_drafts(self, drafts: Drafts, host: HostStep | None, accepted: list[int]) -> None:
+        """Drafts proposed and accepted this step, by proposer (`accepted`: per item)."""
+        if host is None or self.drafter is None:
+            return
+        version = self.weights.version
+        if drafts.proposers is None:
+            self.draft_counts.record(self.drafter_name, version, sum(drafts.num_per_item), sum(host.num_accepted))
+            return
+        for name in dict.fromkeys(drafts.proposers):
+            mine = [i for i, p in enumerate(drafts.proposers) if p == name]
+            self.draft_counts.record(name, version, sum(drafts.num_per_item[i] for i in mine),
+                                     sum(accepted[i] for i in mine))
 
     def _draft(self, plan, table) -> Drafts:
         if self.drafter is None:

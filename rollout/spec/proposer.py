@@ -34,11 +34,12 @@ GATHER_BYTES = 1 << 30  # the most context K (or V) one draft layer gathers at o
 
 
 def build_drafter(config: EngineConfig, target: LoadedModel, progress: LoadProgress | None = None) -> BlockDrafter:
-    """The drafter `config.spec` names, loaded from `config.draft_path` for `target` (the engine's
-    drafter factory: see rollout.build_engine); `progress` shows its checkpoint reads."""
+    """The drafter model `config.spec` names (`config.draft_kind`), loaded from `config.draft_path` for
+    `target` (the engine's drafter factory: see rollout.build_engine); `progress` shows its checkpoint
+    reads."""
     path = config.draft_path
     weight = target.model.embed_tokens.weight
-    model = load_drafter(path, target, kind=config.spec, block_size=config.spec_block_size,
+    model = load_drafter(path, target, kind=config.draft_kind, block_size=config.spec_block_size,
                          device=weight.device, dtype=weight.dtype, progress=progress)
     return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold, name=path.name)
 

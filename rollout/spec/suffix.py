@@ -44,6 +44,15 @@ class SuffixAutomaton:
         self.num_samples += 1
         self._append(START - self.num_samples)
 
+    def copy(self) -> SuffixAutomaton:
+        """An independent copy (the history store's copy-on-write: a published automaton is never
+        changed again)."""
+        other = SuffixAutomaton.__new__(SuffixAutomaton)
+        other.next = [d.copy() for d in self.next]
+        other.link, other.length, other.count = self.link.copy(), self.length.copy(), self.count.copy()
+        other.text_length, other.num_samples, other._last = self.text_length, self.num_samples, self._last
+        return other
+
     def step(self, state: int, length: int, token: int) -> tuple[int, int]:
         """The longest match after `token` follows a context whose longest match was (state, length)."""
         while state and token not in self.next[state]:
