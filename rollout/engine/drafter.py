@@ -83,6 +83,16 @@ class Drafter(ABC):
         accepted (the step's host copy). Optional."""
         return None
 
+    def idle(self) -> bool:
+        """The engine loop has nothing to run: background work (a drafter refresh's training, rollout.
+        spec.refresh) within the drafter's own time bound. Returns whether it wants more (the loop
+        then polls for commands instead of waiting). Optional."""
+        return False
+
+    def stats(self) -> dict[str, float]:
+        """Numbers the server reports of the drafter (GetServerInfo's drafter_stats). Optional."""
+        return {}
+
     def policy_updated(self, version: int) -> None:
         """A weight update has applied between two steps: policy `version` samples from now on.
         Optional."""
