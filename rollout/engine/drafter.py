@@ -89,6 +89,11 @@ class Drafter(ABC):
         then polls for commands instead of waiting). Optional."""
         return False
 
+    def checkpoint(self) -> tuple[str, bytes] | None:
+        """The drafter model's checkpoint (config.json's text, model.safetensors' bytes) in its
+        published layout, taken between steps (GetDrafterWeights); None: no model to save. Optional."""
+        return None
+
     def stats(self) -> dict[str, float]:
         """Numbers the server reports of the drafter (GetServerInfo's drafter_stats). Optional."""
         return {}

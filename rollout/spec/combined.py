@@ -109,6 +109,9 @@ class CombinedDrafter(Drafter):
     def idle(self) -> bool:
         return self.block_drafter.idle()
 
+    def checkpoint(self) -> tuple[str, bytes]:
+        return self.block_drafter.checkpoint()
+
     def stats(self) -> dict[str, float]:
         return self.block_drafter.stats()
 

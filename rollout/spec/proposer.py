@@ -27,7 +27,7 @@ from rollout.engine.transfer import upload, upload_packed
 from rollout.engine.truncation import chunk_rows, logsumexp_rows
 from rollout.engine.verify import Proposal
 from rollout.spec.draft_graphs import MIN_CONTEXT_BUCKET, DraftGraphs
-from rollout.spec.draft_loader import load_drafter
+from rollout.spec.draft_loader import checkpoint_files, load_drafter
 from rollout.spec.draft_model import DraftModel
 from rollout.spec.refresh import DrafterRefresh
 
@@ -112,6 +112,9 @@ class BlockDrafter(Drafter):
     def policy_updated(self, version: int) -> None:
         if self.refresh is not None:
             self.refresh.policy_updated(version)
+
+    def checkpoint(self) -> tuple[str, bytes]:
+        return checkpoint_files(self.model)
 
     def stats(self) -> dict[str, float]:
         return {} if self.refresh is None else {f"refresh_{k}": v for k, v in self.refresh.stats.as_dict().items()}
