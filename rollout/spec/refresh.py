@@ -30,8 +30,9 @@ committed token". Only output tokens are labels.
 When: `always` after every step; `idle` while the engine loop is idle and after steps of at most
 max(1, max_num_seqs // 8) sequences (the long tail of a rollout). A slice runs on the engine thread
 between steps and starts a training step only while the time spent so far plus the last training
-step's measured duration stays within `--drafter-refresh-ms` (the first training step, not yet
-measured, is the one exception). Idle slices stop once the buffer's output tokens have been
+step's measured duration stays within `--drafter-refresh-ms` (the first two training steps are the
+exceptions: the first is a warm-up whose duration does not count, the second not yet measured); an
+idle slice runs one step at least. Idle slices stop once the buffer's output tokens have been
 trained on IDLE_PASSES times since the last new data.
 """
 
@@ -224,8 +225,8 @@ class DrafterRefresh:
             began = time.perf_counter()
             if not self.train_step():
                 return
-            self.step_s = time.perf_counter() - began
-            if self.step_s > self.budget_s and self.stats.steps == 1:
+            self.step_s = time.perf_counter() - began if self.stats.steps > 1 else 0.0  # (not the warm-up)
+            if self.step_s > self.budget_s and self.stats.steps == 2:
                 log.warning("drafter refresh: a training step takes %.1f ms, over --drafter-refresh-ms %.1f: it "
                             "trains only while idle", self.step_s * 1e3, self.budget_s * 1e3)
 
