@@ -62,10 +62,15 @@ def test_live_weights_change_only_between_steps(tiny_random_qwen3, random_drafte
     drafter, seen = eng.drafter, []  # (step, checksum of the live weights) at every drafter forward
     step_index = [0]
 
+    def checksum():
+        seen.append((step_index[0], float(drafter.model.fc.weight.double().sum())))
+
     def watch(fn):
         def wrapped(*args, **kwargs):
-            seen.append((step_index[0], float(drafter.model.fc.weight.double().sum())))
-            return fn(*args, **kwargs)
+            checksum()
+            out = fn(*args, **kwargs)
+            checksum()
+            return out
         return wrapped
 
     drafter._block_forward = watch(drafter._block_forward)
