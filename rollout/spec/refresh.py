@@ -73,6 +73,7 @@ class RefreshStats:
     trained_tokens: int = 0  # label tokens trained on since startup
     swaps: int = 0  # refreshed weights copied into the live drafter
     version: int = 0  # the policy version the buffer holds
+    seconds: float = 0.0  # spent in training steps since startup
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in vars(self).items()}
@@ -225,6 +226,7 @@ class DrafterRefresh:
             began = time.perf_counter()
             if not self.train_step():
                 return
+            self.stats.seconds += time.perf_counter() - began
             self.step_s = time.perf_counter() - began if self.stats.steps > 1 else 0.0  # (not the warm-up)
             if self.step_s > self.budget_s and self.stats.steps == 2:
                 log.warning("drafter refresh: a training step takes %.1f ms, over --drafter-refresh-ms %.1f: it "
