@@ -73,6 +73,11 @@ class Drafter(ABC):
     @abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
+    def begin_step(self, items: list[ScheduledSeq]) -> None:
+        """A step begins with these items: `propose` calls it first; a drafter combining others calls
+        it for a member that does not propose this step. Optional."""
+        return None
+
     def sample_finished(self, seq: Sequence) -> None:
         """A sample has finished (`seq.finish_reason` says how: stop, length, abort, error); called
         once per sample, before the engine forgets it. Optional."""
