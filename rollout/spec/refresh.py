@@ -106,7 +106,8 @@ class DrafterRefresh:
         self.lr, self.budget_s = config.drafter_refresh_lr, config.drafter_refresh_ms / 1000
         self.small_batch = max(1, config.max_num_seqs // 8)
         self.block = model.config.block_size
-        self.max_rows = max(config.max_num_batched_tokens, 256 * self.block)  # an eager or padded graph step
+        # the most rows of a step: eager, or a graph's padded verify step (256 rows of a draft block each)
+        self.max_rows = max(config.max_num_batched_tokens, 256 * (config.spec_block_size or self.block))
         self.capacity = config.drafter_refresh_tokens
         self.rng = np.random.default_rng(seed)
         self.stats = RefreshStats()
