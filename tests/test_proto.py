@@ -31,8 +31,9 @@ def test_service_methods_and_streaming_kinds():
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {"Generate", "Abort", "GetServerInfo", "UpdateWeights", "UpdateWeightsShared",
                             "JoinWeightGroup", "LeaveWeightGroup", "UpdateWeightsBroadcast", "ReleaseMemory",
-                            "ResumeMemory"}
+                            "ResumeMemory", "GetDrafterWeights"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
+    assert methods["GetDrafterWeights"].server_streaming and not methods["GetDrafterWeights"].client_streaming
     assert methods["UpdateWeights"].client_streaming and not methods["UpdateWeights"].server_streaming
     assert hasattr(rollout_pb2_grpc, "RolloutStub") and hasattr(rollout_pb2_grpc, "RolloutServicer")
 

@@ -26,7 +26,7 @@ from rollout.masks.check import check_table
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.schema import ROLLOUT_SCHEMA
 from rollout.server.app import BackgroundServer, ServeConfig
-from rollout.spec.draft_loader import random_drafter, save_drafter
+from rollout.spec.draft_loader import load_drafter, random_drafter, save_drafter
 from trainer_client import AsyncRolloutClient, RolloutClient
 
 PROMPTS = ["import os\n", [40, 41, 42, 43, 44]]
@@ -287,6 +287,42 @@ def test_update_weights_replaces_the_drafter_in_the_same_call_losslessly(servers
             client.update_weights(target, draft_weights={"fc.weight": torch.zeros(2, 2)})
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fc.weight" in err.value.details()
         assert client.server_info()["policy_version"] == v0 + 1
+
+
+def test_drafter_weights_fetch_the_refreshed_drafter(servers, drafters, tiny_random_qwen3, tmp_path):
+    """GetDrafterWeights after idle refresh: ServerInfo.drafter_stats counts the training; the fetched
+    state dict differs from the loaded drafter, loads through the draft loader from the written
+    directory, and goes back with update_weights(draft=True) without changing outputs."""
+    server = servers("dspark", drafter_refresh="idle", drafter_refresh_lr=1e-3)
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    original = load_file(str(drafters / "dspark" / "model.safetensors"))
+    with RolloutClient(server.address, timeout=120) as client:
+        before = client.generate(PROMPTS, n=2, sampling=greedy)
+        deadline = time.monotonic() + 60
+        while client.server_info()["drafter_stats"].get("refresh_steps", 0) < 1:
+            assert time.monotonic() < deadline, "no refresh step while idle"
+            time.sleep(0.05)
+        state = client.drafter_weights(path=tmp_path / "fetched")
+        assert state.keys() == original.keys()
+        assert any(not torch.equal(state[k], original[k]) for k in original)  # refreshed
+        loaded = load_drafter(tmp_path / "fetched", load_model(tiny_random_qwen3, "cpu"))
+        assert loaded.config.kind == "dspark"
+        fetched = asyncio.run(_fetch_async(server.address))
+        assert fetched.keys() == state.keys()
+        version = client.update_weights(state, draft=True)
+        after = client.generate(PROMPTS, n=2, sampling=greedy)
+        assert after.column("token_ids") == before.column("token_ids")
+        assert after.column("policy_version").to_pylist() == [version] * 4
+        assert client.server_info()["drafter_stats"]["refresh_version"] == version
+    with RolloutClient(servers("none").address, timeout=60) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.drafter_weights()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "drafter" in err.value.details()
+
+
+async def _fetch_async(address: str) -> dict[str, torch.Tensor]:
+    async with AsyncRolloutClient(address, timeout=120) as client:
+        return await client.drafter_weights()
 
 
 def _engine_with_mask_bound_2(config: EngineConfig) -> LLMEngine:

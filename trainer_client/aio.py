@@ -10,6 +10,7 @@ or many servers concurrently.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ from trainer_client.client import (
     Weights,
     build_request,
     decode_batch,
+    drafter_files,
+    drafter_state,
     info_to_dict,
     memory_to_dict,
     streams_update_id,
@@ -105,6 +108,13 @@ class AsyncRolloutClient(ClientBase):
     async def server_info(self, timeout: float | None = None) -> dict[str, Any]:
         reply = await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self._deadline(timeout))
         return info_to_dict(reply)
+
+    async def drafter_weights(self, path: str | os.PathLike | None = None,
+                              timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """See `RolloutClient.drafter_weights`."""
+        call = self._stub.GetDrafterWeights(pb.DrafterWeightsRequest(), timeout=self._deadline(timeout))
+        config, data, _ = drafter_files([chunk async for chunk in call])
+        return await asyncio.to_thread(drafter_state, config, data, path)
 
     async def update_weights(
         self,

@@ -14,6 +14,8 @@ building and decoding helpers here are shared with the asyncio twin in `trainer_
 from __future__ import annotations
 
 import numbers
+import os
+import pathlib
 import queue
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,6 +25,7 @@ import grpc
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import safetensors.torch
 import torch
 
 from rollout.engine.grammar import GrammarSpec
@@ -152,7 +155,32 @@ def info_to_dict(info: pb.ServerInfo) -> dict[str, Any]:
     out = {f.name: getattr(info, f.name) for f in pb.ServerInfo.DESCRIPTOR.fields}
     out["eos_token_ids"] = list(info.eos_token_ids)
     out["limits"] = dict(info.limits)
+    out["drafter_stats"] = dict(info.drafter_stats)
     return out
+
+
+def drafter_files(chunks: Iterable[pb.DrafterWeightsChunk]) -> tuple[str, bytes, int]:
+    """GetDrafterWeights' messages -> (config.json text, model.safetensors bytes, policy version)."""
+    config, parts, version, total = "", [], 0, None
+    for chunk in chunks:
+        if total is None:
+            config, version, total = chunk.config_json, chunk.policy_version, chunk.total_bytes
+        parts.append(chunk.safetensors)
+    data = b"".join(parts)
+    if total is None or len(data) != total:
+        raise ConnectionError(f"GetDrafterWeights: {len(data)} bytes arrived of {total}")
+    return config, data, version
+
+
+def drafter_state(config: str, data: bytes, path: str | os.PathLike | None) -> dict[str, torch.Tensor]:
+    """The state dict of a fetched drafter checkpoint; with `path`, also written there as a checkpoint
+    directory (config.json, model.safetensors) that rollout's drafter loader reads."""
+    if path is not None:
+        root = pathlib.Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "config.json").write_text(config)
+        (root / "model.safetensors").write_bytes(data)
+    return safetensors.torch.load(data)
 
 
 class CancellingCall:
@@ -297,6 +325,14 @@ class RolloutClient(ClientBase):
 
     def server_info(self, timeout: float | None = None) -> dict[str, Any]:
         return info_to_dict(self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self._deadline(timeout)))
+
+    def drafter_weights(self, path: str | os.PathLike | None = None,
+                        timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """The server's live drafter weights (refreshed online with --drafter-refresh) as a state dict in
+        the published checkpoint layout, which `update_weights(state, draft=True)` takes back; with
+        `path`, also written there as a checkpoint directory (config.json, model.safetensors)."""
+        chunks = self._stub.GetDrafterWeights(pb.DrafterWeightsRequest(), timeout=self._deadline(timeout))
+        return drafter_state(*drafter_files(chunks)[:2], path)
 
     def update_weights(
         self,

@@ -24,6 +24,9 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 # (the swap is a device copy), "host" = host memory (one host-to-device copy per tensor in the swap),
 # "auto" = the device when the update fits with room to spare. On CPU all three are host memory.
 WEIGHT_STAGING = ("auto", "device", "host")
+# online training of the drafter model (rollout.spec.refresh): never, when the engine is idle or its batch
+# small, after every step
+DRAFTER_REFRESH = ("off", "idle", "always")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,16 @@ class EngineConfig:
     spec_history_keep_versions: bool = option(False, "with history drafts: keep the samples of earlier policy versions "
                                               "after a weight update (otherwise they are dropped: the new policy "
                                               "samples differently)", default_text="dropped")
+    drafter_refresh: str = option("off", "keep training the DFlash / DSpark drafter on the server's own rollouts "
+                                  "(current policy version only; rollout/spec/refresh.py): idle = while the engine "
+                                  "is idle and after steps of a small batch (the long tail), always = after every "
+                                  "step; at most --drafter-refresh-ms per step", choices=DRAFTER_REFRESH)
+    drafter_refresh_lr: float = option(1e-4, "drafter refresh: AdamW learning rate")
+    drafter_refresh_tokens: int = option(1 << 16, "drafter refresh: committed tokens its buffer holds (the oldest "
+                                         "evicted first), each len(target_layer_ids) x hidden_size values in the "
+                                         "target's dtype on its device", default_text="65,536")
+    drafter_refresh_ms: float = option(20.0, "drafter refresh: the most milliseconds of training between two "
+                                       "engine steps (on the engine thread)")
     spec_adaptive: bool = option(True, "verify per step only the drafts expected to pay, from measured "
                                  "acceptance and step costs (rollout/engine/spec_budget.py); off: always full "
                                  "draft blocks")
@@ -107,6 +120,17 @@ class EngineConfig:
         if self.draft is not None and self.draft_kind is None:
             raise InvalidArgument("draft", f"a drafter needs --spec dflash or --spec dspark (its kind, or "
                                            f"KIND+history), got --spec {self.spec}")
+        if self.drafter_refresh not in DRAFTER_REFRESH:
+            raise InvalidArgument("drafter_refresh", f"must be one of {DRAFTER_REFRESH}, got {self.drafter_refresh!r}")
+        if self.drafter_refresh != "off" and self.draft_kind is None:
+            raise InvalidArgument("drafter_refresh", f"trains a drafter model: needs --spec dflash or dspark (or "
+                                                     f"KIND+history), got --spec {self.spec}")
+        if not self.drafter_refresh_lr > 0:
+            raise InvalidArgument("drafter_refresh_lr", f"must be > 0, got {self.drafter_refresh_lr}")
+        if self.drafter_refresh_tokens < 1:
+            raise InvalidArgument("drafter_refresh_tokens", f"must be >= 1, got {self.drafter_refresh_tokens}")
+        if not self.drafter_refresh_ms > 0:
+            raise InvalidArgument("drafter_refresh_ms", f"must be > 0, got {self.drafter_refresh_ms}")
         if self.spec_history_tokens < 1:
             raise InvalidArgument("spec_history_tokens", f"must be >= 1, got {self.spec_history_tokens}")
         if self.spec_block_size is not None and not 2 <= self.spec_block_size <= 64:

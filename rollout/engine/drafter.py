@@ -73,6 +73,11 @@ class Drafter(ABC):
     @abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
+    def begin_step(self, items: list[ScheduledSeq]) -> None:
+        """A step begins with these items: `propose` calls it first; a drafter combining others calls
+        it for a member that does not propose this step. Optional."""
+        return None
+
     def sample_finished(self, seq: Sequence) -> None:
         """A sample has finished (`seq.finish_reason` says how: stop, length, abort, error); called
         once per sample, before the engine forgets it. Optional."""
@@ -82,6 +87,21 @@ class Drafter(ABC):
         """After a step's verification: `accepted[i]` of item i's `drafts.num_per_item[i]` drafts were
         accepted (the step's host copy). Optional."""
         return None
+
+    def idle(self) -> bool:
+        """The engine loop has nothing to run: background work (a drafter refresh's training, rollout.
+        spec.refresh) within the drafter's own time bound. Returns whether it wants more (the loop
+        then polls for commands instead of waiting). Optional."""
+        return False
+
+    def checkpoint(self) -> tuple[str, bytes] | None:
+        """The drafter model's checkpoint (config.json's text, model.safetensors' bytes) in its
+        published layout, taken between steps (GetDrafterWeights); None: no model to save. Optional."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """Numbers the server reports of the drafter (GetServerInfo's drafter_stats). Optional."""
+        return {}
 
     def policy_updated(self, version: int) -> None:
         """A weight update has applied between two steps: policy `version` samples from now on.

@@ -176,6 +176,11 @@ class LLMEngine:
         """Work a step would do (requests held while the memory is released wait for resume)."""
         return (self.scheduler.has_unfinished() and not self.memory.released) or self.weights.pending
 
+    def idle_work(self) -> bool:
+        """Nothing to step: the drafter's background work (its refresh) gets a bounded slice. Returns
+        whether it wants more (rollout.engine.drafter.Drafter.idle)."""
+        return self.drafter is not None and not self.memory.released and self.drafter.idle()
+
     def kv_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_free_blocks, self.block_manager.num_blocks
 
@@ -248,7 +253,8 @@ class LLMEngine:
                     max_queued_samples=self.config.max_queued_samples,
                     max_num_seqs=self.config.max_num_seqs, policy_version=self.policy_version,
                     kv_blocks_free=free, kv_blocks_total=total, block_size=self.config.block_size,
-                    memory_released=self.memory.released, **self.context_limits)
+                    memory_released=self.memory.released, **self.context_limits,
+                    drafter_stats=self.drafter.stats() if self.drafter else {})
 
     # -- the step ----------------------------------------------------------------------
 

@@ -143,4 +143,5 @@ def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str, in
         kv_blocks_total=total,
         instance_id=instance_id,
         memory_released=bool(info.get("memory_released", False)),
+        drafter_stats={str(k): float(v) for k, v in info.get("drafter_stats", {}).items()},
     )

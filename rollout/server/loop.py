@@ -189,7 +189,8 @@ class EngineLoop:
                 self._log_spec_budget()
                 self._ship_stats()
                 self._send_outbox()
-            self._run_commands(block=not busy)
+            more = not busy and self._idle_work()
+            self._run_commands(block=not busy and not more)
             if self._busy_period is None and self._busy():  # left idle (a request came in): a period begins
                 self._busy_period = _BusyPeriod(time.perf_counter(), self.engine.compiled())
             self._send_outbox()
@@ -215,6 +216,11 @@ class EngineLoop:
                 return
             if item is not None and item[1] is not None:
                 self._resolve(item[1], error=Unavailable("the engine loop has stopped"))
+
+    def _idle_work(self) -> bool:
+        """The engine's background work while idle (a drafter refresh's training slice): whether it wants more."""
+        idle_work = getattr(self.engine, "idle_work", None)  # (an engine without any: none)
+        return idle_work is not None and idle_work()
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished() or self.engine.weight_update_pending()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from rollout.errors import FailedPrecondition
 from rollout.outputs import SampleOutput
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.proto.rollout.v1 import rollout_pb2_grpc
@@ -35,6 +36,8 @@ from rollout.server.memory_service import MemoryService
 from rollout.server.status import to_status
 from rollout.server.weight_service import WeightService
 from rollout.server.wire import parse_request
+
+DRAFTER_CHUNK_BYTES = 4 << 20  # GetDrafterWeights' safetensors bytes per message
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,16 @@ async def status_on_error(context: grpc.aio.ServicerContext, rpc: str, request_i
 def engine_info(engine) -> tuple[dict, tuple[int, int]]:
     """What GetServerInfo reports (module-level: it may run in the engine's process)."""
     return engine.info(), engine.kv_blocks()
+
+
+def drafter_checkpoint(engine) -> tuple[str, bytes, int]:
+    """GetDrafterWeights' files and the policy version, taken between steps on the engine's thread
+    (module-level: it may run in the engine's process)."""
+    files = engine.drafter.checkpoint() if engine.drafter is not None else None
+    if files is None:
+        raise FailedPrecondition("drafter: the server runs no drafter model (--spec dflash or dspark, alone or "
+                                 "+history)")
+    return (*files, engine.policy_version)
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
@@ -174,6 +187,16 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             parse_request(pb.ServerInfoRequest, data)
             info, kv_blocks = await self.engine_loop.call(engine_info)
             return server_info_message(info, kv_blocks, self.identity.drafter, self.identity.instance_id)
+
+    async def GetDrafterWeights(self, data: bytes, context) -> AsyncIterator[pb.DrafterWeightsChunk]:
+        async with status_on_error(context, "GetDrafterWeights"):
+            parse_request(pb.DrafterWeightsRequest, data)
+            config, blob, version = await self.engine_loop.call(drafter_checkpoint)
+        view = memoryview(blob)
+        yield pb.DrafterWeightsChunk(config_json=config, policy_version=version, total_bytes=len(blob),
+                                     safetensors=bytes(view[:DRAFTER_CHUNK_BYTES]))
+        for start in range(DRAFTER_CHUNK_BYTES, len(blob), DRAFTER_CHUNK_BYTES):
+            yield pb.DrafterWeightsChunk(safetensors=bytes(view[start : start + DRAFTER_CHUNK_BYTES]))
 
     async def UpdateWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
         """Its chunks arrive as rollout.weight_wire.WirePiece (see rollout.server.weight_service)."""

@@ -45,6 +45,9 @@ def method_handlers(service: Any) -> dict[str, grpc.RpcMethodHandler]:
     handlers["Generate"] = grpc.unary_stream_rpc_method_handler(
         service.Generate, response_serializer=pb.GenerateResponse.SerializeToString
     )
+    handlers["GetDrafterWeights"] = grpc.unary_stream_rpc_method_handler(
+        service.GetDrafterWeights, response_serializer=pb.DrafterWeightsChunk.SerializeToString
+    )
     handlers["UpdateWeights"] = grpc.stream_unary_rpc_method_handler(  # pieces decoded without copies
         service.UpdateWeights, request_deserializer=decode_chunk,
         response_serializer=pb.UpdateWeightsResponse.SerializeToString,

@@ -106,6 +106,15 @@ class CombinedDrafter(Drafter):
         self.history.sample_finished(seq)
         self.block_drafter.sample_finished(seq)
 
+    def idle(self) -> bool:
+        return self.block_drafter.idle()
+
+    def checkpoint(self) -> tuple[str, bytes]:
+        return self.block_drafter.checkpoint()
+
+    def stats(self) -> dict[str, float]:
+        return self.block_drafter.stats()
+
     def policy_updated(self, version: int) -> None:
         self.history.policy_updated(version)
         self.block_drafter.policy_updated(version)
@@ -121,6 +130,8 @@ class CombinedDrafter(Drafter):
         won = {rows[j]: found[j][0] for j in np.flatnonzero(chosen).tolist()}  # item -> the history's drafts
         model_items = [dataclasses.replace(it, num_draft=0) if i in won else it for i, it in enumerate(items)]
         own = self.block_drafter.propose(model_items, block_table) if len(won) < len(rows) or not rows else None
+        if own is None:
+            self.block_drafter.begin_step(items)
         return self._merged(len(items), own, won)
 
     def _history_wins(self, items: list[ScheduledSeq], found: list[tuple[list[int], list[float]]]) -> np.ndarray:
@@ -167,7 +178,9 @@ class CombinedDrafter(Drafter):
         return Drafts(tokens, per_item, q, proposers)
 
     def verified(self, items: list[ScheduledSeq], drafts: Drafts, accepted: list[int]) -> None:
-        """Each proposer's estimates learn from the drafts it proposed."""
+        """Each proposer's estimates learn from the drafts it proposed; the model's refresh from the
+        committed tokens."""
+        self.block_drafter.verified(items, drafts, accepted)
         for name, estimates in self.acceptance.items():
             mine = [i for i, k in enumerate(drafts.num_per_item) if k and drafts.proposers[i] == name]
             if mine:

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import Tensor
 
 from rollout.engine.loader import LoadedModel, LoadProgress, load_state_into, read_state_dict
@@ -275,20 +275,32 @@ def target_token_ids(target: LoadedModel) -> dict:
     return found
 
 
-def write_drafter_config(model: DraftModel, path: str | Path, target: LoadedModel | None = None,
-                         extra: dict | None = None) -> None:
-    """Write config.json alone (keys sorted, as transformers writes them): the published layout,
-    the target's token ids when `target` is given, plus `extra` keys."""
+def drafter_config_json(model: DraftModel, target: LoadedModel | None = None, extra: dict | None = None) -> str:
+    """config.json's text (keys sorted, as transformers writes them): the published layout, the
+    target's token ids when `target` is given, plus `extra` keys."""
     d = draft_config_to_hf(model.config, model.fc.weight.dtype)
     d |= (target_token_ids(target) if target is not None else {}) | (extra or {})
-    (Path(path) / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def write_drafter_config(model: DraftModel, path: str | Path, target: LoadedModel | None = None,
+                         extra: dict | None = None) -> None:
+    """Write config.json alone (see `drafter_config_json`)."""
+    (Path(path) / "config.json").write_text(drafter_config_json(model, target, extra))
+
+
+def checkpoint_files(model: DraftModel, target: LoadedModel | None = None, extra: dict | None = None
+                     ) -> tuple[str, bytes]:
+    """The checkpoint's two files in memory: config.json's text and model.safetensors' bytes."""
+    tensors = {k: v.cpu() for k, v in checkpoint_tensors(model).items()}
+    return drafter_config_json(model, target, extra), save(tensors, metadata={"format": "pt"})
 
 
 def save_drafter(model: DraftModel, path: str | Path, extra: dict | None = None,
                  target: LoadedModel | None = None) -> None:
-    """Write config.json (see `write_drafter_config`) and model.safetensors."""
+    """Write config.json and model.safetensors (`checkpoint_files`)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.cpu() for k, v in checkpoint_tensors(model).items()}
-    write_drafter_config(model, root, target, extra)
-    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config, data = checkpoint_files(model, target, extra)
+    (root / "config.json").write_text(config)
+    (root / "model.safetensors").write_bytes(data)

@@ -27,8 +27,9 @@ from rollout.engine.transfer import upload, upload_packed
 from rollout.engine.truncation import chunk_rows, logsumexp_rows
 from rollout.engine.verify import Proposal
 from rollout.spec.draft_graphs import MIN_CONTEXT_BUCKET, DraftGraphs
-from rollout.spec.draft_loader import load_drafter
+from rollout.spec.draft_loader import checkpoint_files, load_drafter
 from rollout.spec.draft_model import DraftModel
+from rollout.spec.refresh import DrafterRefresh
 
 GATHER_BYTES = 1 << 30  # the most context K (or V) one draft layer gathers at once
 
@@ -41,7 +42,10 @@ def build_drafter(config: EngineConfig, target: LoadedModel, progress: LoadProgr
     weight = target.model.embed_tokens.weight
     model = load_drafter(path, target, kind=config.draft_kind, block_size=config.spec_block_size,
                          device=weight.device, dtype=weight.dtype, progress=progress)
-    return BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold, name=path.name)
+    drafter = BlockDrafter(model, config.spec_block_size, config.spec_confidence_threshold, name=path.name)
+    if config.drafter_refresh != "off":
+        drafter.refresh = DrafterRefresh(model, config)
+    return drafter
 
 class BlockDrafter(Drafter):
     """DFlash / DSpark: one non-causal forward drafts a whole block."""
@@ -58,6 +62,7 @@ class BlockDrafter(Drafter):
         self.num_proposals = 0  # batched propose calls
         self.num_drafted = 0  # draft tokens proposed, after confidence shortening
         self.graphs: DraftGraphs | None = None
+        self.refresh: DrafterRefresh | None = None  # online training (--drafter-refresh), rollout.spec.refresh
 
     @property
     def device(self) -> torch.device:
@@ -71,6 +76,8 @@ class BlockDrafter(Drafter):
         return bytes_per_block(self.model.config.backbone, block_size, self.model.fc.weight.element_size())
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
+        if self.refresh is not None and self.refresh.buffer is None:
+            self.refresh.allocate()
         bb = self.model.config.backbone
         shape = (num_blocks, block_size, bb.num_key_value_heads, bb.head_dim)
         kw = dict(dtype=self.model.fc.weight.dtype, device=self.device)
@@ -82,9 +89,35 @@ class BlockDrafter(Drafter):
         ctx = self.model.project_context(target_aux)
         for (k, v), (k_cache, v_cache) in zip(self.model.context_kv(ctx, meta.positions), self.caches):
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.refresh is not None:
+            self.refresh.tap(target_aux)
 
     def free(self) -> None:
         self.caches, self.graphs = [], None
+        if self.refresh is not None:
+            self.refresh.free()
+
+    def begin_step(self, items: list[ScheduledSeq]) -> None:
+        """A step begins (its drafting): refreshed weights go live here, between steps."""
+        if self.refresh is not None:
+            self.refresh.begin_step(items)
+
+    def verified(self, items: list[ScheduledSeq], drafts: Drafts, accepted: list[int]) -> None:
+        if self.refresh is not None:
+            self.refresh.committed(drafts, accepted)
+
+    def idle(self) -> bool:
+        return self.refresh is not None and self.refresh.idle()
+
+    def policy_updated(self, version: int) -> None:
+        if self.refresh is not None:
+            self.refresh.policy_updated(version)
+
+    def checkpoint(self) -> tuple[str, bytes]:
+        return checkpoint_files(self.model)
+
+    def stats(self) -> dict[str, float]:
+        return {} if self.refresh is None else {f"refresh_{k}": v for k, v in self.refresh.stats.as_dict().items()}
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         copy_blocks(self.caches, pairs)
@@ -110,6 +143,7 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
+        self.begin_step(items)
         rows = [i for i, it in enumerate(items) if it.num_draft > 0]
         if not rows:
             return Drafts(torch.zeros(0, dtype=torch.int64, device=self.device), [0] * len(items))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/rollout.proto\x12\nrollout.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.rollout.v1.ChatMessage\"u\n\x06Prompt\x12)\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.rollout.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.rollout.v1.MessagesH\x00\x42\x06\n\x04kind\"\xe1\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).rollout.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x07\n\x05_seed\"&\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.rollout.v1.Prompt\x12\x0e\n\x01n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x0c\n\x04mask\x18\x05 \x01(\t\x12)\n\x07grammar\x18\x06 \x01(\x0b\x32\x13.rollout.v1.GrammarH\x01\x88\x01\x01\x12\x13\n\x0breturn_text\x18\x07 \x01(\x08\x42\x04\n\x02_nB\n\n\x08_grammar\"7\n\x10GenerateResponse\x12\x11\n\tarrow_ipc\x18\x01 \x01(\x0c\x12\x10\n\x08num_rows\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x13\n\x11ServerInfoRequest\"\xf1\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x13\n\x0bspec_method\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x32\n\x06limits\x18\x08 \x03(\x0b\x32\".rollout.v1.ServerInfo.LimitsEntry\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\n \x01(\x03\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x03\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x12\x17\n\x0fmemory_released\x18\x14 \x01(\x08\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x0fSafetensorsPart\x12\x0c\n\x04\x66ile\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xa5\x01\n\x0bWeightChunk\x12\r\n\x05\x64raft\x18\x01 \x01(\x08\x12\x32\n\x0bsafetensors\x18\x02 \x01(\x0b\x32\x1b.rollout.v1.SafetensorsPartH\x00\x12$\n\x06tensor\x18\x03 \x01(\x0b\x32\x12.rollout.v1.TensorH\x00\x12\x11\n\tupdate_id\x18\x04 \x01(\t\x12\x0f\n\x07streams\x18\x05 \x01(\rB\t\n\x07payload\"\x9f\x01\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x19\n\x11num_draft_tensors\x18\x03 \x01(\x05\x12\x15\n\rstage_seconds\x18\x04 \x01(\x01\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12\x10\n\x08repeated\x18\x06 \x01(\x08\"G\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64raft\x18\x04 \x01(\x08\"*\n\nSharedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x80\x02\n\rCudaIpcTensor\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x15\n\rtensor_offset\x18\t \x01(\x03\x12\x0e\n\x06stride\x18\n \x03(\x03\"\x93\x01\n\x0cSharedTensor\x12$\n\x04meta\x18\x01 \x01(\x0b\x32\x16.rollout.v1.TensorMeta\x12&\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x16.rollout.v1.SharedFileH\x00\x12)\n\x04\x63uda\x18\x03 \x01(\x0b\x32\x19.rollout.v1.CudaIpcTensorH\x00\x42\n\n\x08location\"M\n\rSharedWeights\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.rollout.v1.SharedTensor\x12\x11\n\tupdate_id\x18\x02 \x01(\t\"\x82\x01\n\x16JoinWeightGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0binit_method\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\x19\n\x17JoinWeightGroupResponse\"(\n\x17LeaveWeightGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x1a\n\x18LeaveWeightGroupResponse\"s\n\x10\x42roadcastWeights\x12\r\n\x05group\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rollout.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x11\n\tupdate_id\x18\x04 \x01(\t\">\n\x14ReleaseMemoryRequest\x12\x0f\n\x07weights\x18\x01 \x01(\x08\x12\x15\n\rhold_requests\x18\x02 \x01(\x08\"\x15\n\x13ResumeMemoryRequest\"u\n\x0bMemoryState\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x19\n\x11weights_offloaded\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x19\n\x11\x64\x65vice_free_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x32\xa8\x06\n\x07Rollout\x12G\n\x08Generate\x12\x1b.rollout.v1.GenerateRequest\x1a\x1c.rollout.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponse\x12\x46\n\rGetServerInfo\x12\x1d.rollout.v1.ServerInfoRequest\x1a\x16.rollout.v1.ServerInfo\x12M\n\rUpdateWeights\x12\x17.rollout.v1.WeightChunk\x1a!.rollout.v1.UpdateWeightsResponse(\x01\x12S\n\x13UpdateWeightsShared\x12\x19.rollout.v1.SharedWeights\x1a!.rollout.v1.UpdateWeightsResponse\x12Z\n\x0fJoinWeightGroup\x12\".rollout.v1.JoinWeightGroupRequest\x1a#.rollout.v1.JoinWeightGroupResponse\x12]\n\x10LeaveWeightGroup\x12#.rollout.v1.LeaveWeightGroupRequest\x1a$.rollout.v1.LeaveWeightGroupResponse\x12Y\n\x16UpdateWeightsBroadcast\x12\x1c.rollout.v1.BroadcastWeights\x1a!.rollout.v1.UpdateWeightsResponse\x12J\n\rReleaseMemory\x12 .rollout.v1.ReleaseMemoryRequest\x1a\x17.rollout.v1.MemoryState\x12H\n\x0cResumeMemory\x12\x1f.rollout.v1.ResumeMemoryRequest\x1a\x17.rollout.v1.MemoryStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/rollout.proto\x12\nrollout.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"5\n\x08Messages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.rollout.v1.ChatMessage\"u\n\x06Prompt\x12)\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.rollout.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x08messages\x18\x03 \x01(\x0b\x32\x14.rollout.v1.MessagesH\x00\x42\x06\n\x04kind\"\xe1\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).rollout.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x07\n\x05_seed\"&\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.rollout.v1.Prompt\x12\x0e\n\x01n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x0c\n\x04mask\x18\x05 \x01(\t\x12)\n\x07grammar\x18\x06 \x01(\x0b\x32\x13.rollout.v1.GrammarH\x01\x88\x01\x01\x12\x13\n\x0breturn_text\x18\x07 \x01(\x08\x42\x04\n\x02_nB\n\n\x08_grammar\"7\n\x10GenerateResponse\x12\x11\n\tarrow_ipc\x18\x01 \x01(\x0c\x12\x10\n\x08num_rows\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"\x13\n\x11ServerInfoRequest\"\xe7\x03\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x13\n\x0bspec_method\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x32\n\x06limits\x18\x08 \x03(\x0b\x32\".rollout.v1.ServerInfo.LimitsEntry\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\n \x01(\x03\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x03\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x12\x17\n\x0fmemory_released\x18\x14 \x01(\x08\x12?\n\rdrafter_stats\x18\x15 \x03(\x0b\x32(.rollout.v1.ServerInfo.DrafterStatsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11\x44rafterStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x17\n\x15\x44rafterWeightsRequest\"l\n\x13\x44rafterWeightsChunk\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\x12\x13\n\x0bsafetensors\x18\x02 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"-\n\x0fSafetensorsPart\x12\x0c\n\x04\x66ile\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xa5\x01\n\x0bWeightChunk\x12\r\n\x05\x64raft\x18\x01 \x01(\x08\x12\x32\n\x0bsafetensors\x18\x02 \x01(\x0b\x32\x1b.rollout.v1.SafetensorsPartH\x00\x12$\n\x06tensor\x18\x03 \x01(\x0b\x32\x12.rollout.v1.TensorH\x00\x12\x11\n\tupdate_id\x18\x04 \x01(\t\x12\x0f\n\x07streams\x18\x05 \x01(\rB\t\n\x07payload\"\x9f\x01\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x19\n\x11num_draft_tensors\x18\x03 \x01(\x05\x12\x15\n\rstage_seconds\x18\x04 \x01(\x01\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12\x10\n\x08repeated\x18\x06 \x01(\x08\"G\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64raft\x18\x04 \x01(\x08\"*\n\nSharedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x80\x02\n\rCudaIpcTensor\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x15\n\rtensor_offset\x18\t \x01(\x03\x12\x0e\n\x06stride\x18\n \x03(\x03\"\x93\x01\n\x0cSharedTensor\x12$\n\x04meta\x18\x01 \x01(\x0b\x32\x16.rollout.v1.TensorMeta\x12&\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x16.rollout.v1.SharedFileH\x00\x12)\n\x04\x63uda\x18\x03 \x01(\x0b\x32\x19.rollout.v1.CudaIpcTensorH\x00\x42\n\n\x08location\"M\n\rSharedWeights\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.rollout.v1.SharedTensor\x12\x11\n\tupdate_id\x18\x02 \x01(\t\"\x82\x01\n\x16JoinWeightGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0binit_method\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\x19\n\x17JoinWeightGroupResponse\"(\n\x17LeaveWeightGroupRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x1a\n\x18LeaveWeightGroupResponse\"s\n\x10\x42roadcastWeights\x12\r\n\x05group\x18\x01 \x01(\t\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rollout.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x11\n\tupdate_id\x18\x04 \x01(\t\">\n\x14ReleaseMemoryRequest\x12\x0f\n\x07weights\x18\x01 \x01(\x08\x12\x15\n\rhold_requests\x18\x02 \x01(\x08\"\x15\n\x13ResumeMemoryRequest\"u\n\x0bMemoryState\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x19\n\x11weights_offloaded\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x19\n\x11\x64\x65vice_free_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x32\x83\x07\n\x07Rollout\x12G\n\x08Generate\x12\x1b.rollout.v1.GenerateRequest\x1a\x1c.rollout.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponse\x12\x46\n\rGetServerInfo\x12\x1d.rollout.v1.ServerInfoRequest\x1a\x16.rollout.v1.ServerInfo\x12M\n\rUpdateWeights\x12\x17.rollout.v1.WeightChunk\x1a!.rollout.v1.UpdateWeightsResponse(\x01\x12S\n\x13UpdateWeightsShared\x12\x19.rollout.v1.SharedWeights\x1a!.rollout.v1.UpdateWeightsResponse\x12Z\n\x0fJoinWeightGroup\x12\".rollout.v1.JoinWeightGroupRequest\x1a#.rollout.v1.JoinWeightGroupResponse\x12]\n\x10LeaveWeightGroup\x12#.rollout.v1.LeaveWeightGroupRequest\x1a$.rollout.v1.LeaveWeightGroupResponse\x12Y\n\x16UpdateWeightsBroadcast\x12\x1c.rollout.v1.BroadcastWeights\x1a!.rollout.v1.UpdateWeightsResponse\x12J\n\rReleaseMemory\x12 .rollout.v1.ReleaseMemoryRequest\x1a\x17.rollout.v1.MemoryState\x12H\n\x0cResumeMemory\x12\x1f.rollout.v1.ResumeMemoryRequest\x1a\x17.rollout.v1.MemoryState\x12Y\n\x11GetDrafterWeights\x12!.rollout.v1.DrafterWeightsRequest\x1a\x1f.rollout.v1.DrafterWeightsChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SERVERINFO_LIMITSENTRY']._loaded_options = None
   _globals['_SERVERINFO_LIMITSENTRY']._serialized_options = b'8\001'
+  _globals['_SERVERINFO_DRAFTERSTATSENTRY']._loaded_options = None
+  _globals['_SERVERINFO_DRAFTERSTATSENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_CHATMESSAGE']._serialized_start=65
@@ -60,43 +62,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERINFOREQUEST']._serialized_start=1303
   _globals['_SERVERINFOREQUEST']._serialized_end=1322
   _globals['_SERVERINFO']._serialized_start=1325
-  _globals['_SERVERINFO']._serialized_end=1694
-  _globals['_SERVERINFO_LIMITSENTRY']._serialized_start=1649
-  _globals['_SERVERINFO_LIMITSENTRY']._serialized_end=1694
-  _globals['_TENSOR']._serialized_start=1696
-  _globals['_TENSOR']._serialized_end=1762
-  _globals['_SAFETENSORSPART']._serialized_start=1764
-  _globals['_SAFETENSORSPART']._serialized_end=1809
-  _globals['_WEIGHTCHUNK']._serialized_start=1812
-  _globals['_WEIGHTCHUNK']._serialized_end=1977
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1980
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2139
-  _globals['_TENSORMETA']._serialized_start=2141
-  _globals['_TENSORMETA']._serialized_end=2212
-  _globals['_SHAREDFILE']._serialized_start=2214
-  _globals['_SHAREDFILE']._serialized_end=2256
-  _globals['_CUDAIPCTENSOR']._serialized_start=2259
-  _globals['_CUDAIPCTENSOR']._serialized_end=2515
-  _globals['_SHAREDTENSOR']._serialized_start=2518
-  _globals['_SHAREDTENSOR']._serialized_end=2665
-  _globals['_SHAREDWEIGHTS']._serialized_start=2667
-  _globals['_SHAREDWEIGHTS']._serialized_end=2744
-  _globals['_JOINWEIGHTGROUPREQUEST']._serialized_start=2747
-  _globals['_JOINWEIGHTGROUPREQUEST']._serialized_end=2877
-  _globals['_JOINWEIGHTGROUPRESPONSE']._serialized_start=2879
-  _globals['_JOINWEIGHTGROUPRESPONSE']._serialized_end=2904
-  _globals['_LEAVEWEIGHTGROUPREQUEST']._serialized_start=2906
-  _globals['_LEAVEWEIGHTGROUPREQUEST']._serialized_end=2946
-  _globals['_LEAVEWEIGHTGROUPRESPONSE']._serialized_start=2948
-  _globals['_LEAVEWEIGHTGROUPRESPONSE']._serialized_end=2974
-  _globals['_BROADCASTWEIGHTS']._serialized_start=2976
-  _globals['_BROADCASTWEIGHTS']._serialized_end=3091
-  _globals['_RELEASEMEMORYREQUEST']._serialized_start=3093
-  _globals['_RELEASEMEMORYREQUEST']._serialized_end=3155
-  _globals['_RESUMEMEMORYREQUEST']._serialized_start=3157
-  _globals['_RESUMEMEMORYREQUEST']._serialized_end=3178
-  _globals['_MEMORYSTATE']._serialized_start=3180
-  _globals['_MEMORYSTATE']._serialized_end=3297
-  _globals['_ROLLOUT']._serialized_start=3300
-  _globals['_ROLLOUT']._serialized_end=4108
+  _globals['_SERVERINFO']._serialized_end=1812
+  _globals['_SERVERINFO_LIMITSENTRY']._serialized_start=1714
+  _globals['_SERVERINFO_LIMITSENTRY']._serialized_end=1759
+  _globals['_SERVERINFO_DRAFTERSTATSENTRY']._serialized_start=1761
+  _globals['_SERVERINFO_DRAFTERSTATSENTRY']._serialized_end=1812
+  _globals['_DRAFTERWEIGHTSREQUEST']._serialized_start=1814
+  _globals['_DRAFTERWEIGHTSREQUEST']._serialized_end=1837
+  _globals['_DRAFTERWEIGHTSCHUNK']._serialized_start=1839
+  _globals['_DRAFTERWEIGHTSCHUNK']._serialized_end=1947
+  _globals['_TENSOR']._serialized_start=1949
+  _globals['_TENSOR']._serialized_end=2015
+  _globals['_SAFETENSORSPART']._serialized_start=2017
+  _globals['_SAFETENSORSPART']._serialized_end=2062
+  _globals['_WEIGHTCHUNK']._serialized_start=2065
+  _globals['_WEIGHTCHUNK']._serialized_end=2230
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2233
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2392
+  _globals['_TENSORMETA']._serialized_start=2394
+  _globals['_TENSORMETA']._serialized_end=2465
+  _globals['_SHAREDFILE']._serialized_start=2467
+  _globals['_SHAREDFILE']._serialized_end=2509
+  _globals['_CUDAIPCTENSOR']._serialized_start=2512
+  _globals['_CUDAIPCTENSOR']._serialized_end=2768
+  _globals['_SHAREDTENSOR']._serialized_start=2771
+  _globals['_SHAREDTENSOR']._serialized_end=2918
+  _globals['_SHAREDWEIGHTS']._serialized_start=2920
+  _globals['_SHAREDWEIGHTS']._serialized_end=2997
+  _globals['_JOINWEIGHTGROUPREQUEST']._serialized_start=3000
+  _globals['_JOINWEIGHTGROUPREQUEST']._serialized_end=3130
+  _globals['_JOINWEIGHTGROUPRESPONSE']._serialized_start=3132
+  _globals['_JOINWEIGHTGROUPRESPONSE']._serialized_end=3157
+  _globals['_LEAVEWEIGHTGROUPREQUEST']._serialized_start=3159
+  _globals['_LEAVEWEIGHTGROUPREQUEST']._serialized_end=3199
+  _globals['_LEAVEWEIGHTGROUPRESPONSE']._serialized_start=3201
+  _globals['_LEAVEWEIGHTGROUPRESPONSE']._serialized_end=3227
+  _globals['_BROADCASTWEIGHTS']._serialized_start=3229
+  _globals['_BROADCASTWEIGHTS']._serialized_end=3344
+  _globals['_RELEASEMEMORYREQUEST']._serialized_start=3346
+  _globals['_RELEASEMEMORYREQUEST']._serialized_end=3408
+  _globals['_RESUMEMEMORYREQUEST']._serialized_start=3410
+  _globals['_RESUMEMEMORYREQUEST']._serialized_end=3431
+  _globals['_MEMORYSTATE']._serialized_start=3433
+  _globals['_MEMORYSTATE']._serialized_end=3550
+  _globals['_ROLLOUT']._serialized_start=3553
+  _globals['_ROLLOUT']._serialized_end=4452
 # @@protoc_insertion_point(module_scope)

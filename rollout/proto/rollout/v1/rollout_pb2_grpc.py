@@ -84,6 +84,11 @@ class RolloutStub:
                 request_serializer=rollout_dot_v1_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
                 response_deserializer=rollout_dot_v1_dot_rollout__pb2.MemoryState.FromString,
                 _registered_method=True)
+        self.GetDrafterWeights = channel.unary_stream(
+                '/rollout.v1.Rollout/GetDrafterWeights',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.DrafterWeightsRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.DrafterWeightsChunk.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -174,6 +179,15 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDrafterWeights(self, request, context):
+        """The live drafter model's weights (as loaded, as last updated, or as refreshed online by
+        --drafter-refresh) in its published checkpoint layout: config.json and one safetensors file.
+        Taken between two engine steps; FAILED_PRECONDITION when the server has no drafter model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +240,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.ResumeMemory,
                     request_deserializer=rollout_dot_v1_dot_rollout__pb2.ResumeMemoryRequest.FromString,
                     response_serializer=rollout_dot_v1_dot_rollout__pb2.MemoryState.SerializeToString,
+            ),
+            'GetDrafterWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetDrafterWeights,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.DrafterWeightsRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.DrafterWeightsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -498,6 +517,33 @@ class Rollout:
             '/rollout.v1.Rollout/ResumeMemory',
             rollout_dot_v1_dot_rollout__pb2.ResumeMemoryRequest.SerializeToString,
             rollout_dot_v1_dot_rollout__pb2.MemoryState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDrafterWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollout.v1.Rollout/GetDrafterWeights',
+            rollout_dot_v1_dot_rollout__pb2.DrafterWeightsRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.DrafterWeightsChunk.FromString,
             options,
             channel_credentials,
             insecure,
