@@ -258,3 +258,23 @@ def test_parallel_streams_must_agree_on_their_count_and_carry_an_update_id(serve
     pending.cancel()
     go_on.set()
     assert _released(server) and client.server_info()["policy_version"] == v0
+
+
+def test_a_server_that_takes_no_parallel_calls_gets_one(server, original, monkeypatch):
+    """A server that predates WeightChunk.streams (ServerInfo.max_weight_streams 0) would apply each
+    call as an update of its own: the client sends it one call. This server takes 16, and refuses
+    more, naming `streams`."""
+    import rollout.server.convert as convert
+
+    with RolloutClient(server.address, timeout=120) as fresh:
+        assert fresh.server_info()["max_weight_streams"] == 16
+        monkeypatch.setattr(convert, "MAX_WEIGHT_STREAMS", 0)
+        v0 = fresh.server_info()["policy_version"]
+        assert fresh.update_weights(original, streams=4) == v0 + 1 and len(fresh._weight_channels) == 1
+        name, tensor = "model.norm.weight", original["model.norm.weight"]
+        piece = tensor_piece(name, "float32", (64,), memoryview(tensor.view(torch.uint8).numpy()), update_id="y",
+                             streams=17)
+        with pytest.raises(grpc.RpcError) as err:
+            fresh._update_weights(iter([encode_piece(piece)]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 16 calls" in err.value.details()
+        assert fresh.server_info()["policy_version"] == v0 + 1

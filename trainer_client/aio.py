@@ -127,6 +127,9 @@ class AsyncRolloutClient(ClientBase):
         streams: int = WEIGHT_STREAMS,
     ) -> int:
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
+        if streams > 1 and self._max_weight_streams is None:
+            self._max_weight_streams = (await self.server_info(timeout=timeout))["max_weight_streams"]
+        streams = self._streams_for(streams)
         groups = weight_streams(weights, draft, draft_weights, update_id or streams_update_id(streams), streams)
         calls = [asyncio.ensure_future(call(encoded_ahead(pieces), timeout=self._deadline(timeout)))
                  for call, pieces in zip(self._weight_calls(len(groups)), groups)]  # fmt: skip

@@ -231,12 +231,21 @@ class ClientBase:
         self._channel = self._open_channel(address, options=self._options)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         self._weight_channels = [self._channel]  # more, each its own connection, for parallel weight streams
+        self._max_weight_streams: int | None = None  # the server's ServerInfo.max_weight_streams, once asked
         self.last_update: dict[str, Any] = {}  # the last UpdateWeights reply (stage and pause seconds, ...)
 
     @property
     def _update_weights(self) -> Callable:
         """The UpdateWeights callable of the client's own channel (one stream)."""
         return self._weight_calls(1)[0]
+
+    def _streams_for(self, requested: int) -> int:
+        """How many calls an update goes over: `requested`, at most what the server takes (its
+        ServerInfo.max_weight_streams, asked before the first update of more than one call); one for
+        a server that predates parallel calls, which would apply each call as an update of its own."""
+        if requested < 1:
+            raise InvalidArgument("streams", f"must be >= 1, got {requested}")
+        return 1 if requested == 1 else max(1, min(requested, self._max_weight_streams or 0))
 
     def _weight_calls(self, count: int) -> list[Callable]:
         """`count` UpdateWeights callables (taking encoded messages: trainer_client.weights.encoded_ahead),
@@ -350,6 +359,9 @@ class RolloutClient(ClientBase):
         update applied, the server withdraws it; pass the same `update_id` when retrying to make
         sure it applies once even if the reply, not the update, was lost. The bytes go over up to
         `streams` parallel calls (whole tensors or files each; one call applies nothing alone)."""
+        if streams > 1 and self._max_weight_streams is None:
+            self._max_weight_streams = self.server_info(timeout=timeout)["max_weight_streams"]
+        streams = self._streams_for(streams)
         groups = weight_streams(weights, draft, draft_weights, update_id or streams_update_id(streams), streams)
         calls = [call.future(encoded_ahead(pieces), timeout=self._deadline(timeout))
                  for call, pieces in zip(self._weight_calls(len(groups)), groups)]  # fmt: skip

@@ -24,6 +24,7 @@ from rollout.engine.weight_specs import WeightSpecs
 from rollout.errors import FailedPrecondition, InvalidArgument
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from rollout.server.broadcast_weights import BroadcastJob, BroadcastMeta, JoinGroup, LeaveGroup
+from rollout.server.convert import MAX_WEIGHT_STREAMS
 from rollout.server.logs import log_event
 from rollout.server.shared_weights import shared_job
 from rollout.server.weight_jobs import WeightsApplied
@@ -134,6 +135,9 @@ class WeightService:
         """The update `first` belongs to (opened by its first call), joined by this call."""
         if not first.update_id:
             raise InvalidArgument("update_id", f"an update sent over {first.streams} streams needs an update_id")
+        if first.streams > MAX_WEIGHT_STREAMS:
+            raise InvalidArgument("streams", f"an update may come over at most {MAX_WEIGHT_STREAMS} calls, got "
+                                             f"{first.streams}")
         parts = self._parts.get(first.update_id)
         if parts is None:
             self._take_arena()

@@ -126,7 +126,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total", "instance_id", "memory_released", "drafter_stats")
+    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total", "instance_id", "memory_released", "drafter_stats", "max_weight_streams")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class ServerInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_RELEASED_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_STATS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHT_STREAMS_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     spec_method: str
@@ -169,7 +170,8 @@ class ServerInfo(_message.Message):
     instance_id: str
     memory_released: bool
     drafter_stats: _containers.ScalarMap[str, float]
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., instance_id: _Optional[str] = ..., memory_released: _Optional[bool] = ..., drafter_stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    max_weight_streams: int
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., instance_id: _Optional[str] = ..., memory_released: _Optional[bool] = ..., drafter_stats: _Optional[_Mapping[str, float]] = ..., max_weight_streams: _Optional[int] = ...) -> None: ...
 
 class DrafterWeightsRequest(_message.Message):
     __slots__ = ()
