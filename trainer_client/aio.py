@@ -31,11 +31,9 @@ from trainer_client.client import (
     drafter_state,
     info_to_dict,
     memory_to_dict,
-    streams_update_id,
     to_table,
 )
 from trainer_client.shared import SharedUpdate
-from trainer_client.weights import encoded_ahead, weight_streams
 
 
 class AsyncBatchStream(CancellingCall):
@@ -129,10 +127,8 @@ class AsyncRolloutClient(ClientBase):
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
         if streams > 1 and self._max_weight_streams is None:
             self._max_weight_streams = (await self.server_info(timeout=timeout))["max_weight_streams"]
-        streams = self._streams_for(streams)
-        groups = weight_streams(weights, draft, draft_weights, update_id or streams_update_id(streams), streams)
-        calls = [asyncio.ensure_future(call(encoded_ahead(pieces), timeout=self._deadline(timeout)))
-                 for call, pieces in zip(self._weight_calls(len(groups)), groups)]  # fmt: skip
+        uploads = self._weight_uploads(weights, draft, draft_weights, update_id, streams)
+        calls = [asyncio.ensure_future(call(messages, timeout=self._deadline(timeout))) for call, messages in uploads]
         try:
             replies = await asyncio.gather(*calls)
         finally:

@@ -18,7 +18,7 @@ import os
 import pathlib
 import queue
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -239,13 +239,17 @@ class ClientBase:
         """The UpdateWeights callable of the client's own channel (one stream)."""
         return self._weight_calls(1)[0]
 
-    def _streams_for(self, requested: int) -> int:
-        """How many calls an update goes over: `requested`, at most what the server takes (its
-        ServerInfo.max_weight_streams, asked before the first update of more than one call); one for
-        a server that predates parallel calls, which would apply each call as an update of its own."""
-        if requested < 1:
-            raise InvalidArgument("streams", f"must be >= 1, got {requested}")
-        return 1 if requested == 1 else max(1, min(requested, self._max_weight_streams or 0))
+    def _weight_uploads(self, weights, draft: bool, draft_weights, update_id: str | None,
+                        streams: int) -> list[tuple[Callable, Iterator[bytes]]]:  # fmt: skip
+        """(UpdateWeights callable, encoded messages) of each call of an update: at most `streams`
+        calls, and at most what the server takes (its ServerInfo.max_weight_streams, which the caller
+        asks before the first update of more than one call); one for a server that predates
+        parallel calls, which would apply each call as an update of its own."""
+        if streams > 1:
+            streams = max(1, min(streams, self._max_weight_streams or 0))
+        update_id = update_id or (uuid.uuid4().hex if streams > 1 else "")  # several calls share one id
+        groups = weight_streams(weights, draft, draft_weights, update_id, streams)
+        return [(call, encoded_ahead(pieces)) for call, pieces in zip(self._weight_calls(len(groups)), groups)]
 
     def _weight_calls(self, count: int) -> list[Callable]:
         """`count` UpdateWeights callables (taking encoded messages: trainer_client.weights.encoded_ahead),
@@ -262,11 +266,6 @@ class ClientBase:
     def _reply(self, reply: pb.UpdateWeightsResponse) -> int:
         self.last_update = {f.name: getattr(reply, f.name) for f in pb.UpdateWeightsResponse.DESCRIPTOR.fields}
         return reply.policy_version
-
-
-def streams_update_id(streams: int) -> str:
-    """An update_id for an update sent over several streams without one (they must share one)."""
-    return uuid.uuid4().hex if streams > 1 else ""
 
 
 def _first_failure_or_reply(calls: list[grpc.Future]) -> pb.UpdateWeightsResponse:
@@ -361,10 +360,8 @@ class RolloutClient(ClientBase):
         `streams` parallel calls (whole tensors or files each; one call applies nothing alone)."""
         if streams > 1 and self._max_weight_streams is None:
             self._max_weight_streams = self.server_info(timeout=timeout)["max_weight_streams"]
-        streams = self._streams_for(streams)
-        groups = weight_streams(weights, draft, draft_weights, update_id or streams_update_id(streams), streams)
-        calls = [call.future(encoded_ahead(pieces), timeout=self._deadline(timeout))
-                 for call, pieces in zip(self._weight_calls(len(groups)), groups)]  # fmt: skip
+        uploads = self._weight_uploads(weights, draft, draft_weights, update_id, streams)
+        calls = [call.future(messages, timeout=self._deadline(timeout)) for call, messages in uploads]
         return self._reply(_first_failure_or_reply(calls))
 
     def update_weights_shared(
