@@ -112,7 +112,10 @@ class EngineLoop:
         """Runs fn(engine) on the engine thread; the result (or exception) comes back as a future.
         Call it on the event loop. Cancelling the future does not cancel the command."""
         fut = self._loop.create_future()
-        self._commands.put((fn, fut))
+        if self._finished.done():  # the engine thread has ended: nothing would run it
+            fut.set_exception(Unavailable("the engine loop has stopped"))
+        else:
+            self._commands.put((fn, fut))
         return fut
 
     async def add(self, call: GenerateCall, sink: Sink) -> None:
@@ -135,14 +138,12 @@ class EngineLoop:
         start = time.perf_counter()
         stage = await asyncio.to_thread(job.stage, self.engine, self.side)
         summary = WeightsApplied(0, stage.count(False), stage.count(True), time.perf_counter() - start)
-        fut = self._loop.create_future()
-        self._commands.put((lambda engine: self._update(engine, stage, job, summary, fut), None))
+        applied = self._loop.create_future()
         try:
-            stopped = asyncio.wrap_future(self._finished)
-            await asyncio.wait([fut, stopped], return_when=asyncio.FIRST_COMPLETED)
-            if not fut.done():  # queued after the loop had stopped: it never runs
-                raise Unavailable("the engine loop has stopped; the weight update was not applied")
-            return fut.result()
+            # submitted as a command (refused like any other once the loop has stopped), then awaited
+            # until it applies (failed at the stop if it has not by then)
+            await self.call(lambda engine: self._update(engine, stage, job, summary, applied))
+            return await applied
         finally:
             stage.close()  # applied, refused or withdrawn: nothing reads the stage any more
 
@@ -171,6 +172,8 @@ class EngineLoop:
             self._run()
         finally:
             self._finished.set_result(None)
+            self._refuse_late_commands()  # queued while it was ending (after this, `call` refuses them)
+            self._send_outbox()
 
     def _run(self) -> None:
         try:
