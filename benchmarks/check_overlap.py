@@ -4,10 +4,12 @@ both modes, n > 1 sharing a prompt, stop ids, min_tokens, penalties, samples tha
 an abort between steps) and every sample's tokens, finish, log-probs and masks are compared. On a
 GPU this exercises what CPU tests cannot: step n+1's kernels queued behind step n's, n's results
 copied behind n alone (an event, not a stream synchronisation), CUDA-graph replays of both.
-Prints the differences and the steps each run took; exits 1 on a difference. None are expected in
-float32 (CPU); in bfloat16 a sample may diverge late after a near tie, since a discarded slot changes
-a step's batch size and with it the kernels' rounding (as any change of batch composition does): a
-bug shows as many samples differing from their first tokens.
+Prints the differences and the steps each run took. None are expected in float32 (CPU), where any
+difference exits 1. In bfloat16 a sample may diverge late after a near tie, since a discarded slot
+changes a step's batch size and with it the kernels' rounding (as any change of batch composition
+does); so on a GPU a control run (the synchronous loop with fewer sequences per step) measures that
+noise side by side, and the check exits 1 when the overlapped run differs in more than twice as many
+samples (at least 4). A bug shows as many samples differing from their first tokens.
 
     python benchmarks/check_overlap.py --device cuda
     python benchmarks/check_overlap.py --device cpu --requests 8 --tokens 16   # checks the script
@@ -48,8 +50,8 @@ def add_workload(eng, requests: int, tokens: int) -> None:
                                                               repetition_penalty=1.3, temperature=1.0))
 
 
-def run(device: str, overlap: bool, requests: int, tokens: int) -> tuple[dict, int]:
-    eng = rollout.build_engine(EngineConfig(device=device, overlap=overlap, max_num_seqs=256))
+def run(device: str, overlap: bool, requests: int, tokens: int, max_num_seqs: int = 256) -> tuple[dict, int]:
+    eng = rollout.build_engine(EngineConfig(device=device, overlap=overlap, max_num_seqs=max_num_seqs))
     add_workload(eng, requests, tokens)
     outs, steps = [], 0
     while eng.has_unfinished():
@@ -85,7 +87,19 @@ def main() -> None:
           f"{len(found)} differing")
     for line in sorted(found)[:20]:
         print(" ", line)
-    sys.exit(1 if found else 0)
+    allowed = 0
+    if args.device != "cpu":
+        # The control: the synchronous loop again with fewer sequences per step, a change of batch
+        # composition alone. Its count of differing samples is the rounding noise of this device.
+        free_memory()
+        control, control_steps = run(args.device, False, args.requests, args.tokens, max_num_seqs=192)
+        noise = differences(control, want)
+        allowed = max(2 * len(noise), 4)
+        print(f"control (synchronous, 192 sequences per step, {control_steps} steps): {len(noise)} differing; "
+              f"the overlapped run may differ in at most {allowed}")
+        for line in sorted(noise)[:20]:
+            print(" ", line)
+    sys.exit(1 if len(found) > allowed else 0)
 
 
 if __name__ == "__main__":
