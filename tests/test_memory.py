@@ -99,11 +99,14 @@ def _recorded(engine, steps: list):
         del engine._sample
 
 
-def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tiny_random_qwen3, random_drafters):
+@pytest.mark.parametrize("spec", ["dflash", "dflash+history"])
+def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tiny_random_qwen3, random_drafters,
+                                                                               spec):
     """The dummy steps on CPU: the token budget and max_rows reached, every kind of row sampled
     (masks and a grammar bitmask included), the graph sets' static paths run; then the engine's
-    outputs equal those of an engine that was never profiled."""
-    kw = dict(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], spec_block_size=4,
+    outputs equal those of an engine that was never profiled. A combined drafter's parts (the
+    drafter model and the history drafter) are each left as they were."""
+    kw = dict(model=str(tiny_random_qwen3), spec=spec, draft=random_drafters["dflash"], spec_block_size=4,
               num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=40, max_mask_tokens=16,
               spec_adaptive=False)  # full blocks: an adaptive budget's choices follow wall time
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=5, ignore_eos=True)
@@ -127,4 +130,5 @@ def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tin
             done += engine.step()
         outs[name] = sorted((o.prompt_index, o.sample_index, o.token_ids, o.accept_lengths) for o in done)
     assert outs["profiled"] == outs["fresh"]
-    assert eng.drafter.num_proposals == fresh.drafter.num_proposals
+    for part, fresh_part in zip(eng.drafter.parts(), fresh.drafter.parts(), strict=True):
+        assert (part.num_proposals, part.num_drafted) == (fresh_part.num_proposals, fresh_part.num_drafted)

@@ -56,6 +56,11 @@ class Drafter(ABC):
     @abstractmethod
     def allocate(self, num_blocks: int, block_size: int) -> None: ...
 
+    def parts(self) -> list[Drafter]:
+        """The drafters whose state this one holds: itself, or a combined drafter's proposers (the
+        startup profile saves and restores each one's caches, graphs and counts)."""
+        return [self]
+
     def free(self) -> None:
         """Drops the KV caches and CUDA graphs (the engine's device memory is released for a trainer,
         rollout.engine.release); `allocate` and `use_graphs` build them again. Optional: a drafter

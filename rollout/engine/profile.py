@@ -227,15 +227,16 @@ _DRAFTER_STATE = ("caches", "graphs", "num_proposals", "num_drafted")
 
 def _save(engine) -> dict:
     """What the profile replaces or counts on the engine and its drafter (absent: None)."""
-    drafter = engine.drafter
+    parts = engine.drafter.parts() if engine.drafter is not None else []
     return dict(engine={k: getattr(engine, k, None) for k in _ENGINE_STATE},
-                drafter={k: getattr(drafter, k) for k in _DRAFTER_STATE if hasattr(drafter, k)},
+                drafters=[(d, {k: getattr(d, k) for k in _DRAFTER_STATE if hasattr(d, k)}) for d in parts],
                 captures=engine.capture.num_captures)
 
 
 def _restore(engine, saved: dict) -> None:
     for k, v in saved["engine"].items():
         setattr(engine, k, v)
-    for k, v in saved["drafter"].items():
-        setattr(engine.drafter, k, v)
+    for drafter, state in saved["drafters"]:
+        for k, v in state.items():
+            setattr(drafter, k, v)
     engine.capture.num_captures = saved["captures"]

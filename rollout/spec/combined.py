@@ -86,6 +86,9 @@ class CombinedDrafter(Drafter):
     def allocate(self, num_blocks: int, block_size: int) -> None:
         self.block_drafter.allocate(num_blocks, block_size)
 
+    def parts(self) -> list[Drafter]:
+        return [self.block_drafter, self.history]
+
     def free(self) -> None:
         self.block_drafter.free()
 
