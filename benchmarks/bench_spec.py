@@ -138,6 +138,8 @@ def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: st
                    draft_steps=spent["draft_steps"], draft_seconds=spent["draft_seconds"],
                    eager_draft_steps=spent["eager_draft_steps"], eager_draft_seconds=spent["eager_draft_seconds"],
                    eager_proposals=_eager_proposals(engine) - proposals_before)
+        summary = budget.summary()  # (resets the budget's totals: read above)
+        row.update(acceptance=summary["acceptance"], cost=summary["cost"])
     return row
 
 
