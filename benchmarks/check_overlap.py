@@ -21,8 +21,9 @@ import argparse
 import random
 import sys
 
-import rollout
 from common import free_memory
+
+import rollout
 from rollout.engine.config import EngineConfig
 from rollout.engine.params import SamplingParams
 

@@ -120,9 +120,11 @@ def test_graphed_steps_are_priced_at_their_graphs_padded_tokens():
     assert cost.seconds(200, 200 * 8, True) == pytest.approx(graph.at(256, 256 * 8))  # uniform: bucket x q
     assert cost.seconds(256, 271, True) == pytest.approx(graph.at(256, 320))  # ragged: 256 x 1.25
     assert cost.seconds(256, 271, False) == pytest.approx(cost.eager.at(256, 271))
+    # the same tokens as 15 drafts of 15 rows: the plain step plus the extra tokens and the drafter (bucket 16)
+    assert cost.seconds(256, 256, True, 15, 15) == pytest.approx(graph.at(256, 320) + cost.drafter.at(16))
     counts = np.arange(1, 200)  # [N] drafters
     np.testing.assert_allclose(cost.ragged_seconds(256, 256, counts, True),
-                               [cost.seconds(256, 256 + n, True, d) for n, d in zip(counts, counts)])
+                               [cost.seconds(256, 256, True, d, n) for n, d in zip(counts, counts)])
     assert cost.seconds(256, 256, True, 20) - cost.seconds(256, 256, True) == pytest.approx(31e-3)  # bucket 32
     no_graphs = StepCost(cost.eager, None, cost.drafter, learn=False)
     assert no_graphs.seconds(256, 256, False, 20) - no_graphs.seconds(256, 256, False) == pytest.approx(19e-3)
@@ -211,7 +213,7 @@ def test_probes_stay_within_their_share():
         s.num_computed_tokens = s.num_tokens - 1
     budget.acceptance.observe(seqs, np.full(8, K), np.zeros(8, dtype=np.int64))
     plain = float(cost.seconds(8, 8, False, 0))
-    extra = float(cost.seconds(8, 8 + 8 * K, False, 8)) - plain
+    extra = float(cost.seconds(8, 8, False, 8, 8 * K)) - plain
     probes = sum(sum(budget.caps(seqs, False, 2048).values()) > 0 for _ in range(2000))
     expected = 2000 * PROBE_SHARE * plain / extra
     assert budget.totals["probes"] == probes and 0.8 * expected <= probes <= expected + 1
@@ -283,20 +285,48 @@ def test_tables_interpolate_and_extrapolate():
     assert target.at(32, 32) == pytest.approx(2.0 + 16 / 15)  # rows extrapolated
     cost = StepCost(target, drafter=Curve((1, 4), (0.5, 1.0)), learn=False)
     np.testing.assert_allclose(cost.ragged_seconds(4, 4, np.array([1, 2, 4])),
-                               [cost.seconds(4, 4 + n, False, rows) for n, rows in ((1, 1), (2, 2), (3, 4))])
+                               [cost.seconds(4, 4, False, rows, n) for n, rows in ((1, 1), (2, 2), (3, 4))])
 
 
 def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():
-    learned, frozen = cost_table(1.0, 0.1), cost_table(1.0, 0.1)
+    learned, frozen = cost_table(1.0, 0.1, drafter_ms=0.5), cost_table(1.0, 0.1, drafter_ms=0.5)
     learned.learn = True
-    for _ in range(60):  # verify steps take 3x the curve's prediction (say, sampling on many rows)
-        truth = 3 * float(frozen.seconds(32, 256, False, 32))
-        learned.observe(32, 256, False, 32, truth)
-        frozen.observe(32, 256, False, 32, truth)
-    assert learned.seconds(32, 256, False, 32) == pytest.approx(truth, rel=0.02)
-    assert learned.seconds(64, 512, False, 64) > 2.5 * frozen.seconds(64, 512, False, 64)  # carried to other rows
-    assert learned.seconds(32, 32, False, 0) == pytest.approx(frozen.seconds(32, 32, False, 0))  # decode untouched
-    assert frozen.seconds(32, 256, False, 32) == pytest.approx(truth / 3)
+    plain = frozen.seconds(32, 32)
+    extra = frozen.seconds(32, 32, False, 32, 224) - plain
+    truth = plain + 3 * extra  # drafting adds 3x what the tables say (say, sampling on many rows)
+    for _ in range(60):
+        learned.observe(32, 32, False, 32, 224, truth)
+        frozen.observe(32, 32, False, 32, 224, truth)
+    assert learned.seconds(32, 32, False, 32, 224) == pytest.approx(truth, rel=0.02)
+    carried = learned.seconds(64, 64, False, 64, 448) - learned.seconds(64, 64)  # to other rows
+    assert carried > 2.5 * (frozen.seconds(64, 64, False, 64, 448) - frozen.seconds(64, 64))
+    assert learned.seconds(32, 32) == pytest.approx(plain)  # plain steps untouched
+    assert frozen.seconds(32, 32, False, 32, 224) == pytest.approx(plain + extra)
+    for _ in range(60):  # plain steps take 2x the tables' prediction: the drafting steps' plain part too
+        learned.observe(32, 32, False, 0, 0, 2 * plain)
+    assert learned.seconds(32, 32) == pytest.approx(2 * plain, rel=0.02)
+    assert learned.seconds(32, 32, False, 32, 224) == pytest.approx(2 * plain + 3 * extra, rel=0.02)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_drafting_is_never_priced_below_the_plain_step_whatever_was_learned(graphed):
+    """Plain steps take 1.5x the tables' time, drafting steps of 64 drafting rows take what the tables
+    say for them: a step drafting a few tokens costs at least the plain step, and an untrained drafter
+    (acceptance ~0.003) gets no drafts. (With one correction per kind of step, a 1-slot step was priced
+    at the drafting correction, below the plain one: such steps were chosen nearly every step.)"""
+    cost = cost_table(decode_ms=13.0, token_ms=0.01, drafter_ms=1.0, graph=graphed)
+    cost.learn = True
+    tables = cost_table(decode_ms=13.0, token_ms=0.01, drafter_ms=1.0, graph=graphed)
+    for _ in range(40):
+        cost.observe(256, 256, graphed, 0, 0, 1.5 * tables.seconds(256, 256, graphed))
+        cost.observe(256, 256, graphed, 64, 64 * K, tables.seconds(256, 256, graphed, 64, 64 * K))
+    plain = cost.seconds(256, 256, graphed)
+    assert plain == pytest.approx(1.5 * tables.seconds(256, 256, graphed), rel=0.02)
+    for rows, drafts in ((1, 1), (4, 4), (64, 64 * K)):
+        assert cost.seconds(256, 256, graphed, rows, drafts) > plain
+    assert (cost.ragged_seconds(256, 256, np.arange(1, 65), graphed) > plain).all()
+    budget = choose_drafts(np.full((256, K), 0.003), np.full(256, K), cost, 256, 256, 10_000, graphs=graphed)[0]
+    assert budget.k == 0 or not budget.drafts.any(), budget
 
 
 # -- start-up -------------------------------------------------------------------------------------------
@@ -358,7 +388,7 @@ def test_a_choice_of_an_untimed_kind_of_step_serves_one_step():
         caps = budget.caps(seqs, False, 4096)
         step = _step(seqs, caps)
         drafts, rows = sum(step.rows.num_draft), sum(1 for k in step.rows.num_draft if k)
-        seconds = tables.seconds(8, 8 + drafts, False, rows) * (10 if drafts else 1)
+        seconds = tables.seconds(8, 8, False, rows, drafts) * (10 if drafts else 1)
         budget.record(step, [min(k, 1) for k in step.rows.num_draft], seconds, False)
         chosen.append(drafts)
     assert chosen[0] > 0 and not any(chosen[1:]), chosen

@@ -157,7 +157,7 @@ def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int
     fitting = []
     for k in uniform_sizes(acc.shape[1]):
         drafts = np.minimum(limits, k)
-        seconds = cost.seconds(rows, base_tokens + int(drafts.sum()), graphs, drafting if k else 0)
+        seconds = cost.seconds(rows, base_tokens, graphs, drafting if k else 0, int(drafts.sum()))
         full = Budget(drafts, float(committed[k]), seconds, k)
         if int(drafts.sum()) <= room:
             fitting.append(full)
@@ -318,8 +318,9 @@ class SpecBudget:
         CUDA graph. Kept until the next full choice learns from it."""
         rows = step.rows
         drafting = len(rows.num_draft) - rows.num_draft.count(0)
-        tokens = step.tokens.meta.slot_mapping.shape[0]
-        self._timings.append((len(step.tokens.items), tokens, graphed, drafting, seconds))
+        drafts = sum(rows.num_draft)
+        tokens = step.tokens.meta.slot_mapping.shape[0] - drafts  # [T] besides drafts
+        self._timings.append((len(step.tokens.items), tokens, graphed, drafting, drafts, seconds))
         if drafting:  # (bench_spec: the time steps with drafts took, and those whose target ran eagerly)
             self.totals["draft_steps"] += 1
             self.totals["draft_seconds"] += seconds

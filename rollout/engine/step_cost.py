@@ -18,6 +18,13 @@ The model: measured tables times a learned correction.
   out (the policy, verification, sampling, host work, longer contexts) learned where the engine
   actually runs, and carried to shapes it has not run yet through the tables' shape. `learn=False`
   freezes it.
+* A drafting step is priced as the plain step of the same rows and tokens plus what drafting adds
+  (the target's extra tokens, the drafter's forward), each with its own correction; a drafting
+  step's correction learns from the time it took beyond the plain step's prediction. So drafting
+  never looks cheaper than not drafting. (With one correction for a whole drafting step, learned
+  on steps of one size, a step of a few drafts was priced below the plain step whenever the plain
+  correction was the larger: on the H200 at 8B batch 256 an untrained drafter was then verified in
+  nearly every step, 0.37 of no speculation.)
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from rollout.engine.graphs import BATCH_BUCKETS, bucket, padded_shape, token_mar
 PROFILE_ROWS = (1, 4, 16, 64, 256)  # target and drafter forward points
 PROFILE_CONTEXT = 256
 LEARN_RATE = 0.1  # the correction's EMA weight of a new step (its n-th: max(1 / n, LEARN_RATE))
-MAX_STEP_RATIO = 3.0  # a step counts as at most this factor off the correction (a capture is slow once)
+MAX_STEP_RATIO = 3.0  # a step counts as at most this factor off the prediction (a capture is slow once)
 
 
 class Curve:
@@ -107,15 +114,19 @@ class StepCost:
         self.log_correction: dict[tuple, float] = {}  # (graphed, drafts) and (graphed, drafts, rows bucket)
         self.observed: dict[tuple, int] = {}  # steps seen, by the same keys
 
-    def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0) -> float:
-        """rows: the step's sequences; tokens: what the target computes, before any graph padding;
-        graphed: it replays a CUDA graph; draft_rows: how many rows draft (0: the drafter does not run)."""
+    def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0, drafts: int = 0) -> float:
+        """rows: the step's sequences; tokens: what the target computes besides drafts (decode anchors,
+        prefill chunks), before any graph padding; graphed: it replays a CUDA graph; draft_rows: how
+        many rows draft (0: the drafter does not run), verifying `drafts` draft tokens in all."""
         graphed = graphed and self.graph is not None
-        return self._model(rows, tokens, graphed, draft_rows) * self._scale(rows, graphed, draft_rows > 0)
+        plain = self._target(rows, tokens, graphed) * self._scale(rows, graphed, False)
+        if not draft_rows:
+            return plain
+        return plain + self._drafting(rows, tokens, graphed, draft_rows, drafts) * self._scale(rows, graphed, True)
 
     def ragged_seconds(self, rows: int, tokens: int, draft_rows: np.ndarray, graphed: bool = False) -> np.ndarray:
-        """[N] seconds of ragged steps of `rows` rows with tokens + n tokens (n = 1..N), draft_rows [N] of
-        them drafting (> 0); graphed: they replay CUDA graphs (their tokens padded as padded_shape pads)."""
+        """[N] seconds of ragged steps of `rows` rows with tokens + n tokens (n = 1..N drafts), draft_rows [N]
+        of them drafting (> 0); graphed: they replay CUDA graphs (their tokens padded as padded_shape pads)."""
         graphed = graphed and self.graph is not None
         counts, batch = tokens + np.arange(1, len(draft_rows) + 1), rows  # [N]
         if graphed:
@@ -123,39 +134,55 @@ class StepCost:
             marks = token_marks(batch, self.graph.q)  # [M]
             counts = marks[np.minimum(np.searchsorted(marks, counts), len(marks) - 1)]  # [N] padded
         d, per_token = (self.graph if graphed else self.eager).line(batch)
-        target = d + per_token * (counts - batch)
-        return (target + self._drafter(draft_rows)) * self._scale(rows, graphed, True)
+        plain = self._target(rows, tokens, graphed)
+        extra = np.maximum(d + per_token * (counts - batch) - plain, 0.0) + self._drafter(draft_rows)  # [N]
+        return plain * self._scale(rows, graphed, False) + extra * self._scale(rows, graphed, True)
 
-    def observe(self, rows: int, tokens: int, graphed: bool, draft_rows: int, seconds: float) -> None:
-        """A step of this shape took `seconds` (wall time): the corrections of its kind (graphed,
-        drafting) and of its kind and rows bucket, EMAs of log(seconds / tables' prediction) over the
-        steps of that key (a running mean for the first 1 / LEARN_RATE), move towards it; a step off by
-        more than MAX_STEP_RATIO counts as that much (one that built a graph or a kernel is slow once)."""
+    def observe(self, rows: int, tokens: int, graphed: bool, draft_rows: int, drafts: int, seconds: float) -> None:
+        """A step of this shape (as `seconds` takes it) took `seconds` (wall time), counted as at most
+        MAX_STEP_RATIO off the current prediction (one that built a graph or a kernel is slow once). A
+        plain step moves the plain correction of its kind (graphed or not) and rows bucket towards
+        seconds / the tables' prediction; a drafting step moves the drafting correction towards the
+        time it took beyond the plain step's prediction / what the tables say drafting adds (at least
+        1 / MAX_STEP_RATIO of that). Each an EMA of the log ratio over the steps of its key (a running
+        mean for the first 1 / LEARN_RATE)."""
         graphed = graphed and self.graph is not None
-        model = self._model(rows, tokens, graphed, draft_rows)
-        if not self.learn or seconds <= 0 or model <= 0:
+        if not self.learn or seconds <= 0:
             return
-        kind = (graphed, draft_rows > 0)
-        ratio, bound = math.log(seconds / model), math.log(MAX_STEP_RATIO)
+        plain = self._target(rows, tokens, graphed)
+        predicted = self.seconds(rows, tokens, graphed, draft_rows, drafts)
+        seconds = min(max(seconds, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
+        if draft_rows:
+            model = self._drafting(rows, tokens, graphed, draft_rows, drafts)
+            seconds = max(seconds - plain * self._scale(rows, graphed, False), model / MAX_STEP_RATIO)
+        else:
+            model = plain
+        if model <= 0:
+            return
+        kind, ratio = (graphed, draft_rows > 0), math.log(seconds / model)
         for key in ((*kind, rows_bucket(rows)), kind):  # the bucket's starts from its kind's
             now = self.log_correction.get(key, self.log_correction.get(kind, 0.0))
             n = self.observed[key] = self.observed.get(key, 0) + 1
-            self.log_correction[key] = now + max(1 / n, LEARN_RATE) * max(-bound, min(bound, ratio - now))
+            self.log_correction[key] = now + max(1 / n, LEARN_RATE) * (ratio - now)
 
     def timed(self, rows: int, graphed: bool, drafting: bool) -> bool:
         """Whether a step of this kind and rows bucket has been observed (a frozen model: always)."""
         graphed = graphed and self.graph is not None
         return not self.learn or (graphed, drafting, rows_bucket(rows)) in self.observed
 
-    def _model(self, rows: int, tokens: int, graphed: bool, draft_rows: int) -> float:
-        """The tables' seconds, uncorrected."""
+    def _target(self, rows: int, tokens: int, graphed: bool) -> float:
+        """The tables' seconds of the target step, uncorrected."""
         if graphed and tokens <= rows * self.graph.q:  # its graph's padded tokens (padding rows: by their tokens)
             q = tokens // rows if tokens % rows == 0 else self.graph.q
             padded = (padded_shape(rows, tokens, q, BATCH_BUCKETS) or (rows, tokens))[1]
-            target = self.graph.at(bucket(rows, BATCH_BUCKETS) or rows, padded)
-        else:
-            target = self.eager.at(rows, tokens)
-        return target + (float(self._drafter(np.asarray([draft_rows]))[0]) if draft_rows > 0 else 0.0)
+            return self.graph.at(bucket(rows, BATCH_BUCKETS) or rows, padded)
+        return self.eager.at(rows, tokens)
+
+    def _drafting(self, rows: int, tokens: int, graphed: bool, draft_rows: int, drafts: int) -> float:
+        """The tables' seconds that drafting adds to the plain step (never negative): the target's
+        extra tokens, the drafter's forward."""
+        extra = max(self._target(rows, tokens + drafts, graphed) - self._target(rows, tokens, graphed), 0.0)
+        return extra + float(self._drafter(np.asarray([draft_rows]))[0])
 
     def _drafter(self, draft_rows: np.ndarray) -> np.ndarray:
         """[N] seconds of the drafter's forward over draft_rows [N] rows: over their batch bucket's with
