@@ -19,7 +19,7 @@ import pytest
 import torch
 from spec_helpers import cost_table, linear_target
 
-from rollout.engine import spec_budget
+from rollout.engine import spec_budget, step_cost
 from rollout.engine.params import SamplingParams
 from rollout.engine.sequence import SeqStatus, Sequence
 from rollout.engine.spec_budget import (
@@ -392,3 +392,21 @@ def test_a_choice_of_an_untimed_kind_of_step_serves_one_step():
         budget.record(step, [min(k, 1) for k in step.rows.num_draft], seconds, False)
         chosen.append(drafts)
     assert chosen[0] > 0 and not any(chosen[1:]), chosen
+
+
+def test_a_profile_cut_short_still_measures_the_fewest_and_the_most_rows():
+    """With no time for more than two row counts, the profile times 1 and max_rows (256), so batch
+    256 is interpolated, not extrapolated from the slope between small batches; its tables are in
+    increasing rows."""
+    timed = []
+
+    def forward(ids, meta):
+        timed.append(int(meta.cu_seqlens_q.numel()) - 1)
+        return torch.zeros(ids.numel(), 4), None
+
+    cost = step_cost.profile_step_cost(forward, lambda h: h, None, None, q=4, scratch_block=0, block_size=16,
+                                       device=torch.device("cpu"), max_rows=256, max_tokens=4096, max_seconds=0.0)
+    assert cost.eager.decode.xs == [1.0, 256.0] and sorted(set(timed)) == [1, 256]
+    full = step_cost.profile_step_cost(forward, lambda h: h, None, None, q=4, scratch_block=0, block_size=16,
+                                       device=torch.device("cpu"), max_rows=256, max_tokens=4096, max_seconds=60.0)
+    assert full.eager.decode.xs == [1.0, 4.0, 16.0, 64.0, 256.0]

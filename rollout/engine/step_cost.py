@@ -222,10 +222,13 @@ def profile_step_cost(forward: Callable, logits: Callable, graphs, draft_forward
     `max_tokens`), eagerly and (with `graphs`, the engine's StepGraphs) replayed as graphs; and
     `draft_forward(rows)` (a thunk of the drafter's block forward over that many rows; it or the thunk
     None: no drafter cost). Every token reads and writes the scratch block only. Past `max_seconds` no more
-    row counts are added (two at least)."""
+    row counts are added (two at least). The fewest and the most rows come first, so that a profile cut
+    short interpolates the rows between them rather than extrapolating past its last point (on the H200
+    the 8B's 3 s ended after 16 rows, and batch 256 was priced from the slope between 4 and 16)."""
     deadline = time.perf_counter() + max_seconds
     points = {"eager": [], "graph": [], "drafter": []}
-    for rows in [r for r in PROFILE_ROWS if r <= max_rows and r * q <= max_tokens] or [1]:
+    counts = [r for r in PROFILE_ROWS if r <= max_rows and r * q <= max_tokens] or [1]
+    for rows in [counts[0], *counts[1:][-1:], *counts[1:-1]]:  # first, last, then between
         if time.perf_counter() > deadline and len(points["eager"]) >= 2:
             break
         eager, graph = [rows], [rows]
@@ -240,6 +243,7 @@ def profile_step_cost(forward: Callable, logits: Callable, graphs, draft_forward
         thunk = draft_forward(rows) if draft_forward is not None else None
         if thunk is not None:
             points["drafter"].append((rows, _time(thunk, device)))
+    points = {k: sorted(v) for k, v in points.items()}  # by rows
     tables = {k: TargetCost(*zip(*v), q) if v else None for k, v in points.items() if k != "drafter"}
     drafter = Curve(*zip(*points["drafter"])) if points["drafter"] else ZERO
     return StepCost(tables["eager"], tables["graph"], drafter)
