@@ -145,8 +145,8 @@ def run_sort(step: Step, logits: torch.Tensor):
 
 def top_p_paths(step: Step) -> dict:
     """Median support of the top-p rows and the share settled by the first candidates / the sort."""
-    reads, real = [], top_p_mod._short_rows
-    top_p_mod._short_rows = lambda reached: reads.append(real(reached)) or reads[-1]
+    reads, real = [], top_p_mod._short_rows  # (short, next stage) per stage that read
+    top_p_mod._short_rows = lambda reached, reachable: reads.append(real(reached, reachable)) or reads[-1]
     try:
         pol = policy(step.logits.clone(), step.rows, overwrite=True)
     finally:
@@ -155,10 +155,10 @@ def top_p_paths(step: Step) -> dict:
     if pol.cand_logp is not None:
         cand = torch.isfinite(pol.cand_logp).sum(dim=1)
         sizes = cand if sizes is None else torch.where(pol.in_cand, cand, sizes)
-    rows = len(reads[0]) if reads else 1
-    sorted_rows = int(reads[-1].sum()) if len(reads) == len(top_p_mod.STAGE_WIDTHS) else 0  # short at the last
+    rows = len(reads[0][0]) if reads else 1
+    sorted_rows = sum(int((short & ~later).sum()) for short, later in reads)  # short, not worth the next stage
     return {"support_median": int(sizes.float().median()),
-            "cand_share": 1.0 - float(reads[0].sum()) / rows if reads else 1.0, "sort_share": sorted_rows / rows}
+            "cand_share": 1.0 - float(reads[0][0].sum()) / rows if reads else 1.0, "sort_share": sorted_rows / rows}
 
 
 def run_old(step: Step, logits: torch.Tensor):

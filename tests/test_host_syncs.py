@@ -25,8 +25,9 @@ exceptions, counted exactly:
   built on the host; cutting is what saves the target's compute, so padding to the full block
   instead would undo the feature.
 * top-p rows without top-k: `rollout.engine.top_p._short_rows` reads which rows' candidates fall
-  short of top_p, once per candidate stage that runs (the first in every step with such rows, the
-  next only when some rows were short), so that only those rows take more candidates or the sort
+  short of top_p (and which may reach at the next width), once per candidate stage that runs (the
+  first in every step with such rows, the next only when some rows were short and may reach there),
+  so that only those rows take more candidates or the sort
   (rollout/engine/top_p.py says why a sync-free fallback would cost every step the worst row's
   price). The stage widths are set small here, below the tiny vocabulary, so that the reads happen.
 
@@ -99,9 +100,9 @@ class _Watched:
         real_to_host, real_build = engine_mod._to_host, engine_mod.build_step
         real_short = top_p_mod._short_rows
 
-        def short_rows(reached):
+        def short_rows(reached, reachable):
             self.top_p_reads[-1] += 1
-            return real_short(reached)
+            return real_short(reached, reachable)
 
         def to_host(copy, masks):
             self.syncs += copy is not None
