@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import statistics
 import tempfile
@@ -79,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sampling", nargs="+", default=list(SAMPLING), choices=list(SAMPLING))
     p.add_argument("--specs", nargs="+", default=["none", "dflash"], choices=["none", "dflash"])
     p.add_argument("--mask", default=None, choices=("selected", "support"), help="every request asks for masks")
+    p.add_argument("--overlap", nargs="+", default=["on"], choices=("on", "off"),
+                   help="overlapped scheduling (rollout.engine.overlap), each mode an engine of its own")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (longer: larger block tables)")
     p.add_argument("--block", type=int, default=8, help="drafter block size")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per case")
@@ -171,7 +174,8 @@ def random_dirs(root: Path, block: int, shape: dict, device: str) -> tuple[str, 
     return str(model), str(draft)
 
 
-def build_engine(spec: str, dirs: tuple[str, str] | None, args: argparse.Namespace, max_tokens: int) -> LLMEngine:
+def build_engine(spec: str, dirs: tuple[str, str] | None, args: argparse.Namespace, max_tokens: int,
+                 overlap: bool) -> LLMEngine:
     batch = max(args.batches)
     per_seq = -(-(args.prompt_len + max_tokens + 2 * args.block) // KV_BLOCK) + 1
     model, draft = dirs if dirs else (None, None)
@@ -180,6 +184,7 @@ def build_engine(spec: str, dirs: tuple[str, str] | None, args: argparse.Namespa
         draft=draft if spec != "none" else None, spec_block_size=args.block if spec != "none" else None,
         device=args.device, block_size=KV_BLOCK, num_kv_blocks=batch * per_seq + 8, max_num_seqs=batch,
         max_num_batched_tokens=max(2048, min(batch * args.prompt_len, 16384)), enable_prefix_caching=False,
+        overlap=overlap,
     ))  # fmt: skip
 
 
@@ -242,24 +247,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shape = TINY if args.shape == "tiny" else SHAPES[args.shape]
         dirs = None if args.embedded else random_dirs(Path(tmp), args.block, shape, args.device)
-        for spec in args.specs:
-            engine = build_engine(spec, dirs, args, max_tokens)
+        for spec, overlap in itertools.product(args.specs, args.overlap):
+            engine = build_engine(spec, dirs, args, max_tokens, overlap == "on")
             for mode in args.sampling:
                 for batch in args.batches:
-                    row = dict(spec=spec, sampling=mode, batch=batch)
-                    row.update(measure(engine, batch, SAMPLING[mode], f"{spec}-{mode}-{batch}", args, max_tokens,
-                                       profile))
+                    row = dict(spec=spec, overlap=overlap, sampling=mode, batch=batch)
+                    row.update(measure(engine, batch, SAMPLING[mode], f"{spec}-{overlap}-{mode}-{batch}", args,
+                                       max_tokens, profile))
                     result["rows"].append(row)
                     write_json(args.out, result)
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    columns = ["spec", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other", "tokens_per_step",
-               "finish_ms"]
+    columns = ["spec", "overlap", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other",
+               "tokens_per_step", "finish_ms"]
     print_table(f"ms per decode step by phase ({args.device}, one thread, {args.clock} clock, "
                 f"{'embedded tiny-qwen3' if args.embedded else f'{args.shape} random Qwen3'}, masks {args.mask})",
                 result["rows"], columns)
     print_table("aten ops dispatched per decode step by phase (one step counted)",
-                [dict(spec=r["spec"], sampling=r["sampling"], batch=r["batch"], **r["ops"]) for r in result["rows"]],
-                ["spec", "sampling", "batch", "step", *(name for name, _, _ in PHASES), "other"])
+                [dict(spec=r["spec"], overlap=r["overlap"], sampling=r["sampling"], batch=r["batch"], **r["ops"])
+                 for r in result["rows"]],
+                ["spec", "overlap", "sampling", "batch", "step", *(name for name, _, _ in PHASES), "other"])
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(40)
     print(f"wrote {args.out}")
