@@ -289,7 +289,7 @@ class LLMEngine:
             overlap.fill_pending(step, drafts.num_per_item, prev, self.device)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
-        return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result))
+        return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result), self._graphed)
 
     def _launch_after(self, current: Launched) -> Launched | None:
         """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap)."""
@@ -313,7 +313,7 @@ class LLMEngine:
         if host is not None and self.drafter is not None:
             self.drafter.verified(plan, drafts, accepted)
         if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
-            self.spec_budget.record(step, host and host.num_accepted, time.perf_counter() - start, self._graphed)
+            self.spec_budget.record(step, host and host.num_accepted, time.perf_counter() - start, current.graphed)
         return outputs
 
     def _apply_weights(self) -> None:

@@ -87,6 +87,7 @@ class Launched:
     captured: object  # the capture's Captured, None without mask entries
     masks: np.ndarray | None  # the host array its mask copy lands in (MaskCapture.to_host)
     copy: StepCopy | None  # its results' copy to the host, started at launch; None without entries
+    graphed: bool  # its target forward replayed a CUDA graph (the draft budget's cost model reads it)
     advanced: bool = False  # `advance` ran: its sync only commits
 
 
