@@ -126,3 +126,21 @@ def test_earlier_versions_are_dropped_unless_kept():
     assert kept.prompts.get(key).seeds == {1, 2}
     dropped.add(key, seed=3, tokens=[6], version=1)
     assert dropped.prompts.get(key).seeds == {3}
+
+
+def test_a_copy_shares_unwritten_states_and_never_changes_its_original():
+    rng = random.Random(1)
+    samples = [[rng.randrange(6) for _ in range(rng.randrange(5, 40))] for _ in range(10)]
+    original = _automaton(*samples[:6])
+    frozen = (list(map(dict, original.next)), original.link.copy(), original.count.copy())
+    copy = original.copy()
+    for s in samples[6:]:
+        copy.add_sample(s)
+    assert (list(map(dict, original.next)), original.link, original.count) == frozen  # the snapshot held
+    fresh = _automaton(*samples)
+    assert (copy.next, copy.link, copy.length, copy.count) == (fresh.next, fresh.link, fresh.length, fresh.count)
+    shared = sum(a is b for a, b in zip(original.next, copy.next))
+    assert 0 < shared < original.num_states  # only the states the new samples wrote were copied
+    twice = copy.copy()
+    twice.add_sample([0, 1, 2])
+    assert copy.next == fresh.next and copy.count == fresh.count  # a copy of a copy leaves the copy alone

@@ -131,7 +131,8 @@ class CombinedDrafter(Drafter):
         found = [self.history.draft(items[i].seq, items[i].num_draft) for i in rows]
         chosen = self._history_wins([items[i] for i in rows], found) if any(t for t, _ in found) else ()
         won = {rows[j]: found[j][0] for j in np.flatnonzero(chosen).tolist()}  # item -> the history's drafts
-        model_items = [dataclasses.replace(it, num_draft=0) if i in won else it for i, it in enumerate(items)]
+        model_items = [dataclasses.replace(it, num_draft=0) if i in won else it for i, it in enumerate(items)] \
+            if won else items
         own = self.block_drafter.propose(model_items, block_table) if len(won) < len(rows) or not rows else None
         if own is None:
             self.block_drafter.begin_step(items)
@@ -184,8 +185,9 @@ class CombinedDrafter(Drafter):
         """Each proposer's estimates learn from the drafts it proposed; the model's refresh from the
         committed tokens."""
         self.block_drafter.verified(items, drafts, accepted)
+        drafted = np.flatnonzero(drafts.num_per_item).tolist()  # the items that verified drafts
         for name, estimates in self.acceptance.items():
-            mine = [i for i, k in enumerate(drafts.num_per_item) if k and drafts.proposers[i] == name]
+            mine = [i for i in drafted if drafts.proposers[i] == name]
             if mine:
                 estimates.observe([items[i].seq for i in mine],
                                   np.asarray([drafts.num_per_item[i] for i in mine], dtype=np.int64),

@@ -11,6 +11,10 @@ one end position to each state on the new state's suffix-link chain (a clone sta
 original's count). A continuation walks transitions from the matched state, at each position
 the most counted one (ties: the lowest token id), with count(next) / count(here), the fraction
 of the stored occurrences that continue that way, as its confidence.
+
+Copies share their states' transition dicts (`copy`): a state's dict is copied the first time the
+copy writes it (`owned`), so storing a sample in a copy costs the states that sample changes, not a
+copy of every state's transitions, and the original never changes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class SuffixAutomaton:
         self.link: list[int] = [-1]  # suffix link (root: -1)
         self.length: list[int] = [0]  # longest string of each state
         self.count: list[int] = [0]  # end positions of each state's strings
+        self.owned = bytearray(b"\x01")  # per state: its `next` dict is this automaton's own (see copy)
         self.text_length = 0  # tokens appended, START and separators included
         self.num_samples = 0
         self._last = 0
@@ -45,10 +50,12 @@ class SuffixAutomaton:
         self._append(START - self.num_samples)
 
     def copy(self) -> SuffixAutomaton:
-        """An independent copy (the history store's copy-on-write: a published automaton is never
-        changed again)."""
+        """A copy that changes independently of this one (the history store's copy-on-write: a
+        published automaton is never changed again). Both share every state's transitions until
+        either writes them (module docstring)."""
         other = SuffixAutomaton.__new__(SuffixAutomaton)
-        other.next = [d.copy() for d in self.next]
+        other.next, other.owned = self.next.copy(), bytearray(len(self.next))
+        self.owned = bytearray(len(self.next))
         other.link, other.length, other.count = self.link.copy(), self.length.copy(), self.count.copy()
         other.text_length, other.num_samples, other._last = self.text_length, self.num_samples, self._last
         return other
@@ -89,6 +96,7 @@ class SuffixAutomaton:
 
     def _new_state(self, length: int, count: int, transitions: dict[int, int]) -> int:
         self.next.append(transitions)
+        self.owned.append(1)
         self.link.append(-1)
         self.length.append(length)
         self.count.append(count)
@@ -97,10 +105,12 @@ class SuffixAutomaton:
     def _append(self, token: int) -> None:
         """The online construction's extension by one token, then its new end position counted
         (the hot loop of storing a sample: the lists are bound to locals)."""
-        nxt, link, length, count = self.next, self.link, self.length, self.count
+        nxt, link, length, count, owned = self.next, self.link, self.length, self.count, self.owned
         cur = self._new_state(length[self._last] + 1, 0, {})
         p = self._last
         while p != -1 and token not in nxt[p]:
+            if not owned[p]:
+                nxt[p], owned[p] = dict(nxt[p]), 1
             nxt[p][token] = cur
             p = link[p]
         if p == -1:
@@ -113,6 +123,8 @@ class SuffixAutomaton:
                 clone = self._new_state(length[p] + 1, count[q], dict(nxt[q]))
                 link[clone] = link[q]
                 while p != -1 and nxt[p].get(token) == q:
+                    if not owned[p]:
+                        nxt[p], owned[p] = dict(nxt[p]), 1
                     nxt[p][token] = clone
                     p = link[p]
                 link[q] = link[cur] = clone
