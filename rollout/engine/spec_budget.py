@@ -242,14 +242,15 @@ class SpecBudget:
     def caps(self, running: list[Sequence], admits: bool, token_budget: int) -> dict[Sequence, int]:
         """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
         may be admitted (their prefill makes the step eager); token_budget: the step's token budget."""
-        decode, limits, prefill = [], [], 0
-        for seq in running:
-            behind = seq.num_tokens - seq.num_computed_tokens
+        decode, limits, prefill, num_spec = [], [], 0, self.num_spec
+        for seq in running:  # (Sequence's num_tokens and remaining_tokens, inlined: every step, every sample)
+            output = len(seq.output_token_ids) + (seq.pending_entry >= 0)
+            behind = len(seq.prompt_token_ids) + output - seq.num_computed_tokens
             if behind > 1:
                 prefill += behind
             else:
                 decode.append(seq)
-                limits.append(max(0, min(self.num_spec, seq.remaining_tokens - 1)))
+                limits.append(max(0, min(num_spec, seq.params.max_tokens - output - 1)))
         if not decode:
             return {}
         base = min(token_budget, len(decode) + prefill)
