@@ -5,10 +5,13 @@ error instead of an exception."""
 
 from __future__ import annotations
 
+import mmap
+
+import numpy as np
 import pytest
 
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
-from rollout.weight_wire import decode_chunk, encode_piece, file_piece, tensor_piece
+from rollout.weight_wire import EncodedPiece, decode_chunk, encode_piece, file_piece, tensor_piece
 
 
 @pytest.mark.parametrize("draft, update_id", [(False, ""), (True, "upd-7")])
@@ -21,6 +24,21 @@ def test_encoded_pieces_are_weight_chunks(draft, update_id):
     raw = encode_piece(file_piece(2, data[:10], draft, update_id))
     want = pb.WeightChunk(draft=draft, update_id=update_id, safetensors=pb.SafetensorsPart(file=2, data=data[:10]))
     assert pb.WeightChunk.FromString(raw) == want
+
+
+def test_encoded_payload_is_the_bytes_of_any_buffer(tmp_path):
+    """The payload is copied byte for byte whatever the buffer's item type: a float32 view, an empty
+    one, a read-only mapped file; the message is a new bytes object each time."""
+    floats = np.arange(7, dtype=np.float32)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(200)))
+    with open(path, "rb") as f:
+        mapped = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        for data in (memoryview(floats), memoryview(b""), mapped[5:150], b"xyz"):
+            piece = EncodedPiece(b"head", data, b"tail")
+            raw = encode_piece(piece)
+            assert type(raw) is bytes and raw == b"head" + bytes(data) + b"tail"
+            assert encode_piece(piece) is not raw
 
 
 def test_decoder_reads_what_protobuf_writes():

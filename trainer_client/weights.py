@@ -1,9 +1,9 @@
 """The trainer's side of UpdateWeights: a state dict or safetensors files as a stream of
 WeightChunk pieces whose bytes are views of the tensors' (or files') own memory.
 
-A contiguous CPU tensor is sent from its storage (a memoryview, no copy before the one join that
+A contiguous CPU tensor is sent from its storage (a memoryview, no copy before the one that
 builds each message); a CUDA tensor is copied once, piece by piece, into a pinned host buffer;
-a safetensors file is mapped, not read. `encoded_ahead` builds each message (the join, and a CUDA
+a safetensors file is mapped, not read. `encoded_ahead` builds each message (its copy, and a CUDA
 piece's copy to the host) on a worker thread one piece ahead of gRPC's sending thread, which waits
 for each message to be written before it asks for the next: building and sending overlap instead
 of taking turns (at most two messages held). Pieces are `WEIGHT_PIECE_BYTES` long: below glibc's
