@@ -198,3 +198,26 @@ def test_sampled_frequencies_on_each_path(axis, path, monkeypatch, reads):
     stat, df = _chi2(_draws(policy, axis, params), expected)
     assert stat < _critical(df), f"chi2 {stat:.1f} with {df} dof"
     assert len(reads) == len(PATHS[path](0)) and _stat_logits().shape[0] > len(expected)  # a read per stage
+
+
+def test_a_next_width_that_covers_the_row_is_the_sort(reads, monkeypatch):
+    """Rows short of top_p at 16 candidates, where the next width (4096) covers the whole row
+    (vocabulary 3000): they sort at once (one read, the first stage's), with the reference's supports."""
+    monkeypatch.setattr(top_p_mod, "STAGE_WIDTHS", (16, 4096))
+    sorted_rows, real_sort = [], top_p_mod.top_p_by_sort
+
+    def counted_sort(z, rows, *args):
+        sorted_rows.extend(rows.tolist())
+        return real_sort(z, rows, *args)
+
+    monkeypatch.setattr(top_p_mod, "top_p_by_sort", counted_sort)
+    g = torch.Generator().manual_seed(7)
+    z = torch.cat([torch.randn(2, 3000, generator=g) * 3.5, torch.randn(2, 3000, generator=g) * 0.1])
+    specs = [dict(top_p=0.9)] * 4
+    pol = policy(z.clone(), row_params(specs, vocab=3000))
+    assert reads == [4] and sorted(sorted_rows) == [0, 1, 2, 3]  # not 4096 candidates: the sort
+    for r in (0, 1):
+        assert_row_matches(pol, r, reference_policy(z[r].tolist(), **specs[r]))
+    for r in (2, 3):  # nearly equal float32 log-probs: compare the support as a set
+        ref = reference_policy(z[r].tolist(), **specs[r])
+        assert set(torch.isfinite(pol.vocab_logp[r]).nonzero()[:, 0].tolist()) == set(ref)

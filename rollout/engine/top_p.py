@@ -71,6 +71,7 @@ def top_p_rows(z: Tensor, rows: np.ndarray, top_p: Tensor, min_p: Tensor) -> Top
     for stage, width in enumerate(STAGE_WIDTHS):
         pos = upload(pending, torch.int64, z.device)
         later = STAGE_WIDTHS[stage + 1] if stage + 1 < len(STAGE_WIDTHS) else 0
+        later = later if later < z.shape[1] else 0  # candidates of the whole row: the sort, cheaper
         ids, logp, reached, reachable = _candidates(z, index[pos], min(width, z.shape[1]), later, top_p, min_p,
                                                     row_max[pos], row_sum[pos])
         if width < z.shape[1]:
