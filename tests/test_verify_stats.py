@@ -144,9 +144,9 @@ def test_top_p_rows_past_their_first_candidates_verify_exactly(q_onehot, widths,
     reads = []
     real = top_p_mod._short_rows
     monkeypatch.setattr(top_p_mod, "STAGE_WIDTHS", widths)
-    monkeypatch.setattr(top_p_mod, "_short_rows", lambda reached: reads.append(real(reached)) or reads[-1])
+    monkeypatch.setattr(top_p_mod, "_short_rows", lambda *flags: reads.append(real(*flags)) or reads[-1])
     stat, df = _chi2(_sample_two_tokens(q_onehot, ["top_p"]), expected)
-    assert 0 < reads[0].mean() < 1  # both layouts in the verified batch
+    assert 0 < reads[0][0].mean() < 1  # both layouts in the verified batch (reads: short, next stage)
     assert stat < _critical(df), f"chi2 {stat:.1f} with {df} dof"
 
 
