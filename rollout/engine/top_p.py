@@ -20,12 +20,12 @@ z in vocabulary order (-inf outside the support), as a row without truncation is
 Which rows fall short, and which of them may reach at the next width, is read on the host
 (`_short_rows`), once per stage that runs on rows wider than the stage: a stated exception to one
 synchronisation per step (tests/test_host_syncs.py), made only in steps that have top-p rows
-without top-k. Why a read: the fallback's cost has to follow the
-rows that need it. Without a read the work is launched for every top-p row, so a sync-free fallback
-(a sort, or an exact threshold search on the device: one pass over [P, V] per bisection step, ~32)
-would cost every step what the worst row costs, and a batch of peaked rows, the usual case, would
-pay it to save nothing. The read costs the host's head start on the rest of the step (it waits for
-the forward pass before launching the policy's last kernels, verification and capture).
+without top-k. Why a read: the fallback's cost has to follow the rows that need it. Without a read
+the work is launched for every top-p row, so a sync-free fallback (a sort, or an exact threshold
+search on the device: one pass over [P, V] per bisection step, ~32) would cost every step what the
+worst row costs, and a batch of peaked rows, the usual case, would pay it to save nothing. The read
+costs the host's head start on the rest of the step (it waits for the forward pass before launching
+the policy's last kernels, verification and capture).
 """
 
 from __future__ import annotations
