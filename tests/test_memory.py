@@ -6,14 +6,18 @@ through the engine's real step path (what CUDA measures) leaving the engine as i
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
+import torch
 
 from rollout import build_engine
 from rollout.engine import graphs, memory, profile
 from rollout.engine.config import EngineConfig
+from rollout.engine.drafter import Drafts
 from rollout.engine.memory import DeviceMemory
 from rollout.engine.params import SamplingParams
+from rollout.engine.verify import Proposal
 from rollout.errors import InvalidArgument
 
 GIB = 1 << 30
@@ -99,14 +103,16 @@ def _recorded(engine, steps: list):
         del engine._sample
 
 
-@pytest.mark.parametrize("spec", ["dflash", "dflash+history"])
+@pytest.mark.parametrize("spec", ["dflash", "dspark+history", "history"])
 def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tiny_random_qwen3, random_drafters,
                                                                                spec):
     """The dummy steps on CPU: the token budget and max_rows reached, every kind of row sampled
     (masks and a grammar bitmask included), the graph sets' static paths run; then the engine's
     outputs equal those of an engine that was never profiled. A combined drafter's parts (the
-    drafter model and the history drafter) are each left as they were."""
-    kw = dict(model=str(tiny_random_qwen3), spec=spec, draft=random_drafters["dflash"], spec_block_size=4,
+    drafter model and the history drafter) are each left as they were. A history drafter, which has
+    no history for the dummy steps' sequences, is profiled at full blocks too (its drafts padded)."""
+    kind = spec.split("+")[0]
+    kw = dict(model=str(tiny_random_qwen3), spec=spec, draft=random_drafters.get(kind), spec_block_size=4,
               num_kv_blocks=64, max_num_seqs=6, max_num_batched_tokens=40, max_mask_tokens=16,
               spec_adaptive=False)  # full blocks: an adaptive budget's choices follow wall time
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=5, ignore_eos=True)
@@ -120,8 +126,9 @@ def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tin
     assert {s[3] for s in rows} == {0, 6, 2} and max(s[4] for s in rows) == 6  # masked / grammar rows
     tokens = [s for s in steps if s[0] == profile.TOKENS]
     assert [s[1:3] for s in tokens] == [(40, 21)]  # 5 verify blocks + a 20-token prefill chunk
-    assert {"graph_buffers", profile.GRAPHS, profile.DRAFT_GRAPHS} <= set(meter.names)  # graph sets' forwards
-    assert eng.graphs is None and eng.drafter.graphs is None and eng.kv_caches is not None
+    graph_sets = {"graph_buffers", profile.GRAPHS} | ({profile.DRAFT_GRAPHS} if spec != "history" else set())
+    assert graph_sets <= set(meter.names)  # graph sets' forwards (a history drafter has none)
+    assert eng.graphs is None and getattr(eng.drafter, "graphs", None) is None and eng.kv_caches is not None
     outs = {}
     for name, engine in (("fresh", fresh), ("profiled", eng)):
         engine.add_request("r", [[3, 4, 5], [9, 8]], params, n=2, mask="support")
@@ -132,3 +139,21 @@ def test_the_profile_runs_the_real_step_path_and_leaves_the_engine_as_it_was(tin
     assert outs["profiled"] == outs["fresh"]
     for part, fresh_part in zip(eng.drafter.parts(), fresh.drafter.parts(), strict=True):
         assert (part.num_proposals, part.num_drafted) == (fresh_part.num_proposals, fresh_part.num_drafted)
+
+
+def test_a_short_proposal_is_padded_to_full_blocks_with_uniform_drafts():
+    """The profile's padding (a drafter proposed 2 + 1 of 3 + 3 drafts): the drafter's own drafts and
+    distributions in place, the rest token 0 from a uniform q (log-sum-exp log V), none one-hot."""
+    vocab = 10
+    z = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([4, 5, 6])
+    q = Proposal(z, torch.logsumexp(z, dim=1), torch.tensor([False, True, False]), tokens)
+    out = profile._full_blocks(Drafts(tokens, [2, 1, 0], q), [3, 3, 0], vocab)
+    assert out.num_per_item == [3, 3, 0] and out.tokens.tolist() == [4, 5, 0, 6, 0, 0]
+    own = [0, 1, 3]
+    assert torch.equal(out.q.z[own], z) and not out.q.z[[2, 4, 5]].any()
+    assert torch.allclose(out.q.lse[own], q.lse) and torch.allclose(out.q.lse[[2, 4, 5]], torch.tensor(math.log(vocab)))
+    assert out.q.one_hot.tolist() == [False, True, False, False, False, False]
+    assert torch.equal(out.q.tokens, out.tokens)
+    unchanged = Drafts(tokens, [3, 0, 0], q)
+    assert profile._full_blocks(unchanged, [3, 0, 0], vocab) is unchanged

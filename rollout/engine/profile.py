@@ -23,17 +23,20 @@ largest key; that peak, plus its buffers, is what its pool will hold (see rollou
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from rollout.engine.batch import build_step, padded_block_table
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.drafter import Drafts
 from rollout.engine.graphs import graph_shape
 from rollout.engine.intake import new_sequence
 from rollout.engine.kv import allocate_kv
 from rollout.engine.memory import DeviceMemory
 from rollout.engine.params import SamplingParams
 from rollout.engine.scheduler import ScheduledSeq
+from rollout.engine.verify import Proposal
 from rollout.errors import InvalidArgument
 
 PROFILE_BLOCKS = 4  # the dummy sequences' blocks (and one scratch block after them)
@@ -149,7 +152,7 @@ def run_step(engine, shapes: list[Shape], context: int, kinds: list[str]) -> Non
     items = [_item(engine, i, tokens, drafts, tokens if i in chunks[1:] else context)
              for i, (tokens, drafts) in enumerate(shapes)]
     table = padded_block_table([it.seq.block_table for it in items])
-    drafts = engine._draft(items, table)
+    drafts = _full_blocks(engine._draft(items, table), [it.num_draft for it in items], engine.vocab_size)
     step = build_step(items, drafts.num_per_item, engine.config.block_size, engine.device, table,
                       engine.prefix_planner)
     every = row_kinds(engine.vocab_size, engine.config.max_mask_tokens)
@@ -163,6 +166,31 @@ def run_step(engine, shapes: list[Shape], context: int, kinds: list[str]) -> Non
                 seq.mask_bound = seq.params.support_bound if seq.mask else 0
             engine._sample(step, drafts, hidden)
         del hidden, drafts, step
+
+
+def _full_blocks(drafts: Drafts, wanted: list[int], vocab: int) -> Drafts:
+    """The drafter's proposal padded to the drafts each item asked for: a drafter may propose fewer
+    (a history drafter without history, a confidence threshold), and the step's peak is that of full
+    blocks. Padding drafts are token 0, drawn (when the proposal has distributions) from a uniform q."""
+    if drafts.num_per_item == wanted:
+        return drafts
+    tokens = drafts.tokens.new_zeros(sum(wanted))  # [D]
+    own = torch.zeros(sum(wanted), dtype=torch.bool, device=tokens.device)  # [D] the drafter's drafts
+    at, start = 0, 0
+    for got, want in zip(drafts.num_per_item, wanted):
+        own[at:at + got] = True
+        tokens[at:at + got] = drafts.tokens[start:start + got]
+        at, start = at + want, start + got
+    q = drafts.q
+    if q is not None:
+        z = q.z.new_zeros(len(tokens), vocab)  # [D, V] uniform
+        z[own] = q.z
+        lse = torch.full((len(tokens),), math.log(vocab), dtype=q.lse.dtype, device=tokens.device)  # [D]
+        lse[own] = q.lse
+        one_hot = torch.zeros_like(own)
+        one_hot[own] = q.one_hot
+        q = Proposal(z, lse, one_hot, tokens)
+    return Drafts(tokens, wanted, q, drafts.proposers)
 
 
 def _item(engine, i: int, tokens: int, drafts: int, context: int) -> ScheduledSeq:
