@@ -4,7 +4,8 @@ the KV pool exists, to measure their memory on CUDA (rollout/engine/memory.py si
 it), the way vLLM and SGLang profile a dummy forward.
 
 The steps: `max_rows` = min(max_num_batched_tokens, max_num_seqs x (num_spec + 1)) logits rows
-(the scheduler's bound) as decode items carrying all their drafts; and, when those leave part of
+(the scheduler's bound) as decode items carrying all their drafts (a drafter that proposes fewer,
+a history drafter for sequences it never saw, has them padded: `_full_blocks`); and, when those leave part of
 the token budget, max_num_seqs - 1 of them next to prefill chunks that use it all (the forward's
 largest activations; the torch attention path pads every sequence to the longest chunk). The
 items end at context max_model_len (the torch path and a drafter gather each sequence's context
