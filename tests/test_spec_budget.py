@@ -394,19 +394,28 @@ def test_a_choice_of_an_untimed_kind_of_step_serves_one_step():
     assert chosen[0] > 0 and not any(chosen[1:]), chosen
 
 
-def test_a_profile_cut_short_still_measures_the_fewest_and_the_most_rows():
-    """With no time for more than two row counts, the profile times 1 and max_rows (256), so batch
-    256 is interpolated, not extrapolated from the slope between small batches; its tables are in
-    increasing rows."""
+def test_a_profile_cut_short_still_measures_the_fewest_and_the_most_rows(monkeypatch):
+    """On a GPU the profile times 1 and max_rows (256) first: with no time for more than two row
+    counts, batch 256 is interpolated, not extrapolated from the slope between small batches; its
+    tables are in increasing rows whatever the order. On CPU, where the largest eager step alone
+    takes seconds, the counts come in increasing order."""
+    assert step_cost.profile_rows(256, 4096, 4, ends_first=True) == [1, 256, 4, 16, 64]
+    assert step_cost.profile_rows(256, 4096, 4, ends_first=False) == [1, 4, 16, 64, 256]
+    assert step_cost.profile_rows(256, 300, 8, ends_first=True) == [1, 16, 4]  # 64 x 8 > 300 tokens
     timed = []
 
     def forward(ids, meta):
         timed.append(int(meta.cu_seqlens_q.numel()) - 1)
         return torch.zeros(ids.numel(), 4), None
 
-    cost = step_cost.profile_step_cost(forward, lambda h: h, None, None, q=4, scratch_block=0, block_size=16,
-                                       device=torch.device("cpu"), max_rows=256, max_tokens=4096, max_seconds=0.0)
-    assert cost.eager.decode.xs == [1.0, 256.0] and sorted(set(timed)) == [1, 256]
-    full = step_cost.profile_step_cost(forward, lambda h: h, None, None, q=4, scratch_block=0, block_size=16,
-                                       device=torch.device("cpu"), max_rows=256, max_tokens=4096, max_seconds=60.0)
-    assert full.eager.decode.xs == [1.0, 4.0, 16.0, 64.0, 256.0]
+    def profile(max_seconds):
+        return step_cost.profile_step_cost(forward, lambda h: h, None, None, q=4, scratch_block=0, block_size=16,
+                                           device=torch.device("cpu"), max_rows=256, max_tokens=4096,
+                                           max_seconds=max_seconds)
+
+    assert profile(0.0).eager.decode.xs == [1.0, 4.0]  # CPU: increasing
+    real = step_cost.profile_rows
+    monkeypatch.setattr(step_cost, "profile_rows", lambda *a, ends_first: real(*a, ends_first=True))  # as on a GPU
+    timed.clear()
+    assert profile(0.0).eager.decode.xs == [1.0, 256.0] and sorted(set(timed)) == [1, 256]
+    assert profile(60.0).eager.decode.xs == [1.0, 4.0, 16.0, 64.0, 256.0]

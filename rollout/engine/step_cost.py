@@ -222,13 +222,13 @@ def profile_step_cost(forward: Callable, logits: Callable, graphs, draft_forward
     `max_tokens`), eagerly and (with `graphs`, the engine's StepGraphs) replayed as graphs; and
     `draft_forward(rows)` (a thunk of the drafter's block forward over that many rows; it or the thunk
     None: no drafter cost). Every token reads and writes the scratch block only. Past `max_seconds` no more
-    row counts are added (two at least). The fewest and the most rows come first, so that a profile cut
-    short interpolates the rows between them rather than extrapolating past its last point (on the H200
-    the 8B's 3 s ended after 16 rows, and batch 256 was priced from the slope between 4 and 16)."""
+    row counts are added (two at least). On a GPU the fewest and the most rows come first, so that a
+    profile cut short interpolates the rows between them rather than extrapolating past its last point
+    (on the H200 the 8B's 3 s ended after 16 rows, and batch 256 was priced from the slope between 4
+    and 16); on CPU, where the largest eager step alone takes seconds, they come in increasing order."""
     deadline = time.perf_counter() + max_seconds
     points = {"eager": [], "graph": [], "drafter": []}
-    counts = [r for r in PROFILE_ROWS if r <= max_rows and r * q <= max_tokens] or [1]
-    for rows in [counts[0], *counts[1:][-1:], *counts[1:-1]]:  # first, last, then between
+    for rows in profile_rows(max_rows, max_tokens, q, ends_first=device.type == "cuda"):
         if time.perf_counter() > deadline and len(points["eager"]) >= 2:
             break
         eager, graph = [rows], [rows]
@@ -247,6 +247,14 @@ def profile_step_cost(forward: Callable, logits: Callable, graphs, draft_forward
     tables = {k: TargetCost(*zip(*v), q) if v else None for k, v in points.items() if k != "drafter"}
     drafter = Curve(*zip(*points["drafter"])) if points["drafter"] else ZERO
     return StepCost(tables["eager"], tables["graph"], drafter)
+
+
+def profile_rows(max_rows: int, max_tokens: int, q: int, ends_first: bool) -> list[int]:
+    """The PROFILE_ROWS counts whose verify steps fit (`q` tokens a row within max_tokens, at most
+    max_rows), in the order the profile times them: increasing, or (`ends_first`) the fewest, the
+    most, then those between."""
+    counts = [r for r in PROFILE_ROWS if r <= max_rows and r * q <= max_tokens] or [1]
+    return [counts[0], *counts[1:][-1:], *counts[1:-1]] if ends_first else counts
 
 
 def scratch_meta(rows: int, q: int, scratch_block: int, block_size: int, device: torch.device) -> AttentionMetadata:
