@@ -95,3 +95,9 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - self.num_output_tokens
+
+    def behind_and_remaining(self) -> tuple[int, int]:
+        """(tokens not computed yet, output tokens left): num_tokens - num_computed_tokens and
+        remaining_tokens in one call (the draft budget reads both for every sample every step)."""
+        output = len(self.output_token_ids) + (self.pending_entry >= 0)
+        return len(self.prompt_token_ids) + output - self.num_computed_tokens, self.params.max_tokens - output

@@ -243,14 +243,13 @@ class SpecBudget:
         """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
         may be admitted (their prefill makes the step eager); token_budget: the step's token budget."""
         decode, limits, prefill, num_spec = [], [], 0, self.num_spec
-        for seq in running:  # (Sequence's num_tokens and remaining_tokens, inlined: every step, every sample)
-            output = len(seq.output_token_ids) + (seq.pending_entry >= 0)
-            behind = len(seq.prompt_token_ids) + output - seq.num_computed_tokens
+        for seq in running:
+            behind, remaining = seq.behind_and_remaining()
             if behind > 1:
                 prefill += behind
             else:
                 decode.append(seq)
-                limits.append(max(0, min(num_spec, seq.params.max_tokens - output - 1)))
+                limits.append(max(0, min(num_spec, remaining - 1)))
         if not decode:
             return {}
         base = min(token_budget, len(decode) + prefill)

@@ -149,14 +149,14 @@ class StepCost:
         graphed = graphed and self.graph is not None
         if not self.learn or seconds <= 0:
             return
-        plain = self._target(rows, tokens, graphed)
-        predicted = self.seconds(rows, tokens, graphed, draft_rows, drafts)
-        seconds = min(max(seconds, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
+        model = target = self._target(rows, tokens, graphed)  # the tables' part this step corrects
+        predicted = plain = target * self._scale(rows, graphed, False)  # (as `seconds` predicts the step)
         if draft_rows:
             model = self._drafting(rows, tokens, graphed, draft_rows, drafts)
-            seconds = max(seconds - plain * self._scale(rows, graphed, False), model / MAX_STEP_RATIO)
-        else:
-            model = plain
+            predicted = plain + model * self._scale(rows, graphed, True)
+        seconds = min(max(seconds, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
+        if draft_rows:
+            seconds = max(seconds - plain, model / MAX_STEP_RATIO)
         if model <= 0:
             return
         kind, ratio = (graphed, draft_rows > 0), math.log(seconds / model)
