@@ -88,6 +88,19 @@ def test_bad_values_are_refused_by_name_and_nothing_changes(server, client, bad,
     assert _arena(server).resident_bytes() == 0
 
 
+def test_a_short_tensor_is_refused_and_the_next_update_runs(server, client, original):
+    """A tensor whose pieces stop short is found when the stream ends (one call): INVALID_ARGUMENT
+    naming it, the arena given back, and the next update is not refused as still in progress."""
+    v0 = client.server_info()["policy_version"]
+    half = memoryview(original["model.norm.weight"].view(torch.uint8).numpy())[:128]
+    with pytest.raises(grpc.RpcError) as err:
+        client._update_weights(iter([encode_piece(tensor_piece("model.norm.weight", "float32", (64,), half))]),
+                               timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model.norm.weight" in err.value.details()
+    assert _released(server) and client.server_info()["policy_version"] == v0
+    assert client.update_weights(original, streams=1) == v0 + 1
+
+
 def test_undecodable_bytes_are_invalid_argument(server):
     with grpc.insecure_channel(server.address) as channel:
         call = channel.stream_unary("/rollout.v1.Rollout/UpdateWeights", request_serializer=lambda raw: raw,
@@ -199,9 +212,12 @@ def _released(server, timeout: float = 30.0) -> bool:
     import time
 
     end = time.monotonic() + timeout
-    while _arena(server).resident_bytes() and time.monotonic() < end:
+    arena = _arena(server)
+    while arena.resident_bytes() and time.monotonic() < end:
         time.sleep(0.02)
-    return _arena(server).resident_bytes() == 0
+    assert arena.resident_bytes() == 0, (f"{arena.resident_bytes()} bytes of the weight arena still resident after "
+                                         f"{timeout} s (used {arena.used} of {arena.size})")
+    return True
 
 
 def test_an_update_over_parallel_streams_equals_one_stream(client, original):
@@ -258,6 +274,42 @@ def test_parallel_streams_must_agree_on_their_count_and_carry_an_update_id(serve
     pending.cancel()
     go_on.set()
     assert _released(server) and client.server_info()["policy_version"] == v0
+
+
+def test_a_call_cancelled_while_its_update_opens_stops_the_opening(server, client, original, monkeypatch):
+    """The first call of a split update opens the upload (an engine call, then the arena reserved)
+    in a task of its own. A caller that gives up before the opening ends stops it: the arena is
+    not reserved behind the failed update's release, nothing applies, the next update runs."""
+    from rollout.server.weight_service import WeightService
+
+    opening, finished, open_upload = threading.Event(), threading.Event(), WeightService._open_upload
+
+    async def slow_open(self):
+        opening.set()
+        await asyncio.sleep(2.0)
+        upload = await open_upload(self)
+        finished.set()
+        return upload
+
+    monkeypatch.setattr(WeightService, "_open_upload", slow_open)
+    v0 = client.server_info()["policy_version"]
+    go_on = threading.Event()
+
+    def first_call():
+        yield encode_piece(tensor_piece("model.norm.weight", "float32", (64,),
+                                        memoryview(original["model.norm.weight"].view(torch.uint8).numpy()),
+                                        update_id="slow", streams=2))
+        go_on.wait(60)
+
+    (call_a,) = client._weight_calls(1)
+    pending = call_a.future(first_call(), timeout=60)
+    assert opening.wait(30)
+    pending.cancel()
+    go_on.set()
+    assert _released(server) and client.server_info()["policy_version"] == v0
+    assert not finished.wait(3.0)  # (past the 2 s the opening would have taken)
+    monkeypatch.undo()
+    assert client.update_weights(original, streams=2) == v0 + 1
 
 
 def test_a_server_that_takes_no_parallel_calls_gets_one(server, original, monkeypatch):

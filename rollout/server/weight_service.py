@@ -81,8 +81,9 @@ class WeightService:
             repeated = await self._receive(pieces, upload)
             if repeated is not None:
                 return response(repeated)
+            job = self._finish(upload)  # (refuses a short tensor: the arena is released below)
             handed_over = True  # the arena is released once the engine is done with it
-            return response(await self._run(self._finish(upload), lambda _: self._release(arena)))
+            return response(await self._run(job, lambda _: self._release(arena)))
         finally:
             if not handed_over:
                 self._release(arena)
@@ -129,7 +130,17 @@ class WeightService:
             parts.active -= 1
             if parts.active == 0 and parts.run is None:
                 self._parts.pop(parts.update_id, None)
-                self._release(self.engine_loop.weight_arena)
+                self._release_after(parts.opened)
+
+    def _release_after(self, opened: asyncio.Future) -> None:
+        """Releases the arena of an update that failed, once its opening (which reserves the arena)
+        can no longer run: released after it, never before (its pages would stay resident)."""
+        arena = self.engine_loop.weight_arena
+        if opened.done():
+            self._release(arena)
+        else:
+            opened.cancel()
+            opened.add_done_callback(lambda _: self._release(arena))
 
     def _join(self, first: WirePiece) -> _Parts:
         """The update `first` belongs to (opened by its first call), joined by this call."""
@@ -143,6 +154,7 @@ class WeightService:
             self._take_arena()
             parts = self._parts[first.update_id] = _Parts(first.update_id, first.streams)
             parts.opened = asyncio.ensure_future(self._open_part(first.update_id))
+            parts.opened.add_done_callback(_retrieved)
         elif first.streams != parts.streams:
             raise InvalidArgument("streams", f"update {first.update_id!r}: this call says {first.streams} streams, "
                                              f"an earlier one {parts.streams}")
