@@ -37,7 +37,8 @@ update is sent once the rollout has started; the engine drains it on the old wei
     python benchmarks/bench_weights.py --device cuda --shape qwen3-8b --sections memory    # release / resume only
     python benchmarks/bench_weights.py --device cuda --source-device cuda --shape qwen3-8b --sections transfer \
         --paths grpc_state_dict --buffers kept --repeats 2                       # the gRPC state dict rows only
-(gRPC rows: one call and four parallel calls of an update, `--streams 1,4`.)
+(gRPC rows: one call and four parallel calls of an update, `--streams 1,4`, each to the server's
+weight port and to its main port, `--ports weight,main`.)
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from rollout.server.process import ServerProcess  # noqa: E402
 from trainer_client import RolloutClient  # noqa: E402
 from trainer_client.broadcast import BroadcastGroup  # noqa: E402
 
-COLUMNS = ["path", "buffers", "streams", "gb", "seconds", "gb_per_s", "stage_s", "pause_s", "version"]
+COLUMNS = ["path", "buffers", "port", "streams", "gb", "seconds", "gb_per_s", "stage_s", "pause_s", "version"]
 ROLLOUT_MODES = ("sequential", "staged_host", "staged_device")
 PATHS = ("grpc_state_dict", "grpc_safetensors", "same_host", "broadcast")  # the transfer section's rows
 SECTIONS = ("transfer", "rollout", "memory")  # the gRPC / same-host / broadcast rows, the pause, release / resume
@@ -94,9 +95,12 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma-separated, of {','.join(PATHS)}: the transfer section's paths (e.g. grpc_state_dict)")
     p.add_argument("--buffers", default="given back,kept", help="comma-separated: the gRPC upload buffers to run")
     p.add_argument("--streams", default="1,4", help="comma-separated: parallel calls of a gRPC update to run")
+    p.add_argument("--ports", default="weight,main", help="comma-separated: the server's port gRPC updates go to "
+                   "(weight: its thread-pool weight port, main: the asyncio one)")
     args = p.parse_args()
     args.paths, args.buffers = args.paths.split(","), args.buffers.split(",")
     args.streams = [int(n) for n in args.streams.split(",")]
+    args.ports = args.ports.split(",")
     if unknown := set(args.paths) - set(PATHS):
         p.error(f"--paths: unknown {sorted(unknown)}, expected some of {list(PATHS)}")
     if unknown := set(args.buffers) - {"given back", "kept"}:
@@ -137,7 +141,8 @@ def scratch_dir(args: argparse.Namespace) -> str | None:
     return "/dev/shm" if room > 3 * params * torch.finfo(getattr(torch, args.dtype)).bits // 8 else None
 
 
-def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers: str, streams: int = 1) -> dict:
+def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers: str, streams: int = 1,
+                 port: str = "-") -> dict:  # fmt: skip
     start = time.perf_counter()
     if path == "same_host":
         version = client.update_weights_shared(weights)
@@ -145,7 +150,7 @@ def timed_update(client: RolloutClient, weights, nbytes: int, path: str, buffers
         version = client.update_weights(weights, streams=streams)
     seconds = time.perf_counter() - start
     reply = client.last_update
-    return dict(path=path, buffers=buffers, streams=streams, gb=nbytes / 1e9, seconds=seconds,
+    return dict(path=path, buffers=buffers, port=port, streams=streams, gb=nbytes / 1e9, seconds=seconds,
                 gb_per_s=nbytes / 1e9 / seconds, stage_s=reply["stage_seconds"], pause_s=reply["pause_seconds"],
                 version=version)
 
@@ -155,12 +160,17 @@ def grpc_rows(args: argparse.Namespace, model_dir: Path, state: dict, files: Pat
     buffers = "kept" if keep else "given back"
     serve = serve_args(args, model_dir, *(["--keep-weight-buffers"] if keep else []))
     rows = []
-    with server_process(args, serve) as server, RolloutClient(server.address, timeout=3600) as client:
+    with server_process(args, serve) as server, contextlib.ExitStack() as clients:
+        by_port = {port: clients.enter_context(RolloutClient(server.address, timeout=3600,
+                                                             use_weight_port=port == "weight"))
+                   for port in args.ports}  # fmt: skip
+        client = by_port[args.ports[0]]
         for r in range(args.repeats):
             first = len(rows)
             for path, weights in (("grpc_state_dict", state), ("grpc_safetensors", files)):
                 if path in args.paths:
-                    rows += [timed_update(client, weights, nbytes, path, buffers, n) for n in args.streams]
+                    rows += [timed_update(by_port[port], weights, nbytes, path, buffers, n, port)
+                             for n in args.streams for port in args.ports]  # fmt: skip
             if keep:  # (no upload buffers on these paths)
                 rows += [timed_update(client, state, nbytes, "same_host", "-")] if "same_host" in args.paths else []
                 if "broadcast" in args.paths and args.broadcast != "none":
@@ -273,10 +283,10 @@ def rollout_row(args: argparse.Namespace, model_dir: Path, state: dict, mode: st
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (path, buffers, streams): the median repeat's numbers."""
+    """Per (path, buffers, port, streams): the median repeat's numbers."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["path"], row["buffers"], row.get("streams")), []).append(row)
+        groups.setdefault((row["path"], row["buffers"], row.get("port"), row.get("streams")), []).append(row)
     out = []
     for group in groups.values():
         median = statistics.median(r["seconds"] for r in group)

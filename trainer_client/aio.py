@@ -20,6 +20,7 @@ import torch
 
 from rollout.proto.rollout.v1 import rollout_pb2 as pb
 from trainer_client.client import (
+    WEIGHT_PORT_CONNECT_S,
     WEIGHT_STREAMS,
     CancellingCall,
     ClientBase,
@@ -32,6 +33,7 @@ from trainer_client.client import (
     info_to_dict,
     memory_to_dict,
     to_table,
+    warn_weight_port,
 )
 from trainer_client.shared import SharedUpdate
 
@@ -125,8 +127,8 @@ class AsyncRolloutClient(ClientBase):
         streams: int = WEIGHT_STREAMS,
     ) -> int:
         """See `RolloutClient.update_weights`; returns the new policy_version once applied."""
-        if streams > 1 and self._max_weight_streams is None:
-            self._max_weight_streams = (await self.server_info(timeout=timeout))["max_weight_streams"]
+        if self._max_weight_streams is None:
+            await self._find_weight_port(timeout)
         uploads = self._weight_uploads(weights, draft, draft_weights, update_id, streams)
         calls = [asyncio.ensure_future(call(messages, timeout=self._deadline(timeout))) for call, messages in uploads]
         try:
@@ -135,6 +137,20 @@ class AsyncRolloutClient(ClientBase):
             for call in calls:
                 call.cancel()
         return self._reply(replies[0])
+
+    async def _find_weight_port(self, timeout: float | None) -> None:
+        """See `RolloutClient._find_weight_port`."""
+        target = self._learn_weight_target(await self.server_info(timeout=timeout))
+        if target is None:
+            return
+        channel = self._weight_channel(target)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), WEIGHT_PORT_CONNECT_S)
+        except TimeoutError:
+            await channel.close()
+            warn_weight_port(target, self.address)
+            return
+        self._use_weight_channel(target, channel)
 
     async def update_weights_shared(
         self,
@@ -161,7 +177,7 @@ class AsyncRolloutClient(ClientBase):
         return memory_to_dict(reply)
 
     async def close(self) -> None:
-        for channel in self._weight_channels:
+        for channel in (self._channel, *self._weight_channels):
             await channel.close()
 
     async def __aenter__(self) -> AsyncRolloutClient:

@@ -13,6 +13,7 @@ building and decoding helpers here are shared with the asyncio twin in `trainer_
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import pathlib
@@ -42,6 +43,7 @@ UPDATE_WEIGHTS = "/rollout.v1.Rollout/UpdateWeights"
 # Python receive path handles one call on one thread (H200 host, a bare server: 1.4 GB/s one call, 2.2
 # GB/s four; BENCHMARKS.md)
 WEIGHT_STREAMS = 4
+WEIGHT_PORT_CONNECT_S = 5.0  # how long the first update waits to connect to the weight port before the main one
 SORT_KEYS = [("prompt_index", "ascending"), ("sample_index", "ascending")]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
@@ -224,13 +226,19 @@ class ClientBase:
 
     _open_channel: Callable = staticmethod(grpc.insecure_channel)
 
-    def __init__(self, address: str, timeout: float | None = None, options: Iterable[tuple] = ()):
+    def __init__(self, address: str, timeout: float | None = None, options: Iterable[tuple] = (),
+                 use_weight_port: bool = True):  # fmt: skip
         self.address = address
         self.timeout = timeout
+        self.use_weight_port = use_weight_port  # False: updates over the main port even if the server has another
         self._options = [*CHANNEL_OPTIONS, *options]
         self._channel = self._open_channel(address, options=self._options)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
-        self._weight_channels = [self._channel]  # more, each its own connection, for parallel weight streams
+        # UpdateWeights calls go to `_weight_address`: the server's weight port once the first update
+        # found it reachable (ServerInfo.weight_port, rollout.server.weight_port), else the main port;
+        # each call on a channel of its own (its own connection), kept for the next updates
+        self._weight_address = address
+        self._weight_channels: list = []
         self._max_weight_streams: int | None = None  # the server's ServerInfo.max_weight_streams, once asked
         self.last_update: dict[str, Any] = {}  # the last UpdateWeights reply (stage and pause seconds, ...)
 
@@ -253,12 +261,28 @@ class ClientBase:
 
     def _weight_calls(self, count: int) -> list[Callable]:
         """`count` UpdateWeights callables (taking encoded messages: trainer_client.weights.encoded_ahead),
-        each on its own channel and connection."""
+        each on its own channel and connection to `_weight_address`."""
         while len(self._weight_channels) < count:
-            own = [*self._options, ("grpc.use_local_subchannel_pool", 1)]
-            self._weight_channels.append(self._open_channel(self.address, options=own))
+            self._weight_channels.append(self._weight_channel(self._weight_address))
         return [c.stream_unary(UPDATE_WEIGHTS, response_deserializer=pb.UpdateWeightsResponse.FromString)
                 for c in self._weight_channels[:count]]  # fmt: skip
+
+    def _weight_channel(self, address: str):
+        return self._open_channel(address, options=[*self._options, ("grpc.use_local_subchannel_pool", 1)])
+
+    def _learn_weight_target(self, info: dict[str, Any]) -> str | None:
+        """Takes the server's max_weight_streams from ServerInfo `info`; the weight port's address to
+        try (None: the server has none, or the client's address names no port)."""
+        self._max_weight_streams = info["max_weight_streams"]
+        host, colon, port = self.address.rpartition(":")
+        if not (self.use_weight_port and info.get("weight_port") and colon and port.isdigit()):
+            return None
+        return f"{host}:{info['weight_port']}"
+
+    def _use_weight_channel(self, address: str, channel) -> None:
+        """From now on UpdateWeights goes to `address`, over `channel` (connected) and more like it."""
+        self._weight_address = address
+        self._weight_channels.append(channel)
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -266,6 +290,12 @@ class ClientBase:
     def _reply(self, reply: pb.UpdateWeightsResponse) -> int:
         self.last_update = {f.name: getattr(reply, f.name) for f in pb.UpdateWeightsResponse.DESCRIPTOR.fields}
         return reply.policy_version
+
+
+def warn_weight_port(target: str, address: str) -> None:
+    logging.getLogger("trainer_client").warning(
+        "the server's weight port %s did not connect within %.0f s: weight updates go to %s (the main port)",
+        target, WEIGHT_PORT_CONNECT_S, address)
 
 
 def _first_failure_or_reply(calls: list[grpc.Future]) -> pb.UpdateWeightsResponse:
@@ -285,7 +315,10 @@ def _first_failure_or_reply(calls: list[grpc.Future]) -> pb.UpdateWeightsRespons
 
 
 class RolloutClient(ClientBase):
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; None = none."""
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; None = none.
+    Weight updates go to the server's weight port (ServerInfo.weight_port) when it connects within
+    WEIGHT_PORT_CONNECT_S at the first update, to the main port otherwise or with
+    `use_weight_port=False`."""
 
     def generate(
         self,
@@ -358,11 +391,25 @@ class RolloutClient(ClientBase):
         update applied, the server withdraws it; pass the same `update_id` when retrying to make
         sure it applies once even if the reply, not the update, was lost. The bytes go over up to
         `streams` parallel calls (whole tensors or files each; one call applies nothing alone)."""
-        if streams > 1 and self._max_weight_streams is None:
-            self._max_weight_streams = self.server_info(timeout=timeout)["max_weight_streams"]
+        if self._max_weight_streams is None:
+            self._find_weight_port(timeout)
         uploads = self._weight_uploads(weights, draft, draft_weights, update_id, streams)
         calls = [call.future(messages, timeout=self._deadline(timeout)) for call, messages in uploads]
         return self._reply(_first_failure_or_reply(calls))
+
+    def _find_weight_port(self, timeout: float | None) -> None:
+        """Before the first update: the server's limits, and its weight port if it connects."""
+        target = self._learn_weight_target(self.server_info(timeout=timeout))
+        if target is None:
+            return
+        channel = self._weight_channel(target)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=WEIGHT_PORT_CONNECT_S)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            warn_weight_port(target, self.address)
+            return
+        self._use_weight_channel(target, channel)
 
     def update_weights_shared(
         self,
@@ -393,7 +440,7 @@ class RolloutClient(ClientBase):
         return memory_to_dict(self._stub.ResumeMemory(pb.ResumeMemoryRequest(), timeout=self._deadline(timeout)))
 
     def close(self) -> None:
-        for channel in self._weight_channels:
+        for channel in (self._channel, *self._weight_channels):
             channel.close()
 
     def __enter__(self) -> RolloutClient:

@@ -39,6 +39,7 @@ from rollout.server.loop import EngineLoop
 from rollout.server.metrics import Metrics, RequestCounter, serve_metrics
 from rollout.server.service import Identity, RolloutService
 from rollout.server.stats_log import log_stats
+from rollout.server.weight_port import WeightPort
 from rollout.server.wire import SERVICE_NAME, add_rollout_service
 
 
@@ -55,6 +56,7 @@ class RunningServer:
     metrics_address: str = ""
     watchdog: asyncio.Task | None = None
     closers: list[Callable[[], Any]] = field(default_factory=list)  # the metrics endpoint, the stats log
+    weight_port: WeightPort | None = None
 
     async def stop(self, grace: float | None) -> None:
         """NOT_SERVING, refuse new RPCs, wait up to `grace` s for running ones, stop the engine."""
@@ -62,9 +64,17 @@ class RunningServer:
         if self.watchdog is not None:
             self.watchdog.cancel()
         await self.server.stop(grace)
+        if self.weight_port is not None:  # (its calls finish on this loop: waited for off it)
+            await asyncio.to_thread(self.weight_port.stop, grace)
         await self.engine_loop.stop()
         for close in self.closers:
             close()
+
+    async def stop_now(self) -> None:
+        """Cancels the RPCs in flight on both ports (a `stop` under way then stops the engine)."""
+        await self.server.stop(None)
+        if self.weight_port is not None:
+            await asyncio.to_thread(self.weight_port.stop, None)
 
 
 async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -> RunningServer:
@@ -80,16 +90,19 @@ async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -
         raise
 
 
-def bind(server: grpc.aio.Server, config: ServeConfig) -> int:
-    """Listens on the configured host and port, alone; InvalidArgument naming the port when another
-    socket listens there (checked first with a socket of our own, so that grpc logs nothing)."""
-    address = config.address(config.port)
-    if config.port and _port_taken(config.host, config.port):
-        raise InvalidArgument("port", f"{address} is already in use (another server listens there)")
+def bind(server: grpc.aio.Server | grpc.Server, config: ServeConfig, field_name: str = "port") -> int:
+    """Listens on the configured host and port (`field_name`: "port" or "weight_port"), alone;
+    InvalidArgument naming the field when another socket listens there (checked first with a
+    socket of our own, so that grpc logs nothing)."""
+    port = getattr(config, field_name)
+    address = config.address(port)
+    if port and _port_taken(config.host, port):
+        raise InvalidArgument(field_name, f"{address} is already in use (another server listens there)")
     try:
         return server.add_insecure_port(address)
     except RuntimeError:
-        raise InvalidArgument("port", f"cannot listen on {address} (in use, or not an address of this host)") from None
+        raise InvalidArgument(field_name, f"cannot listen on {address} (in use, or not an address of this "
+                                          f"host)") from None
 
 
 def _port_taken(host: str, port: int) -> bool:
@@ -137,9 +150,14 @@ async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: Engine
         engine_loop.on_death = lambda: asyncio.ensure_future(health_state.engine_died())
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     await server.start()
+    weight_port = None
+    if config.weight_port >= 0:  # (started last: nothing to stop if it cannot listen)
+        weight_port = WeightPort(service.weights, asyncio.get_running_loop(), config.grpc_options())
+        service.weight_port = bind(weight_port.server, config, "weight_port")
+        weight_port.server.start()
     await health_state.serving(True)
     address = config.address(port)
-    running = RunningServer(server, engine_loop, health_state, address, metrics)
+    running = RunningServer(server, engine_loop, health_state, address, metrics, weight_port=weight_port)
     if config.liveness_seconds > 0:
         running.watchdog = asyncio.ensure_future(Watchdog(engine_loop, health_state, config.liveness_seconds).run())
     try:
@@ -149,7 +167,8 @@ async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: Engine
         raise InvalidArgument("metrics_port", f"cannot listen on {config.metrics_host}:{config.metrics_port}: "
                                               f"{exc.strerror or exc}") from exc
     log_event("server_started", address=address, model=identity.model, spec=identity.spec_method,
-              instance_id=identity.instance_id, metrics=running.metrics_address or None)
+              instance_id=identity.instance_id, metrics=running.metrics_address or None,
+              weight_port=service.weight_port or None)
     return running
 
 
@@ -180,7 +199,7 @@ async def serve(engine_factory: Callable[[], Any], config: ServeConfig) -> int:
     second.cancel()
     if cut_short:
         log_event("drain_cut_short", logging.WARNING, requests=running.engine_loop.num_requests())
-        await running.server.stop(None)  # cancels the in-flight RPCs; the drain then stops the engine
+        await running.stop_now()  # cancels the in-flight RPCs; the drain then stops the engine
     await drain
     log_event("server_stopped")
     return 1 if cut_short else 0

@@ -69,10 +69,17 @@ class ServeConfig:
     keep_weight_buffers: bool = option(False, "keep the host memory weight uploads land in between updates (at "
                                        "most the model's size) instead of giving it back after each: faster "
                                        "updates", default_text="given back")
+    # UpdateWeights on a thread-pool grpc server of its own (rollout.server.weight_port), on --host
+    weight_port: int = option(0, "TCP port of the weight port, where trainer_client sends UpdateWeights (a "
+                              "thread-pool gRPC server, faster for large messages than the main port's); 0 = a "
+                              "free one, -1 = none (updates go to the main port, which always takes them too)")
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise InvalidArgument("port", f"must be in [0, 65535] (0 = pick a free one), got {self.port}")
+        if not -1 <= self.weight_port <= 65535:
+            raise InvalidArgument("weight_port", f"must be in [-1, 65535] (0 = pick a free one, -1 = none), got "
+                                                 f"{self.weight_port}")
         if not self.drain_seconds >= 0:
             raise InvalidArgument("drain_seconds", f"must be >= 0, got {self.drain_seconds}")
         if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:

@@ -122,7 +122,8 @@ class StreamEncoder:
 MAX_WEIGHT_STREAMS = 16  # the most parallel calls of one UpdateWeights (rollout.server.weight_service)
 
 
-def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str, instance_id: str) -> pb.ServerInfo:
+def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str, instance_id: str,
+                        weight_port: int = 0) -> pb.ServerInfo:
     """engine.info() + engine.kv_blocks() -> ServerInfo. `limits` gathers the integer `max_*`
     entries (and the spec block size), whether info nests them under "limits" or not."""
     flat = {**info, **dict(info.get("limits", {}))}
@@ -148,4 +149,5 @@ def server_info_message(info: dict, kv_blocks: tuple[int, int], drafter: str, in
         memory_released=bool(info.get("memory_released", False)),
         drafter_stats={str(k): float(v) for k, v in info.get("drafter_stats", {}).items()},
         max_weight_streams=MAX_WEIGHT_STREAMS,
+        weight_port=weight_port,
     )

@@ -97,6 +97,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self.admission = admission
         self.flush = flush
         self.weights = WeightService(engine_loop)
+        self.weight_port = 0  # the weight port's number once it listens (rollout.server.weight_port)
         self.memory = MemoryService(engine_loop)
         self._encoders: dict[tuple[str, int | None], StreamEncoder] = {}
 
@@ -186,7 +187,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         async with status_on_error(context, "GetServerInfo"):
             parse_request(pb.ServerInfoRequest, data)
             info, kv_blocks = await self.engine_loop.call(engine_info)
-            return server_info_message(info, kv_blocks, self.identity.drafter, self.identity.instance_id)
+            return server_info_message(info, kv_blocks, self.identity.drafter, self.identity.instance_id,
+                                       self.weight_port)
 
     async def GetDrafterWeights(self, data: bytes, context) -> AsyncIterator[pb.DrafterWeightsChunk]:
         async with status_on_error(context, "GetDrafterWeights"):

@@ -126,7 +126,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total", "instance_id", "memory_released", "drafter_stats", "max_weight_streams")
+    __slots__ = ("model", "drafter", "spec_method", "vocab_size", "eos_token_ids", "block_size", "max_model_len", "limits", "policy_version", "kv_blocks_free", "kv_blocks_total", "instance_id", "memory_released", "drafter_stats", "max_weight_streams", "weight_port")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class ServerInfo(_message.Message):
     MEMORY_RELEASED_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_STATS_FIELD_NUMBER: _ClassVar[int]
     MAX_WEIGHT_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     spec_method: str
@@ -171,7 +172,8 @@ class ServerInfo(_message.Message):
     memory_released: bool
     drafter_stats: _containers.ScalarMap[str, float]
     max_weight_streams: int
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., instance_id: _Optional[str] = ..., memory_released: _Optional[bool] = ..., drafter_stats: _Optional[_Mapping[str, float]] = ..., max_weight_streams: _Optional[int] = ...) -> None: ...
+    weight_port: int
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_method: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Mapping[str, int]] = ..., policy_version: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., instance_id: _Optional[str] = ..., memory_released: _Optional[bool] = ..., drafter_stats: _Optional[_Mapping[str, float]] = ..., max_weight_streams: _Optional[int] = ..., weight_port: _Optional[int] = ...) -> None: ...
 
 class DrafterWeightsRequest(_message.Message):
     __slots__ = ()
