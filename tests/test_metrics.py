@@ -77,10 +77,14 @@ def test_rpcs_are_counted_by_status_code_and_weight_updates_by_version(server):
         with pytest.raises(grpc.RpcError):
             client.generate("x", sampling=dict(top_p=2.0))
         embed = server.engine_call(lambda e: e.model.embed_tokens.weight.detach().clone())
+        with pytest.raises(grpc.RpcError):  # (on the weight port, as the good one: counted there too)
+            client.update_weights({"model.bogus.weight": embed}, streams=1)
         assert client.update_weights({"model.embed_tokens.weight": embed}) == 1
+        assert client._weight_address != server.address
         client.server_info()
     after = scrape_until(url, lambda m: value(m, "rollout_policy_version") == 1)
     assert value(after, "rollout_requests_total", rpc="Generate", code="INVALID_ARGUMENT") == 1
+    assert value(after, "rollout_requests_total", rpc="UpdateWeights", code="INVALID_ARGUMENT") == 1
     assert value(after, "rollout_requests_total", rpc="UpdateWeights", code="OK") == 1
     assert value(after, "rollout_requests_total", rpc="GetServerInfo", code="OK") >= 1
     assert value(after, "rollout_weight_updates_total") == 1

@@ -63,18 +63,22 @@ class RunningServer:
         await self.health.shutting_down()
         if self.watchdog is not None:
             self.watchdog.cancel()
-        await self.server.stop(grace)
-        if self.weight_port is not None:  # (its calls finish on this loop: waited for off it)
-            await asyncio.to_thread(self.weight_port.stop, grace)
+        await self._stop_ports(grace)
         await self.engine_loop.stop()
         for close in self.closers:
             close()
 
     async def stop_now(self) -> None:
         """Cancels the RPCs in flight on both ports (a `stop` under way then stops the engine)."""
-        await self.server.stop(None)
+        await self._stop_ports(None)
+
+    async def _stop_ports(self, grace: float | None) -> None:
+        """Both ports stop at once, their calls given `grace` s (the weight port's calls finish on
+        this loop: its stop is waited for off it)."""
+        stops = [self.server.stop(grace)]
         if self.weight_port is not None:
-            await asyncio.to_thread(self.weight_port.stop, None)
+            stops.append(asyncio.to_thread(self.weight_port.stop, grace))
+        await asyncio.gather(*stops)
 
 
 async def start_server(engine_factory: Callable[[], Any], config: ServeConfig) -> RunningServer:
@@ -152,7 +156,7 @@ async def _start_serving(server: grpc.aio.Server, port: int, engine_loop: Engine
     await server.start()
     weight_port = None
     if config.weight_port >= 0:  # (started last: nothing to stop if it cannot listen)
-        weight_port = WeightPort(service.weights, asyncio.get_running_loop(), config.grpc_options())
+        weight_port = WeightPort(service.weights, asyncio.get_running_loop(), config.grpc_options(), metrics.requests)
         service.weight_port = bind(weight_port.server, config, "weight_port")
         weight_port.server.start()
     await health_state.serving(True)

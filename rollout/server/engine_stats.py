@@ -15,6 +15,8 @@ every increment to an mmap'd file, and scrapes merge the files): a step then pay
 additions and one bisect (well under a microsecond, against steps of milliseconds), nothing is
 written per step, and no shared directory has to be set up and cleaned by `rollout serve`.
 Counters are cumulative, so a snapshot that is late or replaced by the next one loses nothing.
+
+`BusyPeriod` counts one busy period of the engine loop for its `engine_idle` log line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
+
+from rollout.outputs import SampleOutput
+from rollout.server.logs import elapsed_ms, log_event
 
 SHIP_INTERVAL_S = 0.25
 # upper bounds of the step-time histogram (seconds) and of a sample's mean tokens per verify step
@@ -118,3 +123,35 @@ class EngineStats:
             kv_blocks_free=free, kv_blocks_total=total, policy_version=engine.policy_version,
             drafts=dict(getattr(engine, "draft_counts", _NO_DRAFTS).by_key),
         )  # fmt: skip
+
+
+@dataclass
+class BusyPeriod:
+    """Steps from the engine's leaving idle to its return: logged as `engine_idle` (steps, time in
+    `engine.step()`, the period's length, the engine thread's CPU time, when the first step began
+    and the last request of the period came in, both from its start, and the CUDA graphs and Triton
+    kernel variants built meanwhile), which tells a slow step from time spent between steps, host work from waiting (for
+    the GPU or the GIL), shows how long a burst of requests took to come in, and which periods paid
+    for captures."""
+
+    started: float
+    compiled_before: dict[str, int] = field(default_factory=dict)
+    cpu_started: float = field(default_factory=time.thread_time)
+    steps: int = 0
+    step_seconds: float = 0.0
+    tokens: int = 0
+    first_step: float = 0.0
+    last_admitted: float = 0.0
+
+    def add(self, start: float, finished: list[SampleOutput]) -> None:
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - start
+        self.tokens += sum(len(s.token_ids) for s in finished)
+
+    def log(self, compiled: dict[str, int]) -> None:
+        cpu_ms = round((time.thread_time() - self.cpu_started) * 1e3, 2)  # the engine thread's CPU time
+        since = {name: round(max(t - self.started, 0.0) * 1e3, 2) for name, t in
+                 (("first_step_ms", self.first_step), ("last_admitted_ms", self.last_admitted))}
+        log_event("engine_idle", steps=self.steps, step_ms=round(self.step_seconds * 1e3, 2),
+                  busy_ms=elapsed_ms(self.started), cpu_ms=cpu_ms, finished_tokens=self.tokens,
+                  **{f"new_{k}": n - self.compiled_before.get(k, 0) for k, n in compiled.items()}, **since)

@@ -34,13 +34,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollout.errors import FailedPrecondition, Unavailable
 from rollout.outputs import SampleOutput
 from rollout.server.convert import GenerateCall
-from rollout.server.engine_stats import EngineStats, StatsSnapshot
+from rollout.server.engine_stats import BusyPeriod, EngineStats, StatsSnapshot
 from rollout.server.logs import elapsed_ms, log_event
 from rollout.server.outbox import Outbox
 from rollout.server.weight_jobs import EngineSide, WeightsApplied
@@ -90,7 +90,7 @@ class EngineLoop:
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._finished: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self.run, name="rollout-engine", daemon=True) if thread else None
-        self._busy_period: _BusyPeriod | None = None
+        self._busy_period: BusyPeriod | None = None
         self._spec_log_at = 0.0  # perf_counter time of the next spec_budget line
         self.engine: Any = None
         self.stats = EngineStats()
@@ -195,7 +195,7 @@ class EngineLoop:
             more = not busy and self._idle_work()
             self._run_commands(block=not busy and not more)
             if self._busy_period is None and self._busy():  # left idle (a request came in): a period begins
-                self._busy_period = _BusyPeriod(time.perf_counter(), self.engine.compiled())
+                self._busy_period = BusyPeriod(time.perf_counter(), self.engine.compiled())
             self._send_outbox()
             if self._busy() and not self._stopping:
                 self._step()
@@ -392,38 +392,6 @@ class EngineLoop:
             for _, fut, summary in self._weight_waiters:
                 self._resolve(fut, dataclasses.replace(summary, policy_version=version, pause_seconds=pause))
             self._weight_waiters.clear()
-
-
-@dataclass
-class _BusyPeriod:
-    """Steps from the engine's leaving idle to its return: logged as `engine_idle` (steps, time in
-    `engine.step()`, the period's length, the engine thread's CPU time, when the first step began
-    and the last request of the period came in, both from its start, and the CUDA graphs and Triton
-    kernel variants built meanwhile), which tells a slow step from time spent between steps, host work from waiting (for
-    the GPU or the GIL), shows how long a burst of requests took to come in, and which periods paid
-    for captures."""
-
-    started: float
-    compiled_before: dict[str, int] = field(default_factory=dict)
-    cpu_started: float = field(default_factory=time.thread_time)
-    steps: int = 0
-    step_seconds: float = 0.0
-    tokens: int = 0
-    first_step: float = 0.0
-    last_admitted: float = 0.0
-
-    def add(self, start: float, finished: list[SampleOutput]) -> None:
-        self.steps += 1
-        self.step_seconds += time.perf_counter() - start
-        self.tokens += sum(len(s.token_ids) for s in finished)
-
-    def log(self, compiled: dict[str, int]) -> None:
-        cpu_ms = round((time.thread_time() - self.cpu_started) * 1e3, 2)  # the engine thread's CPU time
-        since = {name: round(max(t - self.started, 0.0) * 1e3, 2) for name, t in
-                 (("first_step_ms", self.first_step), ("last_admitted_ms", self.last_admitted))}
-        log_event("engine_idle", steps=self.steps, step_ms=round(self.step_seconds * 1e3, 2),
-                  busy_ms=elapsed_ms(self.started), cpu_ms=cpu_ms, finished_tokens=self.tokens,
-                  **{f"new_{k}": n - self.compiled_before.get(k, 0) for k, n in compiled.items()}, **since)
 
 
 def _failure(samples: list[SampleOutput]) -> FailedPrecondition | None:

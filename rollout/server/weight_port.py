@@ -42,8 +42,10 @@ class WeightPort:
     """A thread-pool grpc server (`server`: bind and start it) that takes UpdateWeights for
     `weights`, whose coroutines run on `loop`."""
 
-    def __init__(self, weights: WeightService, loop: asyncio.AbstractEventLoop, options: list[tuple[str, Any]]):
-        self.weights, self.loop = weights, loop
+    def __init__(self, weights: WeightService, loop: asyncio.AbstractEventLoop, options: list[tuple[str, Any]],
+                 requests=None):  # fmt: skip
+        """`requests`: the metrics' counter of RPCs by method and status code (rollout.server.metrics)."""
+        self.weights, self.loop, self.requests = weights, loop, requests
         # two threads more than one update's calls: a call beyond them waits for a thread, never a deadlock
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(MAX_WEIGHT_STREAMS + 2,
                                                                         thread_name_prefix="rollout-weight-port"),
@@ -57,7 +59,21 @@ class WeightPort:
         self.server.stop(grace).wait()
 
     def update(self, pieces: Iterator[WirePiece], context: grpc.ServicerContext) -> pb.UpdateWeightsResponse:
-        """One UpdateWeights call, on a thread of the pool: its pieces go to WeightService.update."""
+        """One UpdateWeights call, on a thread of the pool, counted by the status it ends with."""
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            reply = self._update(pieces, context)
+            code = grpc.StatusCode.OK
+            return reply
+        except _Ended as ended:
+            code = ended.code
+            context.abort(ended.code, ended.message)
+        finally:
+            if self.requests is not None:
+                self.requests.labels("UpdateWeights", code.name).inc()
+
+    def _update(self, pieces: Iterator[WirePiece], context: grpc.ServicerContext) -> pb.UpdateWeightsResponse:
+        """Its pieces go to WeightService.update; _Ended with the status of a call that fails."""
         feed = _Feed(self.loop)
         answer = asyncio.run_coroutine_threadsafe(self.weights.update(feed), self.loop)
         context.add_callback(answer.cancel)  # the call ended (the caller gone, or answered): no-op once done
@@ -72,13 +88,21 @@ class WeightPort:
         try:
             return answer.result()
         except concurrent.futures.CancelledError:
-            context.abort(grpc.StatusCode.CANCELLED, "weights: the call was cancelled")
+            raise _Ended(grpc.StatusCode.CANCELLED, "weights: the call was cancelled") from None
         except Exception as exc:  # every error becomes its status, as on the main port
             code, message = to_status(exc)
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
             log_event("rpc_error", level, exc_info=level == logging.ERROR, rpc="UpdateWeights", port="weight",
                       code=code.name, message=message)
-            context.abort(code, message)
+            raise _Ended(code, message) from None
+
+
+class _Ended(Exception):
+    """A weight-port call that ends with a status other than OK."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class _Feed:
