@@ -2,8 +2,8 @@
 on SIGTERM during generation delivers the in-flight samples, then exits 0; killed outright, it
 leaves no engine process behind. Its edges: a port another server holds is refused by name; a
 signal during start-up is handled (it starts, then stops cleanly); a second signal cuts a drain
-short (exit 1); a drain that times out leaves a clean log; a stopped engine process turns health
-NOT_SERVING until it moves again."""
+short (exit 1); a drain that times out leaves a clean log, and so does one that ends an upload
+stalled on the weight port; a stopped engine process turns health NOT_SERVING until it moves again."""
 
 from __future__ import annotations
 
@@ -210,3 +210,36 @@ def _wait_for(predicate, timeout: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < end, "condition not reached in time"
         time.sleep(0.01)
+
+
+def test_a_drain_ends_a_stalled_upload_on_the_weight_port(tiny_random_qwen3):
+    """An update half sent to the weight port when SIGTERM comes (its sender stalls): the drain gives
+    it --drain-seconds, then cancels it; nothing applies, the server exits 0 with a clean log (the
+    weight port's threads, blocked on the update, do not hold the process)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rollout.weight_wire import encode_piece, tensor_piece
+
+    server = ServerProcess(["--model", str(tiny_random_qwen3), "--num-kv-blocks", "64", "--drain-seconds", "1"])
+    with server, RolloutClient(server.address, timeout=60) as client:
+        port = client.server_info()["weight_port"]
+        norm = load_file(str(tiny_random_qwen3 / "model.safetensors"))["model.norm.weight"]
+        stalled = threading.Event()
+
+        def pieces():
+            yield encode_piece(tensor_piece("model.norm.weight", "float32", (64,),
+                                            memoryview(norm.view(torch.uint8).numpy())[:128]))
+            stalled.wait(60)  # the rest never comes while the server drains
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_unary("/rollout.v1.Rollout/UpdateWeights", response_deserializer=lambda raw: raw)
+            upload = call.future(pieces(), timeout=60)
+            time.sleep(0.5)  # (the call is open, its first piece most likely in)
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(30) == 0
+            stalled.set()
+            assert upload.exception(30).code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        log = server.log_tail(100_000)
+    assert '"event": "server_stopped"' in log and '"weights_applied"' not in log
+    assert '"level": "error"' not in log and "Traceback" not in log
