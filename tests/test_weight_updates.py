@@ -357,6 +357,31 @@ def test_updates_go_to_the_weight_port_and_the_main_port_takes_them_too(server, 
     assert client.generate([[4, 5, 6]], sampling=GREEDY).column("token_ids").to_pylist() == reference
 
 
+def test_on_the_weight_port_a_call_whose_sibling_went_away_is_aborted(server, client, original):
+    """A split update on the weight port: one call stalls and its deadline passes (its caller hears
+    DEADLINE_EXCEEDED), which withdraws the update; the other call, all sent and its own deadline
+    far, hears ABORTED within a second rather than waiting for its deadline (or a CANCELLED it did
+    not ask for)."""
+    v0 = client.server_info()["policy_version"]
+    weight_address = f"127.0.0.1:{client.server_info()['weight_port']}"
+    halves = weight_streams(original, update_id="sibling", streams=2)
+    go_on = threading.Event()
+
+    def stalled(pieces):
+        yield from pieces
+        go_on.wait(60)
+
+    short, far = _calls_to(weight_address, 2)
+    far_call = far.future(encoded_ahead(halves[1]), timeout=60)
+    with pytest.raises(grpc.RpcError) as err:
+        short(stalled(encoded_ahead(halves[0])), timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert far_call.exception(timeout=10).code() == grpc.StatusCode.ABORTED
+    assert "another call of this update went away" in far_call.exception().details()
+    go_on.set()
+    assert _released(server) and client.server_info()["policy_version"] == v0
+
+
 def test_the_weight_port_refuses_like_the_main_port(server, original):
     """Bad input on the weight port: refused at the tensor's first piece with the field named, the
     arena given back; an undecodable message is INVALID_ARGUMENT."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from rollout.server.wire import SERVICE_NAME
 from rollout.weight_wire import WirePiece, decode_chunk
 
 FEED_DEPTH = 4  # decoded pieces (16 MiB each from trainer_client) waiting between a call's thread and the loop
+SIBLING_WAIT_S = 1.0  # how long a call whose update another call cancelled waits for its own end (_why_cancelled)
 _END = object()
 
 
@@ -88,13 +90,29 @@ class WeightPort:
         try:
             return answer.result()
         except concurrent.futures.CancelledError:
-            raise _Ended(grpc.StatusCode.CANCELLED, "weights: the call was cancelled") from None
+            raise _Ended(*_why_cancelled(context)) from None
         except Exception as exc:  # every error becomes its status, as on the main port
             code, message = to_status(exc)
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
             log_event("rpc_error", level, exc_info=level == logging.ERROR, rpc="UpdateWeights", port="weight",
                       code=code.name, message=message)
             raise _Ended(code, message) from None
+
+
+def _why_cancelled(context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+    """The status of a call whose update was cancelled. Its own end as grpc saw it (its deadline, or
+    its caller's cancel: grpc has told the caller already) when that comes within SIBLING_WAIT_S: the
+    calls of a split update share a deadline, and the first to pass it cancels the update for all.
+    Otherwise another call of the update went away: ABORTED."""
+    end = time.monotonic() + SIBLING_WAIT_S
+    while context.is_active() and time.monotonic() < end:
+        time.sleep(0.005)
+    if context.is_active():
+        return grpc.StatusCode.ABORTED, "weights: another call of this update went away; nothing applied"
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "weights: the call's deadline passed"
+    return grpc.StatusCode.CANCELLED, "weights: the call was cancelled"
 
 
 class _Ended(Exception):
