@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,7 +78,9 @@ class WeightPort:
         """Its pieces go to WeightService.update; _Ended with the status of a call that fails."""
         feed = _Feed(self.loop)
         answer = asyncio.run_coroutine_threadsafe(self.weights.update(feed), self.loop)
-        context.add_callback(answer.cancel)  # the call ended (the caller gone, or answered): no-op once done
+        ended = threading.Event()  # the call ended (the caller gone, or answered)
+        context.add_callback(ended.set)
+        context.add_callback(answer.cancel)  # (a no-op once the update is done)
         try:
             for piece in pieces:
                 if not feed.put(piece, answer):
@@ -90,7 +92,7 @@ class WeightPort:
         try:
             return answer.result()
         except concurrent.futures.CancelledError:
-            raise _Ended(*_why_cancelled(context)) from None
+            raise _Ended(*_why_cancelled(context, ended)) from None
         except Exception as exc:  # every error becomes its status, as on the main port
             code, message = to_status(exc)
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
@@ -99,15 +101,12 @@ class WeightPort:
             raise _Ended(code, message) from None
 
 
-def _why_cancelled(context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+def _why_cancelled(context: grpc.ServicerContext, ended: threading.Event) -> tuple[grpc.StatusCode, str]:
     """The status of a call whose update was cancelled. Its own end as grpc saw it (its deadline, or
     its caller's cancel: grpc has told the caller already) when that comes within SIBLING_WAIT_S: the
     calls of a split update share a deadline, and the first to pass it cancels the update for all.
     Otherwise another call of the update went away: ABORTED."""
-    end = time.monotonic() + SIBLING_WAIT_S
-    while context.is_active() and time.monotonic() < end:
-        time.sleep(0.005)
-    if context.is_active():
+    if not ended.wait(SIBLING_WAIT_S):
         return grpc.StatusCode.ABORTED, "weights: another call of this update went away; nothing applied"
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
