@@ -99,5 +99,5 @@ class Sequence:
     def behind_and_remaining(self) -> tuple[int, int]:
         """(tokens not computed yet, output tokens left): num_tokens - num_computed_tokens and
         remaining_tokens in one call (the draft budget reads both for every sample every step)."""
-        output = len(self.output_token_ids) + (self.pending_entry >= 0)
+        output = self.num_output_tokens
         return len(self.prompt_token_ids) + output - self.num_computed_tokens, self.params.max_tokens - output
