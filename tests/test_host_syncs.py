@@ -153,7 +153,9 @@ def test_a_step_waits_for_the_device_once(request, target, spec, static, monkeyp
     assert grammar.error is None and grammar.supports is not None
     assert (watched.grammar_draft_steps > 0) == (method != "none")  # each exception is exercised, or absent
     expected = Counter({GRAMMAR_SITE: watched.grammar_draft_steps, TOP_P_SITE: sum(watched.top_p_reads)})
-    assert len(watched.top_p_reads) == watched.steps and any(watched.top_p_steps)
+    discarded = len(watched.top_p_reads) - watched.steps  # a last step launched ahead, all samples finished before it
+    assert discarded in (0, 1) and (not discarded or watched.events[-2:] == ["build", "sync"])
+    assert any(watched.top_p_steps)
     assert all(n in (1, 2) if top_p else n == 0 for n, top_p in zip(watched.top_p_reads, watched.top_p_steps))
     if threshold:
         assert eng.drafter.num_proposals > 0
@@ -161,12 +163,26 @@ def test_a_step_waits_for_the_device_once(request, target, spec, static, monkeyp
     assert watched.sites() == expected, "host waits inside a step:\n" + "\n".join(map(str, watched.waits.found))
 
 
+class _NoDrafts:
+    """A draft budget that verifies no drafts."""
+
+    def caps(self, running, admits, token_budget):
+        return {}
+
+
+@pytest.mark.parametrize("spec", ["none", "dflash"], ids=["no-drafter", "dflash-no-drafts"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_the_next_step_launches_before_the_sync_without_a_read(tiny_random_qwen3, overlap, monkeypatch):
+def test_the_next_step_launches_before_the_sync_without_a_read(tiny_random_qwen3, random_drafters, overlap, spec,
+                                                               monkeypatch):
     """Overlapped scheduling (rollout/engine/overlap.py): step n+1 is built and launched before step
     n's sync, with no device -> host read anywhere before that sync (the pending tokens of n+1 come
-    from n's on the device). The workload has nothing that falls back (no grammar, no penalties)."""
-    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300, overlap=overlap))
+    from n's on the device). The workload has nothing that falls back (no grammar, no penalties); with
+    a drafter the draft budget verifies no drafts, so its steps are plain ones (the drafter's context
+    update still runs in every forward)."""
+    eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300, overlap=overlap,
+                                    spec=spec, draft=random_drafters.get(spec), spec_adaptive=False))
+    if spec != "none":
+        eng.scheduler.draft_budget = _NoDrafts()
     eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3),
                     mask="support")
     eng.add_request("s", [[11, 12, 13]], SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.05,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from spec_helpers import RepeatDrafter, factory_of
 
 from rollout import build_engine
 from rollout.engine.config import EngineConfig
@@ -250,7 +251,82 @@ def test_drafted_steps_run_synchronously(tiny_random_qwen3, random_drafters, gre
         runs[overlap] = _run(eng), eng
     (want, _), (got, eng) = runs[False], runs[True]
     _same(got, want)
-    assert eng.pipeline.sync_steps["drafter"] > 0 and eng.pipeline.overlapped == 0
+    # full blocks: every decode step verifies drafts; only the prompt steps overlap the next one
+    assert eng.pipeline.sync_steps["drafts"] > 5 and eng.pipeline.sync_steps["drafts next"] > 0
+    assert eng.pipeline.overlapped < eng.pipeline.sync_steps["drafts"]
+
+
+class _EveryThird:
+    """A draft budget that verifies full blocks for the samples of requests "g" and "late" whose length
+    is a multiple of 3 and no drafts for the others (or none at all with `never`): a run mixes drafted
+    steps with plain ones, decided by the samples' state alone, so both loops decide alike."""
+
+    def __init__(self, never: bool = False):
+        self.never = never
+
+    def caps(self, running, admits, token_budget):
+        return {} if self.never else {s: 8 for s in running if s.request_id in ("g", "late") and s.num_tokens % 3 == 0}
+
+
+class _OverlappingRepeat(RepeatDrafter):
+    """Repeats the anchor (often accepted by the tiny random model) and says it may overlap."""
+
+    def overlaps(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark", "repeat"])
+@pytest.mark.parametrize("never", [False, True], ids=["mixed", "never"])
+def test_steps_without_drafts_overlap_with_a_drafter(tiny_random_qwen3, random_drafters, spec, never):
+    """A drafter does not turn overlap off: a step that verifies no drafts launches ahead like a plain
+    one; a step scheduled ahead with drafts waits for the sync before it (`drafts next`) and one that
+    verified drafts is followed synchronously (`drafts`). The samples are those of the synchronous loop."""
+    runs = {}
+    for overlap in (False, True):
+        if spec == "repeat":
+            config = EngineConfig(model=str(tiny_random_qwen3), overlap=overlap, spec_adaptive=False, block_size=4,
+                                  num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=32)
+            eng = build_engine(config, drafter_factory=factory_of(_OverlappingRepeat(8)))
+        else:
+            eng = _engine(tiny_random_qwen3, overlap, spec=spec, draft=random_drafters[spec], spec_adaptive=False)
+        eng.scheduler.draft_budget = _EveryThird(never)
+        eng.add_request("s", [PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=24, seed=5, **SAMPLED), n=2,
+                        mask="support")
+        eng.add_request("g", [PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.0), mask="selected")
+        eng.add_request("stop", [PROMPTS[3]], SamplingParams(max_tokens=12, seed=2, stop_token_ids=[7, 9, 11],
+                                                             temperature=1.0))
+
+        def abort_late(eng, i):
+            return eng.abort("late") if i == 6 else (eng.add_request(
+                "late", [[3, 4, 5]], SamplingParams(max_tokens=20, seed=1, **SAMPLED)) if i == 2 else None)
+
+        runs[overlap] = _run(eng, abort_late), eng
+    (want, _), (got, eng) = runs[False], runs[True]
+    late = ("late", 0, 0)  # admitted a step later when scheduled ahead, so aborted one step shorter or so
+    short, long = sorted((got.pop(late), want.pop(late)), key=lambda o: len(o.token_ids))
+    assert short.finish_reason == long.finish_reason == "abort" and 0 < len(short.token_ids)
+    assert short.token_ids == long.token_ids[:len(short.token_ids)]
+    _same(got, want)
+    assert eng.pipeline.idle and eng.kv_blocks()[0] == eng.kv_blocks()[1]
+    assert eng.pipeline.overlapped > 10 and not eng.pipeline.sync_steps["drafter"]
+    proposed, accepted = eng.draft_counts.total()
+    if never:
+        assert not proposed and not eng.pipeline.sync_steps
+    else:
+        assert proposed >= 8 and eng.pipeline.sync_steps["drafts next"] >= 2 and eng.pipeline.sync_steps["drafts"] >= 2
+        assert all(got[key].accept_lengths == w.accept_lengths for key, w in want.items())  # the same steps drafted
+        assert accepted > 0 if spec == "repeat" else True  # (the random drafters' drafts are rejected)
+
+
+def test_a_refreshing_drafter_runs_every_step_synchronously(tiny_random_qwen3, random_drafters):
+    """The refresh pairs each step's tapped hidden states with that step's commit, so a step launched
+    ahead would overwrite them: such a drafter says so (`Drafter.overlaps`)."""
+    eng = _engine(tiny_random_qwen3, True, spec="dflash", draft=random_drafters["dflash"], drafter_refresh="idle",
+                  drafter_refresh_tokens=48)
+    eng.scheduler.draft_budget = _EveryThird(never=True)
+    eng.add_request("s", [PROMPTS[0]], SamplingParams(max_tokens=8, seed=5, **SAMPLED))
+    _run(eng)
+    assert not eng.drafter.overlaps() and eng.pipeline.overlapped == 0 and eng.pipeline.sync_steps["drafter"] > 5
 
 
 def test_no_overlap_flag():

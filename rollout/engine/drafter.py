@@ -93,6 +93,14 @@ class Drafter(ABC):
         accepted (the step's host copy). Optional."""
         return None
 
+    def overlaps(self) -> bool:
+        """Whether a step without drafts may be scheduled and launched before the previous step's sync
+        (rollout.engine.overlap): then `begin_step` / `propose` (proposing nothing) and the forward's
+        `update_context` of step n+1 come before `verified` of step n. A drafter that keeps per-step
+        host state across those calls says False (every step then runs synchronously). Optional:
+        False unless a drafter says otherwise."""
+        return False
+
     def idle(self) -> bool:
         """The engine loop has nothing to run: background work (a drafter refresh's training, rollout.
         spec.refresh) within the drafter's own time bound. Returns whether it wants more (the loop

@@ -11,8 +11,8 @@ blocks mixed), one policy (docs/sampling.md) over the rows that sample, one veri
 default; docs/overlap.md, rollout.engine.overlap) step n+1 is scheduled, built and launched before
 step n's synchronisation: it assumes each sample of n commits one token, filled into its inputs on
 the device; slots of samples that finished meanwhile are discarded. Steps that need the previous
-step's tokens on the host (drafted steps, grammar samples, a draining weight update) run
-synchronously. The engine is single-threaded: the server calls it from one loop. Its parts get
+step's tokens on the host (after a drafted step, grammar samples, a draining weight update) run
+synchronously; a step scheduled ahead with drafts is held and launched after the sync. The engine is single-threaded: the server calls it from one loop. Its parts get
 what they need as arguments (the scheduler its block manager, the intake and the committer the
 scheduler, the weight updater the modules it loads into); the drafter comes from a factory
 (rollout.engine.drafter), so the engine imports none.
@@ -213,6 +213,7 @@ class LLMEngine:
                                      "between rollouts")
         before = self._device_bytes()
         self.pipeline.take()  # a step left in flight holds only discarded slots (its samples were aborted)
+        self.pipeline.take_held()  # (the same)
         self.kv_caches, self.graphs = [], None
         if self.drafter is not None:
             self.drafter.free()
@@ -264,12 +265,12 @@ class LLMEngine:
         if self.memory.released:
             return []
         start = time.perf_counter()
-        current = self.pipeline.take() or self._launch(self.scheduler.schedule())
+        current = self.pipeline.take() or self._launch(self.pipeline.take_held() or self.scheduler.schedule())
         if current is None:
             self.committer.hand_over_masks()
             return []
-        has_drafter, weights_pending = self.drafter is not None, self.weights.pending
-        after = self._launch_after(current) if self.pipeline.overlaps(current, has_drafter, weights_pending) else None
+        ahead = self.pipeline.overlaps(current, self.drafter, self.weights.pending)
+        after = self._launch_after(current) if ahead else None
         outputs = self._finish(current, start)
         if after is not None and self.scheduler.has_unfinished():  # else every slot of `after` is discarded
             self._copy_blocks(overlap.advance(self.scheduler, after))
@@ -292,11 +293,16 @@ class LLMEngine:
         return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result), self._graphed)
 
     def _launch_after(self, current: Launched) -> Launched | None:
-        """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap)."""
+        """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap); held instead
+        when the draft budget gives it drafts (their anchors are n's tokens)."""
         if not current.advanced:
             self._copy_blocks(overlap.advance(self.scheduler, current))
         self.committer.hand_over_masks()  # n-1's, before n+1's mask copy reuses their staging buffer
-        return self._launch(self.scheduler.schedule(), current)
+        plan = self.scheduler.schedule()
+        if any(item.num_draft for item in plan):
+            self.pipeline.hold(plan)
+            return None
+        return self._launch(plan, current)
 
     def _finish(self, current: Launched, start: float) -> list[SampleOutput]:
         """(last step's masks) -> sync -> count drafts -> advance -> commit/emit -> truncate drafts -> record."""

@@ -32,10 +32,19 @@ The order inside one `LLMEngine.step()`, step n launched already (by the previou
 
 A step runs synchronously (n+1 is scheduled after n's commit, as with `--no-overlap`) when building
 n+1 needs host state of step n; `sync_reason` names each case, and `Pipeline.sync_steps` counts them:
-* "drafter": drafted steps (their positions depend on how many drafts step n accepts);
+* "drafts": step n was scheduled with drafts (n+1's positions depend on how many it accepts, and n's
+  commit frees the blocks reserved for drafts not accepted or not proposed);
+* "drafter": a drafter that keeps per-step host state (`Drafter.overlaps` False: a refreshing one);
 * "grammar": a grammar sample of step n (its bitmask in n+1 needs the matcher advanced by n's token);
 * "weight update": a pending weight update (the pipeline drains, then it applies between steps);
 * "off": `overlap=False`.
+
+With a drafter, a step without drafts (the draft budget verifies none: an untrained or drifted
+drafter, a batch too wide to pay) overlaps like any plain step. Step n+1 is scheduled ahead as above;
+when the budget gives it drafts, they need n's committed token as their anchor, so n+1 is held
+(`Pipeline.held`, counted as "drafts next") and launches at the start of the next `step()`, after n's
+commit, without the samples that finished meanwhile. Its schedule is the one the synchronous loop
+would make, but for the one-step lag of admissions that any overlapped step has.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import numpy as np
 import torch
 
 from rollout.engine.batch import StepBatch
-from rollout.engine.drafter import Drafts
+from rollout.engine.drafter import Drafter, Drafts
 from rollout.engine.scheduler import ScheduledSeq, Scheduler
 from rollout.engine.transfer import upload
 from rollout.engine.verify import VerifyResult
@@ -97,20 +106,35 @@ class Pipeline:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.inflight: Launched | None = None
+        self.held: list[ScheduledSeq] | None = None  # step n+1 scheduled ahead with drafts, not launched
         self.sync_steps: Counter[str] = Counter()  # steps that ran synchronously, by `sync_reason`
         self.overlapped = 0  # steps launched before the step ahead of them synchronised
 
     @property
     def idle(self) -> bool:
-        return self.inflight is None
+        return self.inflight is None and self.held is None
 
     def take(self) -> Launched | None:
         launched, self.inflight = self.inflight, None
         return launched
 
-    def overlaps(self, current: Launched, has_drafter: bool, weights_pending: bool) -> bool:
-        """Whether step n+1 may launch before `current` syncs; counts the reason when not."""
-        reason = sync_reason(current, self.enabled, has_drafter, weights_pending)
+    def take_held(self) -> list[ScheduledSeq] | None:
+        """The held plan without the samples that finished since it was scheduled (their blocks are
+        free already); None when no plan is held or none of its samples is left."""
+        plan, self.held = self.held, None
+        plan = [item for item in plan or () if not item.seq.is_finished]
+        return plan or None
+
+    def hold(self, plan: list[ScheduledSeq]) -> None:
+        """Step n+1, scheduled ahead, verifies drafts: it launches after n's sync (module docstring)."""
+        self.held = plan
+        self.overlapped -= 1  # `overlaps` counted it as launched ahead
+        self.sync_steps["drafts next"] += 1
+
+    def overlaps(self, current: Launched, drafter: Drafter | None, weights_pending: bool) -> bool:
+        """Whether step n+1 may be scheduled and launched before `current` syncs; counts the reason
+        when not."""
+        reason = sync_reason(current, self.enabled, drafter, weights_pending)
         if reason is not None:
             self.sync_steps[reason] += 1
         else:
@@ -118,12 +142,14 @@ class Pipeline:
         return reason is None
 
 
-def sync_reason(current: Launched, enabled: bool, has_drafter: bool, weights_pending: bool) -> str | None:
+def sync_reason(current: Launched, enabled: bool, drafter: Drafter | None, weights_pending: bool) -> str | None:
     """Why the step after `current` must be built from current's committed tokens (None: it need not)."""
     if not enabled:
         return "off"
-    if has_drafter:
+    if drafter is not None and not drafter.overlaps():
         return "drafter"
+    if any(item.num_draft for item in current.plan):  # (scheduled: unproposed drafts' blocks go at its commit)
+        return "drafts"
     if weights_pending:
         return "weight update"
     if any(seq.grammar is not None for seq in current.step.rows.entries):

@@ -109,6 +109,9 @@ class CombinedDrafter(Drafter):
         self.history.sample_finished(seq)
         self.block_drafter.sample_finished(seq)
 
+    def overlaps(self) -> bool:
+        return self.block_drafter.overlaps() and self.history.overlaps()
+
     def idle(self) -> bool:
         return self.block_drafter.idle()
 

@@ -92,6 +92,9 @@ class HistoryDrafter(Drafter):
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         return None
 
+    def overlaps(self) -> bool:
+        return True  # it reads committed tokens only when it drafts, and drafted steps launch after a sync
+
     def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
         per_item, flat = [0] * len(items), []
         for i, item in enumerate(items):

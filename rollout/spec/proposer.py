@@ -106,6 +106,9 @@ class BlockDrafter(Drafter):
         if self.refresh is not None:
             self.refresh.committed(drafts, accepted)
 
+    def overlaps(self) -> bool:
+        return self.refresh is None  # the refresh pairs each step's taps with its own commit
+
     def idle(self) -> bool:
         return self.refresh is not None and self.refresh.idle()
 
