@@ -85,7 +85,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape-batches", nargs="+", type=int, default=[8, 256])
     p.add_argument("--shape-output-len", type=int, default=128)
     p.add_argument("--tail-samples", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs of each arm (the median is shown)")
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds of the arms (medians are shown)")
+    p.add_argument("--embedded-repeats", type=int, default=5, help="the same, embedded cases (short runs)")
     p.add_argument("--verify-batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--context", type=int, default=1024, help="verify-cost")
     p.add_argument("--fresh-start", action="store_true",
@@ -94,6 +95,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.quick:
         args.output_len, args.batch1_prompts, args.repeats, args.tail_samples = 16, 1, 1, 16
+        args.embedded_repeats = 1
         args.shape, args.shape_batches, args.shape_output_len = "tiny", [2, 8], 16
         args.verify_batches, args.context = [1, 4], 64
     return args
@@ -151,20 +153,24 @@ def _eager_proposals(engine: LLMEngine) -> int:
     return getattr(drafter, "num_proposals", 0) - (graphs.num_replays if graphs is not None else 0)
 
 
-def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, args, result: dict) -> None:
-    """Warm-up of every arm, then `repeats` alternating timed runs; one row per arm (medians)."""
+def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, args, result: dict,
+            repeats: int | None = None) -> None:
+    """Warm-up of every arm, then `repeats` rounds, each running every arm once, in turn; one row per
+    arm: the run nearest the arm's median tokens/s, and `vs_none`, the median over rounds of the arm's
+    tokens/s over `none`'s in the same round (so a host that drifts between rounds cancels out; the
+    launch-bound embedded models' runs move by 20% from one round to the next)."""
     tag = "-".join(str(v) for v in setting.values())
     for arm in ARMS:
         run_arm(engines, arm, groups, f"{tag}-warm", args.device)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for r in range(args.repeats):
+    for r in range(repeats or args.repeats):
         for arm in ARMS:
             runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device, args.fresh_start))
-    base = statistics.median(x["tokens_per_s"] for x in runs["none"])
     for arm in ARMS:
         row = dict(setting, **min(runs[arm], key=lambda x: abs(x["tokens_per_s"] - statistics.median(
             y["tokens_per_s"] for y in runs[arm]))))
-        row["vs_none"] = row["tokens_per_s"] / base
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs["none"])]
+        row["vs_none"], row["vs_none_rounds"] = statistics.median(ratios), [round(x, 3) for x in ratios]
         result["rows"].append(row)
         write_json(args.out, result)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
@@ -190,7 +196,7 @@ def case_embedded(args: argparse.Namespace, result: dict, mode: str, batches: li
             reqs = requests(chosen, SAMPLING[mode], args.output_len)
             groups = [reqs[i: i + batch] for i in range(0, len(reqs), batch)]
             compare(engines, groups, dict(case=f"embedded-{mode}", spec=spec, sampling=mode, batch=batch), args,
-                    result)
+                    result, args.embedded_repeats)
         del engines
         free_memory()
 

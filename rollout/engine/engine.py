@@ -12,10 +12,11 @@ default; docs/overlap.md, rollout.engine.overlap) step n+1 is scheduled, built a
 step n's synchronisation: it assumes each sample of n commits one token, filled into its inputs on
 the device; slots of samples that finished meanwhile are discarded. Steps that need the previous
 step's tokens on the host (after a drafted step, grammar samples, a draining weight update) run
-synchronously; a step scheduled ahead with drafts is held and launched after the sync. The engine is single-threaded: the server calls it from one loop. Its parts get
-what they need as arguments (the scheduler its block manager, the intake and the committer the
-scheduler, the weight updater the modules it loads into); the drafter comes from a factory
-(rollout.engine.drafter), so the engine imports none.
+synchronously; a step scheduled ahead with drafts is held and launched after the sync. The engine
+is single-threaded: the server calls it from one loop. Its parts get what they need as arguments
+(the scheduler its block manager, the intake and the committer the scheduler, the weight updater
+the modules it loads into); the drafter comes from a factory (rollout.engine.drafter), so the
+engine imports none.
 
 With a drafter, the scheduler's draft budget (spec_budget.py, `--no-spec-adaptive` turns it off)
 decides each step how many drafts of each sample to verify, from the acceptance each sample has
