@@ -14,7 +14,6 @@ from collections import Counter
 import pytest
 from spec_helpers import cost_table
 
-import rollout.spec.proposer as proposer
 from rollout import build_engine
 from rollout.cli import build_parser, engine_factory
 from rollout.engine import spec_budget
@@ -138,16 +137,3 @@ def test_drafts_are_counted_once_by_the_engine_and_the_budget_reads_that_count()
     assert summary["accepted_per_verify"] > 0
     assert eng.spec_budget_summary()["drafts_per_row"] == 0  # nothing proposed since
 
-
-@pytest.mark.parametrize("spec", ["dflash", "dspark"])
-def test_the_drafters_profile_draws_its_drafts_as_a_sampled_proposal_does(spec, monkeypatch):
-    """The startup profile prices the drafter's whole proposal at temperature 1: the block forward and
-    the draws (DSpark's walk draws each position in turn), not the forward alone."""
-    eng = _engine(spec, adaptive=False)
-    draws = []
-    real = proposer._draw
-    monkeypatch.setattr(proposer, "_draw", lambda *a: draws.append(a[0].shape) or real(*a))
-    run = eng.drafter.profile_forward(3, eng.block_manager.num_blocks, eng.config.block_size)
-    drafts = run()
-    assert tuple(drafts.shape) == (3, K)
-    assert len(draws) == (1 if spec == "dflash" else K)  # DFlash draws the block at once

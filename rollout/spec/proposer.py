@@ -131,21 +131,21 @@ class BlockDrafter(Drafter):
                                   self.device, capture)
 
     def profile_forward(self, rows: int, scratch_block: int, block_size: int) -> Callable[[], object]:
-        """The block forward and the drafts drawn from it at temperature 1 (RL's setting, and the dearer
-        one: DSpark walks its block position by position, drawing each draft)."""
+        """The block forward and a greedy choice from it; the cost model's learned corrections cover
+        the rest of a proposal. (Pricing a sampled proposal's draws too, dearer for DSpark, which walks
+        its block drawing each position, was measured on the H200 and not kept: DSpark's proposal was
+        then priced at 5.8-6.9 ms, greedy steps cost a third of that, and DSpark at temperature 1 did
+        not gain; BENCHMARKS.md, issue 19.)"""
         ctx = MIN_CONTEXT_BUCKET
         kw = dict(dtype=torch.int64, device=self.device)
         anchors, anchor_pos = torch.zeros(rows, **kw), torch.full((rows,), ctx, **kw)  # [S], [S]
         table = torch.full((rows, -(-(ctx + self.block) // block_size)), scratch_block, **kw)  # [S, W]
         key = self.graphs.key(rows, ctx) if self.graphs is not None else None
-        seqs = [_Seeded(i) for i in range(rows)]
 
         def run():
             if key is not None:
-                hidden, logits = self.graphs.run(key, anchors, anchor_pos, table)
-            else:
-                hidden, logits = self._block_forward(anchors, anchor_pos, table, ctx)
-            return self._choose(logits.float(), hidden, anchors, [1.0] * rows, seqs, anchor_pos + 1)[0]
+                return self.graphs.run(key, anchors, anchor_pos, table)[1].argmax(dim=-1)
+            return self._block_forward(anchors, anchor_pos, table, ctx)[1].argmax(dim=-1)
 
         return run
 
@@ -257,13 +257,6 @@ class BlockDrafter(Drafter):
             return limit
         run = keep.int().cumprod(dim=1).sum(dim=1).tolist()
         return [min(a, b) for a, b in zip(run, limit)]
-
-
-class _Seeded:
-    """What `BlockDrafter._choose` reads of a sample: its seed (the startup profile's stand-in)."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
 
 
 def _draw(z: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor):
