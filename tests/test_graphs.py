@@ -16,13 +16,14 @@ from rollout.engine.params import SamplingParams
 PROMPTS = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 201]]
 
 
-def _run(model, static: bool, drafter=None, params=None, after_step=None, prompts=PROMPTS, n=3, **config):
+def _run(model, static: bool, drafter=None, params=None, after_step=None, prompts=PROMPTS, n=3, max_tokens=12,
+         **config):
     config.setdefault("spec_adaptive", False)  # full blocks: every verify shape
     eng = build_engine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=200, **config),
                        drafter_factory=factory_of(drafter))
     if static:
         eng.graphs = eng.make_step_graphs(capture=False)
-    eng.add_request("g", prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    eng.add_request("g", prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     eng.add_request("s", prompts, params or SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=3,
                                                            ignore_eos=True), n=n, mask="support")
     outs = []
@@ -79,7 +80,8 @@ def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, ran
     the drafter's context reads (masked, but 0 * NaN): acceptance fell from ~3.0 to ~1.7."""
     kw = dict(spec="dflash", draft=random_drafters["dflash"], spec_block_size=4, kernel_backend=backend)
     if backend == "triton":  # interpreted on CPU: 6 sequences, still padded to the batch bucket 8
-        kw.update(prompts=PROMPTS[:3], n=1)
+        kw.update(prompts=PROMPTS[:3], n=1, max_tokens=5,
+                  params=SamplingParams(temperature=1.0, top_k=20, max_tokens=4, seed=3, ignore_eos=True))
     base, base_eng = _run(tiny_random_qwen3, static=False, **kw)
     outs, eng = _run(tiny_random_qwen3, static=True, after_step=_assert_finite, **kw)
     assert eng.graphs.num_replays > 0 and any(k[1] == 4 for k in eng.graphs.graphs)

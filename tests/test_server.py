@@ -10,6 +10,7 @@ import asyncio
 import functools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -66,16 +67,20 @@ def servers(request, tiny_random_qwen3, drafters):
     process, and in its own process (what `rollout serve` runs)."""
     get, started = _server_pool(tiny_random_qwen3, drafters, request.param == "engine-process")
     yield get
-    for server in started.values():
-        server.close()
+    _close_all(started.values())
 
 
 @pytest.fixture(scope="module")
 def thread_servers(tiny_random_qwen3, drafters):
     get, started = _server_pool(tiny_random_qwen3, drafters, False)
     yield get
-    for server in started.values():
-        server.close()
+    _close_all(started.values())
+
+
+def _close_all(servers) -> None:
+    """Closes the servers side by side (an engine process takes ~2 s to stop)."""
+    with ThreadPoolExecutor() as pool:
+        list(pool.map(lambda server: server.close(), servers))
 
 
 @pytest.mark.parametrize("spec", ["none", "dflash", "dspark"])
