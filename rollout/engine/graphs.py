@@ -32,6 +32,7 @@ many keys get captured, which is what the engine's memory plan reserves
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import numpy as np
@@ -47,8 +48,9 @@ TOKEN_STEPS = (1, 1.25, 1.5, *(m for k in range(12) for m in (2 << k, 3 << k)))
 
 
 def bucket(n: int, buckets) -> int | None:
-    """The smallest bucket >= n, or None."""
-    return next((b for b in buckets if b >= n), None)
+    """The smallest bucket >= n, or None (`buckets` increasing)."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 def context_bucket(length: int, minimum: int) -> int:

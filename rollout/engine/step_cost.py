@@ -113,6 +113,7 @@ class StepCost:
         self.learn = learn
         self.log_correction: dict[tuple, float] = {}  # (graphed, drafts) and (graphed, drafts, rows bucket)
         self.observed: dict[tuple, int] = {}  # steps seen, by the same keys
+        self._tables: dict[tuple[int, int, bool], float] = {}  # `_target`'s seconds by shape
 
     def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0, drafts: int = 0) -> float:
         """rows: the step's sequences; tokens: what the target computes besides drafts (decode anchors,
@@ -171,7 +172,17 @@ class StepCost:
         return not self.learn or (graphed, drafting, rows_bucket(rows)) in self.observed
 
     def _target(self, rows: int, tokens: int, graphed: bool) -> float:
-        """The tables' seconds of the target step, uncorrected."""
+        """The tables' seconds of the target step, uncorrected (remembered by shape: the tables never
+        change, and a step's shapes recur; the budget prices several a step)."""
+        key = (rows, tokens, graphed)
+        seconds = self._tables.get(key)
+        if seconds is None:
+            if len(self._tables) >= 4096:
+                self._tables.clear()
+            seconds = self._tables[key] = self._table_seconds(rows, tokens, graphed)
+        return seconds
+
+    def _table_seconds(self, rows: int, tokens: int, graphed: bool) -> float:
         if graphed and tokens <= rows * self.graph.q:  # its graph's padded tokens (padding rows: by their tokens)
             q = tokens // rows if tokens % rows == 0 else self.graph.q
             padded = (padded_shape(rows, tokens, q, BATCH_BUCKETS) or (rows, tokens))[1]
@@ -182,7 +193,8 @@ class StepCost:
         """The tables' seconds that drafting adds to the plain step (never negative): the target's
         extra tokens, the drafter's forward."""
         extra = max(self._target(rows, tokens + drafts, graphed) - self._target(rows, tokens, graphed), 0.0)
-        return extra + float(self._drafter(np.asarray([draft_rows]))[0])
+        rows = (bucket(draft_rows, BATCH_BUCKETS) or draft_rows) if self.graph is not None else draft_rows
+        return extra + self.drafter.at(rows)  # (`_drafter` for one count, in plain Python: every step prices one)
 
     def _drafter(self, draft_rows: np.ndarray) -> np.ndarray:
         """[N] seconds of the drafter's forward over draft_rows [N] rows: over their batch bucket's with
