@@ -166,8 +166,8 @@ def test_a_draft_budget_caps_each_decode_item_and_leaves_the_token_budget_to_pre
         def __init__(self):
             self.calls = []
 
-        def caps(self, running, admits, budget):
-            self.calls.append((len(running), admits, budget))
+        def caps(self, running, admits, budget, waiting_tokens=0):
+            self.calls.append((len(running), admits, budget, waiting_tokens))
             return {running[0]: 2, running[1]: 9}  # the third: not in the dict
 
     sched = make_scheduler(num_blocks=64, block_size=4, budget=12, num_spec=4)
@@ -182,7 +182,7 @@ def test_a_draft_budget_caps_each_decode_item_and_leaves_the_token_budget_to_pre
     batch = driver.step()
     assert [(it.seq, it.num_new_tokens, it.num_draft) for it in batch] == [
         (seqs[0], 1, 2), (seqs[1], 1, 4), (seqs[2], 1, 0), (late, 3, 0)]  # 9 capped at num_spec 4
-    assert sched.draft_budget.calls == [(3, True, 12)]
+    assert sched.draft_budget.calls == [(3, True, 12, 12)]  # the late prompt's 20 tokens, up to the budget
     sched.draft_budget = None
     assert [it.num_draft for it in driver.step()[:2]] == [4, 4]  # (the token budget leaves the third 1)
 

@@ -157,7 +157,18 @@ class Scheduler:
         if self.draft_budget is None or not self.num_spec:
             return None
         admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        return self.draft_budget.caps(self.running, admits, budget)
+        return self.draft_budget.caps(self.running, admits, budget, self._admissible_prompt_tokens(budget))
+
+    def _admissible_prompt_tokens(self, budget: int) -> int:
+        """Prompt tokens of the waiting samples this step may admit (by count: max_num_seqs), at most
+        `budget`: the prefill that drafts would displace (`_admit` takes what the running items leave)."""
+        total, slots = 0, self.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if slots <= 0 or total >= budget or (self.admission_paused and not seq.started):
+                break
+            total += seq.num_tokens - seq.num_computed_tokens
+            slots -= 1
+        return min(total, budget)
 
     def _plan(self, seq: Sequence, budget: int) -> ScheduledSeq:
         behind = seq.num_tokens - seq.num_computed_tokens

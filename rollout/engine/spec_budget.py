@@ -21,8 +21,14 @@ measure), updated from the steps' num_accepted in their one host copy. The engin
 (`SpecBudget.record`: a few list appends); the estimates and the cost model learn from the recorded
 steps when the budget next chooses in full, which it does every RECHOOSE_STEPS steps (REUSE_STEPS
 while no draft has been verified since) or when the batch's shape changes (CUDA graphs or not, the
-rows' buckets); in between, the last choice's rule (k drafts each, or the slots whose expected gain
-clears its threshold) is applied to the step's samples: a full choice costs the host ~100 us.
+rows' buckets, whether the step's token room binds the drafts); in between, the last choice's rule
+(k drafts each, or the slots whose expected gain clears its threshold) is applied to the step's
+samples: a full choice costs the host ~100 us.
+
+Room: drafts get the step's token budget that the running samples' prefill and the prompts it may
+admit leave (`caps`' waiting_tokens). A draft in a budget-bound step displaces a prompt token,
+commits less than one token and delays that prompt, so while prompts wait for the budget (an RL
+rollout's first steps, all samples arriving at once) nothing drafts.
 
 Exploration: with no drafts verified nothing is learned, and the policy (so the drafter's acceptance)
 drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted time as credit;
@@ -239,9 +245,12 @@ class SpecBudget:
         self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
 
-    def caps(self, running: list[Sequence], admits: bool, token_budget: int) -> dict[Sequence, int]:
+    def caps(self, running: list[Sequence], admits: bool, token_budget: int,
+             waiting_tokens: int = 0) -> dict[Sequence, int]:
         """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
-        may be admitted (their prefill makes the step eager); token_budget: the step's token budget."""
+        may be admitted (their prefill makes the step eager); token_budget: the step's token budget;
+        waiting_tokens: the prompt tokens of the waiting samples it may admit (drafts get the room
+        left after them: see the module docstring)."""
         decode, limits, prefill, num_spec = [], [], 0, self.num_spec
         for seq in running:
             behind, remaining = seq.behind_and_remaining()
@@ -252,7 +261,7 @@ class SpecBudget:
                 limits.append(max(0, min(num_spec, remaining - 1)))
         if not decode:
             return {}
-        base = min(token_budget, len(decode) + prefill)
+        base = min(token_budget, len(decode) + prefill + waiting_tokens)
         graphs = self.graphs and not prefill and not admits and len(decode) <= self.max_graph_rows
         budget, full_seconds = self._choose(decode, limits, len(running), base, token_budget - base, graphs)
         drafts = None if budget.k == 0 else budget.drafts  # [S]; None: a plain decode step
@@ -270,7 +279,7 @@ class SpecBudget:
         """choose_drafts in full, or the last full choice's rule applied to this step's samples (see
         the module docstring): the budget (k = 0: no drafts, its `drafts` not read) and the seconds of
         full blocks."""
-        key = (graphs, rows_bucket(len(decode)), rows_bucket(rows))
+        key = (graphs, rows_bucket(len(decode)), rows_bucket(rows), room < sum(limits))  # (room binds: prompts wait)
         if key == self._key and self._age < self._serves():
             self._age += 1
             last, full_seconds = self._last
