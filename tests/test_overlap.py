@@ -2,8 +2,9 @@
 (`overlap=False`, the reference) for greedy and seeded sampling, masks in both modes, stop ids and
 strings, min_tokens, max_tokens, n > 1 with shared prefixes, aborts between steps, preemption under a
 small KV pool and a weight update between steps; the cases that need step n's committed tokens to
-build step n+1 (drafters, grammar, a draining weight update) run synchronously, each
-counted by its reason. tests/test_host_syncs.py checks that step n+1 launches before step n's sync
+build step n+1 (drafted steps, a refreshing drafter, grammar, a draining weight update) run
+synchronously, each counted by its reason, while a drafter's steps without drafts overlap (with
+budgets that draft in some steps, in none, and a weight update among them). tests/test_host_syncs.py checks that step n+1 launches before step n's sync
 without any host read."""
 
 from __future__ import annotations
@@ -334,3 +335,29 @@ def test_no_overlap_flag():
     add_options(parser, EngineConfig)
     assert from_options(EngineConfig, parser.parse_args(["--no-overlap"])).overlap is False
     assert from_options(EngineConfig, parser.parse_args([])).overlap is True
+
+
+def test_a_weight_update_among_drafted_and_plain_steps(tiny_random_qwen3, greedy_ref):
+    """A weight update arriving while steps with and without drafts alternate (some held, some
+    launched ahead) drains and applies between steps as in the synchronous loop: the same samples,
+    stamped with the same policy versions."""
+    def update_at(eng, i):
+        if i == 3:
+            w = eng.model.layers[0].mlp.down_proj.weight
+            eng.update_weights({"model.layers.0.mlp.down_proj.weight": w.detach().clone() + 0.5})
+            eng.add_request("late", [PROMPTS[0]], SamplingParams(max_tokens=9, temperature=0.0))
+
+    runs = {}
+    for overlap in (False, True):
+        config = EngineConfig(model=str(tiny_random_qwen3), overlap=overlap, spec_adaptive=False, block_size=4,
+                              num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=32)
+        eng = build_engine(config, drafter_factory=factory_of(_OverlappingRepeat(4)))
+        eng.scheduler.draft_budget = _EveryThird()
+        _workload(eng, greedy_ref)
+        eng.add_request("g", [PROMPTS[2]], SamplingParams(max_tokens=14, temperature=0.0))
+        runs[overlap] = _run(eng, update_at), eng
+    (want, _), (got, eng) = runs[False], runs[True]
+    _same(got, want)
+    assert want[("late", 0, 0)].policy_version == 1 and want[("g", 0, 0)].policy_version == 0
+    assert eng.pipeline.sync_steps["weight update"] > 0 and eng.pipeline.sync_steps["drafts next"] > 0
+    assert eng.pipeline.overlapped >= 3 and eng.draft_counts.total()[0] > 0
