@@ -283,14 +283,17 @@ def rollout_row(args: argparse.Namespace, model_dir: Path, state: dict, mode: st
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (path, buffers, port, streams): the median repeat's numbers."""
+    """Per (path, buffers, port, streams): the repeat nearest the median seconds (with two repeats,
+    the first), and every repeat's GB/s in `gb_per_s_runs`."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["path"], row["buffers"], row.get("port"), row.get("streams")), []).append(row)
     out = []
     for group in groups.values():
         median = statistics.median(r["seconds"] for r in group)
-        out.append(min(group, key=lambda r: abs(r["seconds"] - median)))
+        row = dict(min(group, key=lambda r: abs(r["seconds"] - median)))
+        row["gb_per_s_runs"] = " ".join(f"{r['gb_per_s']:.3f}" for r in group)
+        out.append(row)
     return out
 
 
@@ -306,8 +309,9 @@ def main() -> None:
             rows = transfer_rows(args, model_dir, state, root)
             result.update(rows=rows, summary=summary(rows))
             write_json(args.out, result)
-            print_table(f"weight sync, {args.shape} {args.dtype}, server on {args.device} (median of "
-                        f"{args.repeats})", result["summary"], COLUMNS)
+            print_table(f"weight sync, {args.shape} {args.dtype}, server on {args.device} (the repeat nearest "
+                        f"the median of {args.repeats}; every repeat's GB/s last)", result["summary"],
+                        [*COLUMNS, "gb_per_s_runs"])
         if "rollout" in args.sections:
             result["rollout"] = [rollout_row(args, model_dir, state, mode) for mode in ROLLOUT_MODES]
             write_json(args.out, result)
