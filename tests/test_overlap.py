@@ -4,8 +4,8 @@ strings, min_tokens, max_tokens, n > 1 with shared prefixes, aborts between step
 small KV pool and a weight update between steps; the cases that need step n's committed tokens to
 build step n+1 (drafted steps, a refreshing drafter, grammar, a draining weight update) run
 synchronously, each counted by its reason, while a drafter's steps without drafts overlap (with
-budgets that draft in some steps, in none, and a weight update among them). tests/test_host_syncs.py checks that step n+1 launches before step n's sync
-without any host read."""
+budgets that draft in some steps, in none, and a weight update among them).
+tests/test_host_syncs.py checks that step n+1 launches before step n's sync without any host read."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ by the step in flight, its id on the device only): it counts in `num_tokens` lik
 next step plans it as the anchor and reserves its KV slot.
 
 How many drafts a decode step verifies is the draft budget's (`draft_budget`, spec_budget.py:
-per-sample caps chosen once per step from measured acceptance and step costs); without one,
-full blocks.
+per-sample caps chosen once per step from measured acceptance and step costs, within the token
+room that the prompts waiting for admission leave); without one, full blocks.
 """
 
 from __future__ import annotations
