@@ -18,7 +18,9 @@ machine; `--clock cpu` times this process's CPU time, which other processes do n
 acceptance length, a larger forward). On CUDA the phases are host time (launches are
 asynchronous) and `sync` absorbs the wait for the device. One more step is run under a dispatch
 mode that counts the aten ops of every phase (deterministic; on a GPU each is a kernel launch or
-at least a host dispatch).
+at least a host dispatch). With `--overlap on off` both modes run on one engine per spec, in turns,
+`--rounds` times (the order reversed every other round), and each row is its mode's round of the
+median step (`step_ms_rounds` lists them all): the first engine or mode measured ran slower.
 
     python benchmarks/bench_host.py                        # batches 1 8 64 256, greedy + t1, none + dflash
     python benchmarks/bench_host.py --quick                # a short check of the script
@@ -81,7 +83,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--specs", nargs="+", default=["none", "dflash"], choices=["none", "dflash"])
     p.add_argument("--mask", default=None, choices=("selected", "support"), help="every request asks for masks")
     p.add_argument("--overlap", nargs="+", default=["on"], choices=("on", "off"),
-                   help="overlapped scheduling (rollout.engine.overlap), each mode an engine of its own")
+                   help="overlapped scheduling (rollout.engine.overlap): the modes take turns on one engine")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="each case's modes measured in turn this many times, the order reversed every other "
+                        "round; the round of the median step is shown (the first engine or mode measured ran "
+                        "slower, so one pass of each could not compare them)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (longer: larger block tables)")
     p.add_argument("--block", type=int, default=8, help="drafter block size")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per case")
@@ -95,7 +101,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results/bench_host.json")
     args = p.parse_args()
     if args.quick:
-        args.batches, args.steps, args.warmup = [1, 8], 5, 2
+        args.batches, args.steps, args.warmup, args.rounds = [1, 8], 5, 2, 1
     return args
 
 
@@ -247,13 +253,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shape = TINY if args.shape == "tiny" else SHAPES[args.shape]
         dirs = None if args.embedded else random_dirs(Path(tmp), args.block, shape, args.device)
-        for spec, overlap in itertools.product(args.specs, args.overlap):
-            engine = build_engine(spec, dirs, args, max_tokens, overlap == "on")
-            for mode in args.sampling:
-                for batch in args.batches:
+        for spec in args.specs:
+            engine = build_engine(spec, dirs, args, max_tokens, True)
+            for mode, batch in itertools.product(args.sampling, args.batches):
+                runs: dict[str, list[dict]] = {overlap: [] for overlap in args.overlap}
+                for r in range(args.rounds):
+                    for overlap in args.overlap[:: 1 if r % 2 == 0 else -1]:
+                        while not engine.pipeline.idle:  # the last run's step in flight (its samples aborted)
+                            engine.step()
+                        engine.pipeline.enabled = overlap == "on"
+                        runs[overlap].append(measure(engine, batch, SAMPLING[mode],
+                                                     f"{spec}-{overlap}-{mode}-{batch}-{r}", args, max_tokens,
+                                                     profile))
+                for overlap, rounds in runs.items():
+                    median = statistics.median(x["step_ms"] for x in rounds)
                     row = dict(spec=spec, overlap=overlap, sampling=mode, batch=batch)
-                    row.update(measure(engine, batch, SAMPLING[mode], f"{spec}-{overlap}-{mode}-{batch}", args,
-                                       max_tokens, profile))
+                    row.update(min(rounds, key=lambda x: abs(x["step_ms"] - median)))
+                    row["step_ms_rounds"] = [round(x["step_ms"], 3) for x in rounds]
                     result["rows"].append(row)
                     write_json(args.out, result)
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
