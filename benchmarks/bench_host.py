@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, environment, print_table, sync, write_config_dir, write_json
+from common import SHAPES, environment, nearest_median, print_table, sync, write_config_dir, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
@@ -266,9 +266,8 @@ def main() -> None:
                                                      f"{spec}-{overlap}-{mode}-{batch}-{r}", args, max_tokens,
                                                      profile))
                 for overlap, rounds in runs.items():
-                    median = statistics.median(x["step_ms"] for x in rounds)
                     row = dict(spec=spec, overlap=overlap, sampling=mode, batch=batch)
-                    row.update(min(rounds, key=lambda x: abs(x["step_ms"] - median)))
+                    row.update(nearest_median(rounds, "step_ms"))
                     row["step_ms_rounds"] = [round(x["step_ms"], 3) for x in rounds]
                     result["rows"].append(row)
                     write_json(args.out, result)

@@ -55,6 +55,7 @@ from common import (
     kv_caches,
     metadata,
     model_dtype,
+    nearest_median,
     print_table,
     random_model,
     random_target_and_drafter,
@@ -167,8 +168,7 @@ def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, ar
         for arm in ARMS:
             runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device, args.fresh_start))
     for arm in ARMS:
-        row = dict(setting, **min(runs[arm], key=lambda x: abs(x["tokens_per_s"] - statistics.median(
-            y["tokens_per_s"] for y in runs[arm]))))
+        row = dict(setting, **nearest_median(runs[arm], "tokens_per_s"))
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs["none"])]
         row["vs_none"], row["vs_none_rounds"] = statistics.median(ratios), [round(x, 3) for x in ratios]
         result["rows"].append(row)

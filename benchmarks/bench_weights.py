@@ -47,7 +47,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -57,7 +56,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, environment, print_table, write_config_dir, write_json  # noqa: E402
+from common import SHAPES, environment, nearest_median, print_table, write_config_dir, write_json  # noqa: E402
 
 from rollout.engine.model import ModelConfig, TransformerLM  # noqa: E402
 from rollout.engine.weight_specs import model_specs  # noqa: E402
@@ -290,8 +289,7 @@ def summary(rows: list[dict]) -> list[dict]:
         groups.setdefault((row["path"], row["buffers"], row.get("port"), row.get("streams")), []).append(row)
     out = []
     for group in groups.values():
-        median = statistics.median(r["seconds"] for r in group)
-        row = dict(min(group, key=lambda r: abs(r["seconds"] - median)))
+        row = dict(nearest_median(group, "seconds"))
         row["gb_per_s_runs"] = " ".join(f"{r['gb_per_s']:.3f}" for r in group)
         out.append(row)
     return out

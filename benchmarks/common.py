@@ -260,6 +260,13 @@ def run_interleaved(engines: dict[str, LLMEngine], requests: dict[str, list[tupl
     return runs
 
 
+def nearest_median(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is nearest the runs' median (with two runs, the first): a real run to show
+    in a table, its other columns consistent with it."""
+    median = statistics.median(run[key] for run in runs)
+    return min(runs, key=lambda run: abs(run[key] - median))
+
+
 def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
     """Rows as a fixed-width table; floats with 3 significant decimals."""
     def cell(v) -> str:

@@ -194,18 +194,22 @@ def test_an_abort_while_a_prefill_chunk_is_in_flight(tiny_random_qwen3):
     _same(_run(eng), want)
 
 
-def test_a_weight_update_between_steps(tiny_random_qwen3, greedy_ref):
-    def update_at(eng, i):
-        if i == 3:
+def _update_at(step: int, late_tokens: int):
+    """Between steps: at `step`, a weight update and a greedy request "late" of `late_tokens` tokens."""
+    def between(eng, i):
+        if i == step:
             w = eng.model.layers[0].mlp.down_proj.weight
             eng.update_weights({"model.layers.0.mlp.down_proj.weight": w.detach().clone() + 0.5})
-            eng.add_request("late", [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))
+            eng.add_request("late", [PROMPTS[0]], SamplingParams(max_tokens=late_tokens, temperature=0.0))
+    return between
 
+
+def test_a_weight_update_between_steps(tiny_random_qwen3, greedy_ref):
     runs = {}
     for overlap in (False, True):
         eng = _engine(tiny_random_qwen3, overlap)
         _workload(eng, greedy_ref)
-        runs[overlap] = _run(eng, update_at), eng
+        runs[overlap] = _run(eng, _update_at(3, 6)), eng
     (want, _), (got, eng) = runs[False], runs[True]
     _same(got, want)
     assert want[("late", 0, 0)].policy_version == 1 and want[("greedy", 0, 0)].policy_version == 0
@@ -341,12 +345,6 @@ def test_a_weight_update_among_drafted_and_plain_steps(tiny_random_qwen3, greedy
     """A weight update arriving while steps with and without drafts alternate (some held, some
     launched ahead) drains and applies between steps as in the synchronous loop: the same samples,
     stamped with the same policy versions."""
-    def update_at(eng, i):
-        if i == 3:
-            w = eng.model.layers[0].mlp.down_proj.weight
-            eng.update_weights({"model.layers.0.mlp.down_proj.weight": w.detach().clone() + 0.5})
-            eng.add_request("late", [PROMPTS[0]], SamplingParams(max_tokens=9, temperature=0.0))
-
     runs = {}
     for overlap in (False, True):
         config = EngineConfig(model=str(tiny_random_qwen3), overlap=overlap, spec_adaptive=False, block_size=4,
@@ -355,7 +353,7 @@ def test_a_weight_update_among_drafted_and_plain_steps(tiny_random_qwen3, greedy
         eng.scheduler.draft_budget = _EveryThird()
         _workload(eng, greedy_ref)
         eng.add_request("g", [PROMPTS[2]], SamplingParams(max_tokens=14, temperature=0.0))
-        runs[overlap] = _run(eng, update_at), eng
+        runs[overlap] = _run(eng, _update_at(3, 9)), eng
     (want, _), (got, eng) = runs[False], runs[True]
     _same(got, want)
     assert want[("late", 0, 0)].policy_version == 1 and want[("g", 0, 0)].policy_version == 0

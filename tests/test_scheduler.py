@@ -187,6 +187,21 @@ def test_a_draft_budget_caps_each_decode_item_and_leaves_the_token_budget_to_pre
     assert [it.num_draft for it in driver.step()[:2]] == [4, 4]  # (the token budget leaves the third 1)
 
 
+def test_the_scheduler_counts_the_prompts_it_may_admit():
+    """What `Scheduler._admissible_prompt_tokens` hands the draft budget: the waiting prompts' tokens
+    up to the step's budget, only as many samples as max_num_seqs leaves room for, none while a
+    weight update pauses admission."""
+    sched = make_scheduler(max_num_seqs=3, budget=64, num_spec=7)
+    for n in (10, 20, 30, 40):
+        sched.waiting.append(make_seq(n))
+    assert sched._admissible_prompt_tokens(100) == 60  # three samples fit max_num_seqs
+    assert sched._admissible_prompt_tokens(25) == 25
+    sched.running.append(make_seq(5))
+    assert sched._admissible_prompt_tokens(100) == 30
+    sched.admission_paused = True
+    assert sched._admissible_prompt_tokens(100) == 0
+
+
 def test_admission_waits_for_free_blocks():
     sched = make_scheduler(num_blocks=6, block_size=4)
     a, b = make_seq(13, max_tokens=2), make_seq(9, max_tokens=2)  # 4 and 3 blocks

@@ -20,9 +20,7 @@ import torch
 from spec_helpers import cost_table, linear_target
 
 from rollout.engine import spec_budget, step_cost
-from rollout.engine.block_manager import BlockManager
 from rollout.engine.params import SamplingParams
-from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import SeqStatus, Sequence
 from rollout.engine.spec_budget import (
     EXPLORE_SHARE,
@@ -435,18 +433,3 @@ def test_prompts_waiting_for_the_token_budget_leave_drafts_no_room():
     assert sum(budget.caps(seqs, True, 64, waiting_tokens=40).values()) <= 64 - 8 - 40
     assert sorted(budget.caps(seqs, False, 64).values()) == [K] * 8
 
-
-def test_the_scheduler_counts_the_prompts_it_may_admit():
-    """What `Scheduler._admissible_prompt_tokens` hands the budget: the waiting prompts' tokens up to
-    the step's budget, only as many samples as max_num_seqs leaves room for, none while a weight
-    update pauses admission."""
-    scheduler = Scheduler(BlockManager(64, 4, False), max_num_seqs=3, max_num_batched_tokens=64, num_spec=K)
-    for i, n in enumerate((10, 20, 30, 40)):
-        seq = Sequence(i, f"w{i}", 0, 0, list(range(n)), SamplingParams(max_tokens=8), seed=i)
-        scheduler.waiting.append(seq)
-    assert scheduler._admissible_prompt_tokens(100) == 60  # three samples fit max_num_seqs
-    assert scheduler._admissible_prompt_tokens(25) == 25
-    scheduler.running.append(_decoding(1)[0])
-    assert scheduler._admissible_prompt_tokens(100) == 30
-    scheduler.admission_paused = True
-    assert scheduler._admissible_prompt_tokens(100) == 0

@@ -146,6 +146,16 @@ class DraftCounts:
             before = self.by_key.get((proposer, version), (0, 0))
             self.by_key[(proposer, version)] = (before[0] + proposed, before[1] + accepted)
 
+    def record_step(self, drafts: Drafts, accepted: list[int], drafter_name: str, version: int) -> None:
+        """A verified step's drafts and `accepted` (per item), by proposer (`drafts.proposers`, or
+        all the drafter's own)."""
+        if drafts.proposers is None:
+            self.record(drafter_name, version, sum(drafts.num_per_item), sum(accepted))
+            return
+        for name in dict.fromkeys(drafts.proposers):
+            mine = [i for i, p in enumerate(drafts.proposers) if p == name]
+            self.record(name, version, sum(drafts.num_per_item[i] for i in mine), sum(accepted[i] for i in mine))
+
     def total(self) -> tuple[int, int]:
         """(proposed, accepted) over every proposer and policy version."""
         proposed, accepted = (sum(c) for c in zip((0, 0), *self.by_key.values()))

@@ -270,8 +270,8 @@ class LLMEngine:
         if current is None:
             self.committer.hand_over_masks()
             return []
-        ahead = self.pipeline.overlaps(current, self.drafter, self.weights.pending)
-        after = self._launch_after(current) if ahead else None
+        overlaps = self.pipeline.overlaps(current, self.drafter, self.weights.pending)
+        after = self._launch_after(current) if overlaps else None
         outputs = self._finish(current, start)
         if after is not None and self.scheduler.has_unfinished():  # else every slot of `after` is discarded
             self._copy_blocks(overlap.advance(self.scheduler, after))
@@ -303,7 +303,7 @@ class LLMEngine:
         if any(item.num_draft for item in plan):
             self.pipeline.hold(plan)
             return None
-        return self._launch(plan, current)
+        return self.pipeline.ahead(self._launch(plan, current))
 
     def _finish(self, current: Launched, start: float) -> list[SampleOutput]:
         """(last step's masks) -> sync -> count drafts -> advance -> commit/emit -> truncate drafts -> record."""
@@ -311,7 +311,8 @@ class LLMEngine:
         host = _to_host(current.copy, current.masks)
         plan, step, drafts = current.plan, current.step, current.drafts
         accepted = step.accepted_per_item(None if host is None else host.num_accepted)
-        self._count_drafts(drafts, host, accepted)
+        if host is not None and self.drafter is not None:
+            self.draft_counts.record_step(drafts, accepted, self.drafter_name, self.weights.version)
         if not current.advanced:
             copies = self.scheduler.advance(plan, accepted)
             self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
@@ -327,19 +328,6 @@ class LLMEngine:
         """A drained weight update applies between steps; the drafter hears of the new version."""
         if self.weights.apply_if_drained() and self.drafter is not None:
             self.drafter.policy_updated(self.weights.version)
-
-    def _count_drafts(self, drafts: Drafts, host: HostStep | None, accepted: list[int]) -> None:
-        """Drafts proposed and accepted this step, by proposer (`accepted`: per item)."""
-        if host is None or self.drafter is None:
-            return
-        version = self.weights.version
-        if drafts.proposers is None:
-            self.draft_counts.record(self.drafter_name, version, sum(drafts.num_per_item), sum(host.num_accepted))
-            return
-        for name in dict.fromkeys(drafts.proposers):
-            mine = [i for i, p in enumerate(drafts.proposers) if p == name]
-            self.draft_counts.record(name, version, sum(drafts.num_per_item[i] for i in mine),
-                                     sum(accepted[i] for i in mine))
 
     def _draft(self, plan, table) -> Drafts:
         if self.drafter is None:

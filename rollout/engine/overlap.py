@@ -128,17 +128,18 @@ class Pipeline:
     def hold(self, plan: list[ScheduledSeq]) -> None:
         """Step n+1, scheduled ahead, verifies drafts: it launches after n's sync (module docstring)."""
         self.held = plan
-        self.overlapped -= 1  # `overlaps` counted it as launched ahead
         self.sync_steps["drafts next"] += 1
 
+    def ahead(self, launched: Launched | None) -> Launched | None:
+        """Step n+1 launched before n's sync: counted."""
+        self.overlapped += launched is not None
+        return launched
+
     def overlaps(self, current: Launched, drafter: Drafter | None, weights_pending: bool) -> bool:
-        """Whether step n+1 may be scheduled and launched before `current` syncs; counts the reason
-        when not."""
+        """Whether step n+1 may be scheduled before `current` syncs; counts the reason when not."""
         reason = sync_reason(current, self.enabled, drafter, weights_pending)
         if reason is not None:
             self.sync_steps[reason] += 1
-        else:
-            self.overlapped += 1
         return reason is None
 
 

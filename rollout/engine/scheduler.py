@@ -164,7 +164,7 @@ class Scheduler:
         `budget`: the prefill that drafts would displace (`_admit` takes what the running items leave)."""
         total, slots = 0, self.max_num_seqs - len(self.running)
         for seq in self.waiting:
-            if slots <= 0 or total >= budget or (self.admission_paused and not seq.started):
+            if slots <= 0 or total >= budget or not self._admissible(seq):
                 break
             total += seq.num_tokens - seq.num_computed_tokens
             slots -= 1
@@ -195,8 +195,8 @@ class Scheduler:
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.admission_paused and not seq.started:
-                break  # a weight update is draining: only samples already under way continue
+            if not self._admissible(seq):
+                break
             if not seq.block_table:
                 seq.num_computed_tokens = self.bm.allocate_prompt(seq)
             item = self._plan(seq, budget)
@@ -211,6 +211,10 @@ class Scheduler:
             self.running.append(seq)
             batch.append(item)
             budget -= item.num_new_tokens + item.num_draft
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """While a weight update drains, only samples already under way continue."""
+        return seq.started or not self.admission_paused
 
     def _cap_rows(self, batch: list[ScheduledSeq]) -> None:
         """Keep the forked samples' rows within `max_rows`; the rest wait as sequences of their own

@@ -193,12 +193,15 @@ class StepCost:
         """The tables' seconds that drafting adds to the plain step (never negative): the target's
         extra tokens, the drafter's forward."""
         extra = max(self._target(rows, tokens + drafts, graphed) - self._target(rows, tokens, graphed), 0.0)
-        rows = (bucket(draft_rows, BATCH_BUCKETS) or draft_rows) if self.graph is not None else draft_rows
-        return extra + self.drafter.at(rows)  # (`_drafter` for one count, in plain Python: every step prices one)
+        return extra + self._drafter(draft_rows)
 
-    def _drafter(self, draft_rows: np.ndarray) -> np.ndarray:
-        """[N] seconds of the drafter's forward over draft_rows [N] rows: over their batch bucket's with
-        CUDA graphs (the drafter's graphs pad its rows as the target's do, whatever the target step)."""
+    def _drafter(self, draft_rows):
+        """Seconds of the drafter's forward over `draft_rows` rows (an int, or [N] of them: [N] seconds):
+        over their batch bucket's with CUDA graphs (the drafter's graphs pad its rows as the target's
+        do, whatever the target step). One count in plain Python: every step prices one."""
+        if isinstance(draft_rows, (int, np.integer)):
+            graphed = self.graph is not None
+            return self.drafter.at((bucket(draft_rows, BATCH_BUCKETS) or draft_rows) if graphed else draft_rows)
         rows = np.asarray(draft_rows, dtype=np.float64)
         if self.graph is not None:
             buckets = np.asarray(BATCH_BUCKETS, dtype=np.float64)
