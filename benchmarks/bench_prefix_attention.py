@@ -62,19 +62,25 @@ FORCED = ShareRule()  # every group shared: what the kernel variants are timed w
 KEY = ("prompts", "n", "prompt", "alone", "q_len")  # a step's fields in every row
 MAX_ERROR = 2e-2  # bf16 operands against float32: ~1e-3 expected; more is a wrong result
 # The sweep: one LaunchConfig for both kinds of step (predictions: prefix_attention_notes.md).
+# The first sweep (fused layouts, tile shapes) is recorded in the notes; this one times the lone
+# pass: suffixes and sequences alone in a second, lean launch (LaunchConfig.lone_pass), with
+# several shared-pass tiles beside it.
+SEPARATE = dict(fuse_suffix=False)
+LONE = dict(SEPARATE, lone_pass=True)
 VARIANTS = {
-    "separate": LaunchConfig(fuse_suffix=False),  # suffixes in items of their own (the first kernel's cut)
+    "separate": LaunchConfig(**SEPARATE),  # the default before the lone pass
     "fused": LaunchConfig(),
-    "t128": LaunchConfig(target_programs=128),  # (almost) no key chunks: tokens written directly
-    "t256": LaunchConfig(target_programs=256),
-    "t1024": LaunchConfig(target_programs=1024),
-    "n32s4": LaunchConfig(block_n=32, num_stages=4),
-    "n128s2": LaunchConfig(block_n=128, num_stages=2),
-    "s2": LaunchConfig(num_stages=2),
-    "w8": LaunchConfig(num_warps=8),
-    "m32": LaunchConfig(block_m=32),
-    "m32t128": LaunchConfig(block_m=32, target_programs=128),
-    "m128w8": LaunchConfig(block_m=128, num_warps=8),
+    "m32t128": LaunchConfig(block_m=32, target_programs=128, **SEPARATE),
+    "lone": LaunchConfig(lone_block_n=32, **LONE),  # lone pass m16 n32 w4 s2: 96 registers (5 CTAs / SM)
+    "lone_n64": LaunchConfig(lone_block_n=64, **LONE),
+    "lone_n32w2": LaunchConfig(lone_block_n=32, lone_num_warps=2, **LONE),
+    "lone_n16": LaunchConfig(lone_block_n=16, **LONE),
+    "lone_m32": LaunchConfig(block_m=32, block_n=32, lone_block_n=32, **LONE),
+    "lone_m32n64s2": LaunchConfig(block_m=32, num_stages=2, lone_block_n=32, **LONE),
+    "lone_n32": LaunchConfig(block_n=32, lone_block_n=32, **LONE),
+    "lone_w8": LaunchConfig(num_warps=8, lone_block_n=32, **LONE),
+    "lone_t256": LaunchConfig(target_programs=256, lone_block_n=32, **LONE),
+    "lone_t1024": LaunchConfig(target_programs=1024, lone_block_n=32, **LONE),
 }
 
 

@@ -5,15 +5,19 @@ RolloutClient.generate) in one run, against the memory-bound limit of the same s
 Cases (`--cases`, all by default): a = 32 prompts x n=8, 1024 random prompt tokens, 512 output
 tokens, EOS ignored, temperature 1, no masks, top_p 1; b = a with support masks, top_k 64, top_p
 0.95; c = a with DFlash (an untrained one-layer drafter, block `--draft-block`: what speculation
-costs when it does not pay); d = a at 16 prompts x n=8, prompt 4096, output 1024. Each path builds
-one engine per drafter setting (a, b, d share one), warms it up on a short run, then runs its cases;
+costs when it does not pay); d = a at 16 prompts x n=8, prompt 4096, output 1024; e = 16 prompts x
+n=16, prompt 4096, output 512 (issue 24's second shape). Each path builds one engine per drafter
+setting (a, b, d, e share one) and attention setting (`--attention shared plain`: shared-prefix
+attention on and off, side by side in one run), warms it up on a short run, then runs its cases;
 the two paths never hold the GPU at the same time.
 
 Reported per case and path: output tokens/s, steps, mean step ms, peak GPU memory (in process:
 torch's peak allocated; service: the device's used memory after the run), the KV pool, and the
 fraction of the memory-bound limit: per step the larger of (weight bytes + bytes of every running
 sequence's KV) / copy bandwidth and the step's matmul FLOPs / bf16 matmul rate (both measured at
-the start), summed over the steps the run took. Steps are recorded by a light hook on build_step
+the start), summed over the steps the run took; `fraction_unique` counts a group's shared prompt
+blocks once a step (the bytes a kernel that reads shared blocks once must move: weights + distinct
+KV). Steps are recorded by a light hook on build_step
 (its items' token counts and context lengths; a few integer sums per item). The service path uses
 the in-process limit of the same case (its steps are not visible from here). `--engine-arg
 key=value` passes EngineConfig fields to both paths (e.g. max_num_batched_tokens=8192), so
@@ -67,9 +71,11 @@ CASES = {
               mask="support", spec=False),
     "c": dict(prompts=32, n=8, prompt_len=1024, output_len=512, sampling=PLAIN, mask=None, spec=True),
     "d": dict(prompts=16, n=8, prompt_len=4096, output_len=1024, sampling=PLAIN, mask=None, spec=False),
+    "e": dict(prompts=16, n=16, prompt_len=4096, output_len=512, sampling=PLAIN, mask=None, spec=False),
 }
 QUICK = dict(prompts=4, n=2, prompt_len=32, output_len=16)  # --quick: every case this small (d: x2 lengths)
 PATHS = ("in_process", "service")
+ATTENTION = ("shared", "plain")
 
 
 def parse_args() -> argparse.Namespace:
@@ -79,6 +85,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
+    p.add_argument("--attention", nargs="+", default=["shared"], choices=ATTENTION,
+                   help="shared-prefix attention on (shared) and / or off (plain): one engine each, side by side")
     p.add_argument("--draft-block", type=int, default=8, help="the untrained DFlash drafter's block (case c)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an EngineConfig field for both paths, e.g. max_num_batched_tokens=8192 (repeatable)")
@@ -106,7 +114,7 @@ def _key_value(text: str) -> tuple[str, object]:
 def case_workload(name: str, quick: bool) -> dict:
     case = dict(CASES[name])
     if quick:
-        scale = 2 if name == "d" else 1
+        scale = 2 if name in ("d", "e") else 1
         case.update(QUICK, prompt_len=QUICK["prompt_len"] * scale, output_len=QUICK["output_len"] * scale)
     return case
 
@@ -148,19 +156,23 @@ class Costs:
             costs.flops_per_draft = 2 * drafter.block * layers + (drafter.block - 1) * costs.flops_per_row
         return costs
 
-    def step_seconds(self, record: tuple, bandwidth: float, rate: float) -> float:
-        tokens, rows, context, qk, drafting = record
-        read = self.weight_bytes + context * self.kv_bytes_per_token
+    def step_seconds(self, record: tuple, bandwidth: float, rate: float, unique: bool = False) -> float:
+        """The step's memory-bound or compute-bound time, whichever is larger; `unique`: KV read
+        once per distinct token (a group's shared prompt blocks once), else once per sequence."""
+        tokens, rows, context, qk, drafting, distinct = record
+        read = self.weight_bytes + (distinct if unique else context) * self.kv_bytes_per_token
         flops = (tokens * self.flops_per_token + rows * self.flops_per_row + qk * self.flops_per_qk
                  + drafting * self.flops_per_draft)
         return max(read / bandwidth, flops / rate)
 
 
 class StepLog:
-    """`with StepLog() as log:` records every step's (tokens, logits rows, total context, sum of
-    query x context, drafting sequences) from the engine's build_step."""
+    """`with StepLog(block_size) as log:` records every step's (tokens, logits rows, total context,
+    sum of query x context, drafting sequences, distinct context) from the engine's build_step.
+    Distinct context counts the full prompt blocks of a prompt's samples once (forks share them)."""
 
-    def __init__(self):
+    def __init__(self, block_size: int):
+        self.block_size = block_size
         self.records: list[tuple] = []
 
     def __enter__(self) -> StepLog:
@@ -168,13 +180,18 @@ class StepLog:
 
         def build_step(items, num_drafts, *args, **kw):
             step = real(items, num_drafts, *args, **kw)
-            context = qk = 0
+            context = qk = distinct = 0
+            prompts = {}
             for item, k in zip(items, num_drafts):
-                end = item.seq.num_computed_tokens + item.num_new_tokens + k
+                seq = item.seq
+                end = seq.num_computed_tokens + item.num_new_tokens + k
+                shared = min(len(seq.prompt_token_ids) // self.block_size * self.block_size, end)
+                prompts[(seq.request_id, seq.prompt_index)] = shared
                 context += end
+                distinct += end - shared
                 qk += (item.num_new_tokens + k) * end
             self.records.append((step.tokens.input_ids.shape[0], step.rows.cu_rows[-1], context, qk,
-                                 sum(map(bool, num_drafts))))
+                                 sum(map(bool, num_drafts)), distinct + sum(prompts.values())))
             return step
 
         engine_module.build_step = build_step
@@ -199,7 +216,7 @@ def run_in_process(engine: LLMEngine, case: dict, prompts, tag: str, device: str
         torch.cuda.reset_peak_memory_stats()
     sync(device)
     start, steps, step_seconds, tokens = time.perf_counter(), 0, 0.0, 0
-    with StepLog() as log:
+    with StepLog(engine.config.block_size) as log:
         engine.add_request(tag, prompts, params, n=case["n"], mask=case["mask"])
         while engine.has_unfinished():
             t = time.perf_counter()
@@ -231,9 +248,11 @@ def run_service(server: ServerProcess, seen: int, case: dict, prompts, device: s
                 step_ms=sum(p["step_ms"] for p in periods) / max(steps, 1), peak_gb=used), seen
 
 
-def engine_config(args, dirs: dict, spec: bool) -> dict:
-    """EngineConfig fields of one drafter setting (both paths)."""
+def engine_config(args, dirs: dict, spec: bool, attention: str) -> dict:
+    """EngineConfig fields of one drafter and attention setting (both paths)."""
     fields = dict(model=dirs["model"], load_format="random", device=args.device, **args.engine_args)
+    if len(args.attention) > 1 or attention != "shared":
+        fields["shared_prefix_attention"] = attention == "shared"
     if spec:
         fields.update(spec="dflash", draft=dirs["draft"], spec_block_size=args.draft_block)
     return fields
@@ -255,10 +274,11 @@ def serve_flags(fields: dict) -> list[str]:
     return flags
 
 
-def bench_group(args, dirs: dict, spec: bool, cases: list[str], rows: list[dict], result: dict) -> None:
-    """One drafter setting: the in-process engine's cases, then the server's (each after a warm-up
-    run of the first case's workload, `--warmup-tokens` long, on other prompts)."""
-    fields = engine_config(args, dirs, spec)
+def bench_group(args, dirs: dict, spec: bool, attention: str, cases: list[str], rows: list[dict],
+                result: dict) -> None:
+    """One drafter and attention setting: the in-process engine's cases, then the server's (each
+    after a warm-up run of the first case's workload, `--warmup-tokens` long, on other prompts)."""
+    fields = engine_config(args, dirs, spec, attention)
     workloads = {name: case_workload(name, args.quick) for name in cases}
     warmup = dict(workloads[cases[0]], output_len=args.warmup_tokens)
     vocab, limits = SHAPES[args.shape]["vocab_size"], {}
@@ -268,8 +288,9 @@ def bench_group(args, dirs: dict, spec: bool, cases: list[str], rows: list[dict]
         run_in_process(engine, warmup, prompts_of(warmup, vocab, 99), "warmup", args.device)
         for name, case in workloads.items():
             row, records = run_in_process(engine, case, prompts_of(case, vocab, 1), name, args.device)
-            limits[name] = sum(costs.step_seconds(r, result["bandwidth"], result["matmul_rate"]) for r in records)
-            rows.append(summary(name, "in_process", case, row, limits[name], engine.kv_blocks()[1]))
+            limits[name] = tuple(sum(costs.step_seconds(r, result["bandwidth"], result["matmul_rate"], unique)
+                                     for r in records) for unique in (False, True))
+            rows.append(summary(name, "in_process", attention, case, row, limits[name], engine.kv_blocks()[1]))
             report(rows, result, args)
         del engine
         free_memory()
@@ -278,25 +299,33 @@ def bench_group(args, dirs: dict, spec: bool, cases: list[str], rows: list[dict]
             _, seen = run_service(server, 0, warmup, prompts_of(warmup, vocab, 99), args.device)
             for name, case in workloads.items():
                 row, seen = run_service(server, seen, case, prompts_of(case, vocab, 1), args.device)
-                rows.append(summary(name, "service", case, row, limits.get(name), None))
+                rows.append(summary(name, "service", attention, case, row, limits.get(name), None))
                 report(rows, result, args)
 
 
-def summary(name: str, path: str, case: dict, run: dict, limit: float | None, kv_blocks: int | None) -> dict:
-    row = dict(case=name, path=path, prompts=case["prompts"], n=case["n"], prompt_len=case["prompt_len"],
+def summary(name: str, path: str, attention: str, case: dict, run: dict, limits: tuple | None,
+            kv_blocks: int | None) -> dict:
+    """limits: the in-process run's (memory-bound limit, unique-bytes limit) in seconds."""
+    row = dict(case=name, path=path, attention=attention, prompts=case["prompts"], n=case["n"],
+               prompt_len=case["prompt_len"],
                output_len=case["output_len"], mask=case["mask"] or "-", spec="dflash" if case["spec"] else "-",
                tokens_per_s=run["tokens"] / run["seconds"], kv_blocks=kv_blocks, **run)
-    if limit is not None:
-        row.update(limit_s=limit, fraction=limit / run["seconds"])
+    if limits is not None:
+        row.update(limit_s=limits[0], fraction=limits[0] / run["seconds"], unique_limit_s=limits[1],
+                   fraction_unique=limits[1] / run["seconds"])
     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return row
 
 
 def report(rows: list[dict], result: dict, args) -> None:
     for row in rows:
-        ins = next((r for r in rows if r["case"] == row["case"] and r["path"] == "in_process"), None)
+        same = [r for r in rows if r["case"] == row["case"]]
+        ins = next((r for r in same if r["path"] == "in_process" and r["attention"] == row["attention"]), None)
         if row["path"] == "service" and ins is not None:
             row["service_over_in_process"] = row["tokens_per_s"] / ins["tokens_per_s"]
+        plain = next((r for r in same if r["path"] == row["path"] and r["attention"] == "plain"), None)
+        if plain is not None:
+            row["over_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
     result["rows"] = rows
     write_json(args.out, result)
 
@@ -326,12 +355,12 @@ def main() -> None:
         dirs = make_dirs(args, Path(tmp))
         for spec in (False, True):
             cases = [c for c in args.cases if CASES[c]["spec"] == spec]
-            if cases:
-                bench_group(args, dirs, spec, cases, rows, result)
+            for attention in args.attention if cases else ():
+                bench_group(args, dirs, spec, attention, cases, rows, result)
     result["seconds"] = time.perf_counter() - start
-    columns = ["case", "path", "spec", "mask", "prompts", "n", "prompt_len", "output_len", "tokens_per_s", "steps",
-               "step_ms", "peak_gb", "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction",
-               "service_over_in_process"]
+    columns = ["case", "path", "attention", "spec", "mask", "prompts", "n", "prompt_len", "output_len",
+               "tokens_per_s", "over_plain", "steps", "step_ms", "peak_gb", "plan_step_gb", "plan_graphs_gb",
+               "kv_blocks", "limit_s", "fraction", "fraction_unique", "service_over_in_process"]
     print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "
                 f"(fraction = memory-bound limit / run time; service: in-process limit)", rows, columns)
     report(rows, result, args)

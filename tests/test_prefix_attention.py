@@ -38,6 +38,8 @@ LAUNCHES = {
     "fused": LaunchConfigs(LaunchConfig(), LaunchConfig()),
     "suffixes alone": DEFAULT_LAUNCH,  # the sweep's winner (prefix_launch.DEFAULT_LAUNCH)
     "tiny tiles": LaunchConfigs(TINY_TILES, TINY_TILES),
+    # lone units' items in a launch of their own (compiled apart, each program taking every P-th)
+    "lone pass": LaunchConfigs(*(LaunchConfig(fuse_suffix=False, lone_pass=True, lone_block_n=16),) * 2),
 }
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")

@@ -28,15 +28,22 @@ class LaunchConfig:
     min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
+    # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
+    # the shared units', compiled with these: a lean body fits more programs on an SM than the
+    # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
+    lone_pass: bool = False
+    lone_block_n: int = 64
+    lone_num_warps: int = 4
+    lone_num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
+        for name in ("block_m", "block_n", "lone_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got "
-                             f"{self.num_warps}, {self.num_stages}")
+        for warps, stages in ((self.num_warps, self.num_stages), (self.lone_num_warps, self.lone_num_stages)):
+            if warps not in (1, 2, 4, 8, 16) or stages < 1:
+                raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
         if self.target_programs < 1 or self.min_chunk < self.block_n:
             raise ValueError(f"need target_programs >= 1 and min_chunk >= block_n, got "
                              f"{self.target_programs}, {self.min_chunk}")

@@ -43,9 +43,12 @@ except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependen
     triton = None
 
 PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
+LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-th item)
+ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
 LOG2E = 1.4426950408889634
 
 if triton is not None:
+    _SHARED, _LONE = tl.constexpr(SHARED_PASS), tl.constexpr(LONE_PASS)  # the kernel's view of the passes
 
     @triton.jit
     def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
@@ -180,14 +183,26 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PASS: tl.constexpr,
     ):
         num_shared = tl.load(item_counts_ptr)
-        total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
-        work = tl.atomic_add(counter_ptr, 1)  # a work queue: (item, KV head) pairs, shared units' first
+        if PASS == _LONE:  # lone units' items, program p taking every P-th (no queue)
+            total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
+            work = num_shared * NUM_KV_HEADS + tl.program_id(0)
+        else:  # a work queue of (item, KV head) pairs, shared units' first
+            total = (num_shared if PASS == _SHARED else tl.load(item_counts_ptr + 1)) * NUM_KV_HEADS
+            work = tl.atomic_add(counter_ptr, 1)
         while work < total:
             item = work // NUM_KV_HEADS
             item_ptr = items_ptr + item * NUM_FIELDS
-            if SHARED_BLOCK_M == SUFFIX_BLOCK_M:  # one body (lone units have no segments)
+            if PASS == _LONE:
+                _attend_item(
+                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
+                    unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION)
+            elif PASS == _SHARED or SHARED_BLOCK_M == SUFFIX_BLOCK_M:  # one body (lone units have no segments)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
@@ -208,7 +223,10 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION)
-            work = tl.atomic_add(counter_ptr, 1)
+            if PASS == _LONE:
+                work += tl.num_programs(0)
+            else:
+                work = tl.atomic_add(counter_ptr, 1)
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
@@ -255,20 +273,30 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         raise ValueError("shared_prefix_attention_triton needs the head dimension contiguous")
     out = torch.empty_like(q) if out is None else out
     part_o, part_lse, counter = plan.buffers(q)
-    programs = max(1, min(plan.max_items * num_kv_heads, _resident_programs(q.device)))
     config, groups = plan.config, num_heads // num_kv_heads
-    _item_kernel[(programs,)](
-        q, k_cache, v_cache, out, part_o, part_lse, counter, plan.items, plan.item_counts, plan.segments,
-        plan.unit_tokens, plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E,
+    pairs = plan.max_items * num_kv_heads  # at least the step's (item, KV head) pairs
+    args = (
+        q, k_cache, v_cache, out, part_o, part_lse, counter, plan.items, plan.item_counts,
+        plan.segments, plan.unit_tokens, plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m, BLOCK_N=config.block_n,
-        MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
-        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    constants = dict(
+        NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
+        MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
+        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
+    if config.lone_pass:  # shared units' items through the queue, then the lone ones in a lean launch
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
+                               num_warps=config.num_warps, num_stages=config.num_stages)
+        lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
+        _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
+                              num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
+    else:
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
+                               num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
@@ -278,12 +306,13 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
 
 
 @functools.cache
-def _resident_programs(device: torch.device) -> int:
-    """Programs of the item kernel: enough to keep every SM busy (they take work from a queue
-    until it is empty). The interpreter runs programs one after another: the first takes all."""
+def _resident_programs(device: torch.device, per_sm: int) -> int:
+    """Programs of one item-kernel launch: `per_sm` on every SM (the queue's take work until it is
+    empty; a lone pass's take every P-th item). The interpreter runs programs one after another:
+    two suffice."""
     if device.type != "cuda":
         return 2
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compiled_variants() -> int:
