@@ -31,9 +31,11 @@ plain kernel at q = 9.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 if "--quick" in sys.argv:  # the interpreter must be chosen before triton is first imported
@@ -95,6 +97,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=8, help="processes compiling in parallel (--compile-only)")
     p.add_argument("--repeats", type=int, default=5, help="timed graph replays (the median is reported)")
     p.add_argument("--quick", action="store_true", help="tiny shapes through Triton's interpreter (CPU check)")
+    p.add_argument("--profile", action="store_true",
+                   help="also each kernel's device time per call (torch.profiler, eager calls; CUDA only)")
     p.add_argument("--out", default="benchmarks/results/bench_prefix_attention.json")
     return p.parse_args()
 
@@ -234,6 +238,50 @@ class Step:
         return float("inf") if diff.isnan().any() else diff.max().item()
 
 
+def kernel_us(fn, calls: int) -> dict[str, float]:
+    """Device microseconds per call of each kernel `fn` launches (named with its grid: the item
+    kernel's shared pass and lone pass differ in it), from torch.profiler's trace of `calls` eager calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            name = f"{e['name']} grid {e.get('args', {}).get('grid')}"
+            totals[name] = totals.get(name, 0.0) + e["dur"] / calls
+    return totals
+
+
+def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
+    """Rows (step, variant, kernel, us per call) for the main steps, the plain kernel first."""
+    rows = []
+    for workload in WORKLOADS:
+        for q_len in args.queries:
+            step = Step(workload, q_len, SHAPES["qwen3-8b"], args, "cuda", dtype)
+            fns = {"plain": lambda out=None, step=step: step.plain()}
+            for name, launch in chosen.items():
+                host, _ = step.planned(launch, repeats=0)
+                fns[name] = step.shared_fn(plan_to_device(host, torch.device("cuda")))
+            for name, fn in fns.items():
+                kernels = kernel_us(fn, calls=20)
+                for kernel, us in kernels.items():
+                    rows.append(dict(key_fields(step), variant=name, kernel=kernel, us=us))
+                rows.append(dict(key_fields(step), variant=name, kernel="(all)", us=sum(kernels.values())))
+            del step
+            torch.cuda.empty_cache()
+    return rows
+
+
 def key_fields(step: Step) -> dict:
     return dict(zip(KEY, (*step.workload, step.q_len), strict=True))
 
@@ -365,6 +413,10 @@ def main() -> None:
     print_table("attention per layer call, every variant (ms; ratio to plain; GB/s of unique KV)", result["rows"],
                 [*KEY, "variant", "ms", "spread_ms", "ratio", "GBps_unique", "items", "partial_rows", "err", "route",
                  "note"])
+    if args.profile and device == "cuda":
+        result["profile"] = profile_workloads(chosen, args, dtype)
+        print_table("device time per call by kernel (us; eager calls, torch.profiler)", result["profile"],
+                    [*KEY, "variant", "kernel", "us"])
     result["summary"] = summary(result["rows"])
     print_table("fastest correct variant per step (ms); the engine's route", result["summary"],
                 [*KEY, "plain_ms", "default_ms", "default_ratio", "best", "best_ms", "best_ratio", "route", "route_ok",

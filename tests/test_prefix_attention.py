@@ -36,7 +36,7 @@ F = {name: i for i, name in enumerate(ITEM_FIELDS)}
 TINY_TILES = LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=4096)
 LAUNCHES = {
     "fused": LaunchConfigs(LaunchConfig(), LaunchConfig()),
-    "suffixes alone": DEFAULT_LAUNCH,  # the sweep's winner (prefix_launch.DEFAULT_LAUNCH)
+    "suffixes alone": LaunchConfigs(*(LaunchConfig(fuse_suffix=False),) * 2),  # the first sweep's winner
     "tiny tiles": LaunchConfigs(TINY_TILES, TINY_TILES),
     # lone units' items in a launch of their own (compiled apart, each program taking every P-th)
     "lone pass": LaunchConfigs(*(LaunchConfig(fuse_suffix=False, lone_pass=True, lone_block_n=16),) * 2),

@@ -61,12 +61,14 @@ class LaunchConfigs:
         return self.decode if max_query_len <= 1 else self.verify
 
 
-# Measured on the H200 (benchmarks/results/prefix_attention_notes.md, "Results"; ms per layer
-# call, ratio to the plain kernel): suffixes read alone ("separate") beat the fused default in all
-# four steps (32x8x1024: q=1 0.536 vs 0.722, q=9 0.806 vs 0.952; 16x16x4096: q=1 0.217 vs 0.310,
-# q=9 0.588 vs 0.672) and every other variant but one tie (m32t128 0.538 at 32x8x1024 q=1).
+# Measured on the H200 (benchmarks/results/prefix_attention_notes.md, "Results" and "The lone
+# pass"; ms per layer call, ratio to the plain kernel). Verify: suffixes read alone in the shared
+# launch ("separate"; 32x8x1024 q=9 0.800, 16x16x4096 q=9 0.589), where a lone pass was 1-10%
+# slower. Decode: the lone pass with fewer key chunks ("lone_t256": 32x8x1024 q=1 0.458 against
+# separate's 0.536; 16x16x4096 q=1 0.191 against 0.217).
 DEFAULT_LAUNCH = LaunchConfigs(
-    decode=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=512, fuse_suffix=False),
+    decode=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
+                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=2),
     verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=512, fuse_suffix=False),
 )
 
