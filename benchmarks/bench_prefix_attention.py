@@ -83,6 +83,14 @@ VARIANTS = {
     "lone_w8": LaunchConfig(num_warps=8, lone_block_n=32, **LONE),
     "lone_t256": LaunchConfig(target_programs=256, lone_block_n=32, **LONE),
     "lone_t1024": LaunchConfig(target_programs=1024, lone_block_n=32, **LONE),
+    # decode: every head of a lone item in one program, key tiles of lone_block_n // 8 keys x 8 KV heads
+    "heads": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, **LONE),
+    "heads_s3": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_stages=3, **LONE),
+    "heads_n32": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=32, **LONE),
+    "heads_n128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, **LONE),
+    "heads_n128w8": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_num_warps=8,
+                                 **LONE),
+    "heads_n64w8": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_warps=8, **LONE),
 }
 
 

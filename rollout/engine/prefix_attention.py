@@ -41,6 +41,7 @@ class SharedPrefixPlan:
     num_partial_rows: int  # host values: rows of the partial-result buffers,
     max_items: int  # at least item_counts[1] (sizes the launch),
     suffix_block_m: int  # the row tile of lone units' items (SharedPrefixPlanner.suffix_block_m),
+    max_query_len: int  # the step's longest query (for a graph: the one it was captured for),
     config: LaunchConfig  # and the launch parameters the plan was cut for
     _buffers: tuple[Tensor, Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -51,7 +52,7 @@ class SharedPrefixPlan:
                    segments=tensors.segments.view(-1, len(SEG_FIELDS)), unit_tokens=tensors.unit_tokens,
                    part_start=tensors.part_start, part_count=tensors.part_count,
                    num_partial_rows=host.num_partial_rows, max_items=len(host.items),
-                   suffix_block_m=host.suffix_block_m, config=host.config)
+                   suffix_block_m=host.suffix_block_m, max_query_len=host.max_query_len, config=host.config)
 
     def buffers(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Allocated once per step and reused by every layer: the partial results o [P, Hq, D] in
@@ -97,7 +98,8 @@ class StaticSharedPrefix:
             item_counts=self.item_counts, items=self.items, segments=self.segments, unit_tokens=self.unit_tokens,
             part_start=self.part_start[:padded_tokens], part_count=self.part_count[:padded_tokens],
             num_partial_rows=planner.partial_rows_cap(padded_tokens), max_items=planner.items_cap(padded_tokens),
-            suffix_block_m=planner.suffix_block_m(query_len), config=planner.config(query_len))
+            suffix_block_m=planner.suffix_block_m(query_len), max_query_len=query_len,
+            config=planner.config(query_len))
 
 
 def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

@@ -32,6 +32,8 @@ class LaunchConfig:
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
     lone_pass: bool = False
+    lone_all_heads: bool = False  # decode steps: a lone item's every head in one program, key tiles of
+    # lone_block_n // KV heads keys x every KV head (all of a key's heads in one contiguous read)
     lone_block_n: int = 64
     lone_num_warps: int = 4
     lone_num_stages: int = 2

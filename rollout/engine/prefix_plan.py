@@ -94,6 +94,7 @@ class HostPlan:
     num_shared_items: int  # items[:num_shared_items] have config.block_m rows, the rest suffix_block_m
     config: LaunchConfig
     suffix_block_m: int
+    max_query_len: int  # the step's longest query (1: a decode step)
     segments: np.ndarray  # [NS >= 1, 5] int64 fused suffix segments, fields SEG_FIELDS
     unit_tokens: np.ndarray  # [U] int64 tokens of the shared units, unit after unit
     part_start: np.ndarray  # [T] int64 first partial row of each token (unused when direct)
@@ -178,7 +179,8 @@ class SharedPrefixPlanner:
         items = work_items(arrays, chunks, span, tile_total, tile_segs, slots.first_slot, self.groups)
         segments = segs.fields if len(segs.fields) else np.zeros((1, len(SEG_FIELDS)), np.int64)
         return HostPlan(items=items, num_shared_items=int((arrays.tiles * chunks)[:num_shared].sum()), config=config,
-                        suffix_block_m=self.suffix_block_m(int(q.max())), segments=segments,
+                        suffix_block_m=self.suffix_block_m(int(q.max())), max_query_len=int(q.max()),
+                        segments=segments,
                         unit_tokens=units.tokens, part_start=slots.part_start, part_count=slots.part_count,
                         num_partial_rows=slots.num_partial_rows, shared_keys=int((units.hi - units.lo).sum()),
                         plain_keys=int(((units.hi - units.lo) * units.num_members).sum()))

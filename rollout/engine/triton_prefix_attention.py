@@ -53,21 +53,37 @@ if triton is not None:
     @triton.jit
     def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
                   stride_kb, stride_ks, stride_vb, stride_vs,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr = True):
         """One tile of keys (block [N] int64 and pos [N] of each) into the online softmax of the
         rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32."""
+        return _row_tile(q, k_base + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks,
+                         v_base + block * stride_vb + (pos % BLOCK_SIZE) * stride_vs, key_ok, seen, m_i, l_i, acc,
+                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED)
+
+    @triton.jit
+    def _row_tile(q, k_row, v_row, key_ok, seen, m_i, l_i, acc, qk_scale,
+                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+        """One tile of key rows (k_row / v_row [N]: each row's first element) into the online
+        softmax of the rows of q [M, D], a key row counting for the rows `seen` [M, N] gives it
+        (MASKED False: every row sees every key row, all valid; key_ok and seen are not read)."""
         dims = tl.arange(0, HEAD_DIM)
-        k = tl.load(k_base + (block * stride_kb + (pos % BLOCK_SIZE) * stride_ks)[:, None] + dims[None, :],
-                    mask=key_ok[:, None], other=0.0)  # [N, D]
+        if MASKED:
+            k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
+        else:
+            k = tl.load(k_row[:, None] + dims[None, :])
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
-        scores = tl.where(seen, scores, float("-inf"))
+        if MASKED:
+            scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (block * stride_vb + (pos % BLOCK_SIZE) * stride_vs)[:, None] + dims[None, :],
-                    mask=key_ok[:, None], other=0.0)
+        if MASKED:
+            v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_row[:, None] + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         return m_new, l_i, acc
 
@@ -79,8 +95,11 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEGS: tl.constexpr, FUSED: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     ):
+        """One (item, KV head) pair. CAUSAL False: a shared unit's item, whose own keys all lie
+        before its rows' queries (a unit shares keys before its members' first query), so its full
+        key tiles need no mask."""
         tok_start = tl.load(item_ptr)  # the fields of prefix_items.ITEM_FIELDS, int64
         tok_count = tl.load(item_ptr + 1)
         rows = tl.load(item_ptr + 2) + tl.arange(0, BLOCK_M)  # [M]: row = token * GROUPS + group head
@@ -105,7 +124,16 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
         own_hi = tl.minimum(v_hi, range_len)
-        for v0 in range(v_lo, own_hi, BLOCK_N):  # loop 1: the unit's own keys
+        masked_lo = v_lo  # loop 1: the unit's own keys, full tiles of a shared unit first (no mask)
+        if not CAUSAL:
+            masked_lo = v_lo + (own_hi - v_lo) // BLOCK_N * BLOCK_N
+            for v0 in range(v_lo, masked_lo, BLOCK_N):
+                pos = key_lo + v0 + tl.arange(0, BLOCK_N)
+                block = tl.load(table + pos // BLOCK_SIZE)  # [N] int64
+                m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, pos >= 0, row_ok[:, None], m_i, l_i, acc,
+                                          qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
+                                          DOT_PRECISION, False)
+        for v0 in range(masked_lo, own_hi, BLOCK_N):
             vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
             key_ok = vk < own_hi
             pos = key_lo + vk
@@ -201,32 +229,87 @@ if triton is not None:
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True)
             elif PASS == _SHARED or SHARED_BLOCK_M == SUFFIX_BLOCK_M:  # one body (lone units have no segments)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
+                    PASS != _SHARED)  # one body: lone items too
             elif item < num_shared:
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
+                    False)
             else:
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True)
             if PASS == _LONE:
                 work += tl.num_programs(0)
             else:
                 work = tl.atomic_add(counter_ptr, 1)
+
+    @triton.jit(do_not_specialize=["stride_bt"],
+                do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "part_start_ptr", "part_count_ptr",
+                                                "positions_ptr", "block_tables_ptr"])
+    def _lone_heads_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, items_ptr, item_counts_ptr, part_start_ptr,
+        part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """A decode step's lone items, every head of the item's one token in one program: its rows
+        are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
+        KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
+        the key rows of its own KV head. Program p takes every P-th lone item."""
+        KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
+        num_shared = tl.load(item_counts_ptr)
+        total = tl.load(item_counts_ptr + 1)
+        head = tl.arange(0, HEADS_P2)  # [M] the rows
+        row_ok = head < NUM_HEADS
+        kv_row = tl.arange(0, BLOCK_N)  # [N] key rows: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
+        kv_head = kv_row % NUM_KV_HEADS
+        mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
+        dims = tl.arange(0, HEAD_DIM)
+        item = num_shared + tl.program_id(0)
+        while item < total:
+            item_ptr = items_ptr + item * NUM_FIELDS
+            token = tl.load(item_ptr) + tl.zeros([HEADS_P2], tl.int64)  # [M] lone items: the step's token, direct
+            key_lo = tl.load(item_ptr + 5).to(tl.int32)
+            hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
+            q_pos = tl.load(positions_ptr + tl.load(item_ptr)).to(tl.int32)
+            q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
+            m_i = tl.full([HEADS_P2], float("-inf"), tl.float32)
+            l_i = tl.zeros([HEADS_P2], tl.float32)
+            acc = tl.zeros([HEADS_P2, HEAD_DIM], tl.float32)
+            for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
+                vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
+                key_ok = vk < hi
+                pos = key_lo + vk
+                block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
+                slot = pos % BLOCK_SIZE
+                seen = mine & (key_ok & (pos <= q_pos))[None, :]
+                m_i, l_i, acc = _row_tile(
+                    q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                    v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
+                    qk_scale, HEAD_DIM, DOT_PRECISION)
+            _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
+                        part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
+            item += tl.num_programs(0)
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
@@ -275,13 +358,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     part_o, part_lse, counter = plan.buffers(q)
     config, groups = plan.config, num_heads // num_kv_heads
     pairs = plan.max_items * num_kv_heads  # at least the step's (item, KV head) pairs
-    args = (
-        q, k_cache, v_cache, out, part_o, part_lse, counter, plan.items, plan.item_counts,
-        plan.segments, plan.unit_tokens, plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-    )
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+               k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    args = (q, k_cache, v_cache, out, part_o, part_lse, counter, plan.items, plan.item_counts, plan.segments,
+            plan.unit_tokens, plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E, *strides)
     constants = dict(
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
@@ -291,9 +371,19 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     if config.lone_pass:  # shared units' items through the queue, then the lone ones in a lean launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
-        lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
-        _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                              num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
+        if _all_heads(config, plan, num_kv_heads):
+            lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
+            _lone_heads_kernel[(lone,)](
+                q, k_cache, v_cache, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
+                plan.part_count, positions, block_tables, scale * LOG2E, *strides,
+                NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
+                GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"],
+                num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
+        else:
+            lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
+            _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
+                                  num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
@@ -303,6 +393,13 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         NUM_HEADS=num_heads, HEADS_P2=heads_p2, HEAD_DIM=head_dim, num_warps=4 if heads_p2 * head_dim <= 8192 else 8,
     )
     return out
+
+
+def _all_heads(config, plan: SharedPrefixPlan, num_kv_heads: int) -> bool:
+    """Whether the lone pass runs every head of a token in one program (_lone_heads_kernel): asked
+    for, a decode step (a lone item is one token), and a key tile holding whole keys."""
+    return (config.lone_all_heads and plan.max_query_len == 1 and num_kv_heads & (num_kv_heads - 1) == 0
+            and config.lone_block_n % num_kv_heads == 0)
 
 
 @functools.cache
