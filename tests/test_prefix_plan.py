@@ -311,8 +311,9 @@ def test_a_group_below_the_rule_reads_alone_beside_one_above_it():
 
 
 def test_the_default_launch_reads_suffixes_alone():
-    """The sweeps' winners (prefix_launch.DEFAULT_LAUNCH): suffixes read alone; in decode steps in
-    a lone pass of their own."""
+    """The sweeps' winners (prefix_launch.DEFAULT_LAUNCH): suffixes read alone, in a lone pass of
+    their own, every head of a token at once in decode steps."""
     assert DEFAULT_LAUNCH.decode.fuse_suffix is False and DEFAULT_LAUNCH.verify.fuse_suffix is False
-    assert DEFAULT_LAUNCH.decode.lone_pass and not DEFAULT_LAUNCH.verify.lone_pass
+    assert DEFAULT_LAUNCH.decode.lone_pass and DEFAULT_LAUNCH.verify.lone_pass
+    assert DEFAULT_LAUNCH.decode.lone_all_heads
     assert SharedPrefixPlanner(BS, 4, 8).launch == DEFAULT_LAUNCH

@@ -64,14 +64,16 @@ class LaunchConfigs:
 
 
 # Measured on the H200 (benchmarks/results/prefix_attention_notes.md, "Results" and "The lone
-# pass"; ms per layer call, ratio to the plain kernel). Verify: suffixes read alone in the shared
-# launch ("separate"; 32x8x1024 q=9 0.800, 16x16x4096 q=9 0.589), where a lone pass was 1-10%
-# slower. Decode: the lone pass with fewer key chunks ("lone_t256": 32x8x1024 q=1 0.458 against
-# separate's 0.536; 16x16x4096 q=1 0.191 against 0.217).
+# pass"; ms per layer call, ratio to the plain kernel): lone units' items in a lone pass of their
+# own, in decode steps every head of a token in one program with key tiles of 16 keys x 8 KV heads
+# ("heads_n128": 32x8x1024 q=1 0.429, 16x16x4096 q=1 0.176, against 0.536 / 0.217 with suffixes
+# in the shared launch), in verify steps per KV head in tiles of 32 keys ("heads_n32": q=9 0.744
+# / 0.547 against 0.804 / 0.589).
 DEFAULT_LAUNCH = LaunchConfigs(
     decode=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
+                        lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2),
+    verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=2),
-    verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=512, fuse_suffix=False),
 )
 
 

@@ -14,9 +14,20 @@ result (part_count 1) is written to the output, the others' normalised output an
 the token's partial row `slot`. The programs (a fixed number per SM) take (item, KV head) pairs
 from a work queue, an atomic counter, shared units' items first, until the queue is empty: the
 item count is read on the device, so a CUDA graph replays any plan that fits its buffers, and no
-program waits on a long item while others idle. `_merge_kernel` combines each token's partial
-rows (all its heads in one program) by their log-sum-exp, and resets the counter for the next
-layer.
+program waits on a long item while others idle. A shared unit's own keys all precede its rows'
+queries, so its full key tiles skip the causal mask. `_merge_kernel` combines each token's
+partial rows (all its heads in one program) by their log-sum-exp, and resets the counter for the
+next layer.
+
+The lone pass (`LaunchConfig.lone_pass`): one launch runs the shared units' items through the
+queue, a second the lone units' items (suffixes read alone, sequences in no group), compiled with
+their own tile and warps: their body needs far fewer registers than the shared one, so more
+programs fit on an SM, and these short items are bound by their chain of dependent loads (item,
+block ids, keys), which more programs in flight hide. Each of its programs takes every P-th item
+(no queue). In a decode step (`lone_all_heads`) `_lone_heads_kernel` runs a lone item's token with
+every query head at once: a key tile is whole keys x every KV head (a key's heads lie side by side
+in the cache, one contiguous read instead of one per KV head), and each query row sees the key
+rows of its own KV head.
 
 Index arithmetic: virtual keys and positions are int32 (a 64-bit key index per element cost
 registers that spilled); block ids are loaded from int64 tables, so block id x block stride and
