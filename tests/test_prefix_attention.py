@@ -40,9 +40,11 @@ LAUNCHES = {
     "tiny tiles": LaunchConfigs(TINY_TILES, TINY_TILES),
     # lone units' items in a launch of their own (compiled apart, each program taking every P-th)
     "lone pass": LaunchConfigs(*(LaunchConfig(fuse_suffix=False, lone_pass=True, lone_block_n=16),) * 2),
-    # decode steps: every head of a lone item in one program (tiles of 16 key rows: 8 keys x 2 KV heads)
-    "lone heads": LaunchConfigs(*(LaunchConfig(fuse_suffix=False, lone_pass=True, lone_all_heads=True,
-                                               lone_block_n=16),) * 2),
+    # decode steps: every head of a lone item in one program (tiles of 16 key rows: 8 keys x 2 KV
+    # heads), lone units cut into chunks of at most 16 keys (merged with the shared partials)
+    "lone heads": LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
+                                               lone_pass=True, lone_all_heads=True, lone_block_n=16,
+                                               lone_max_keys=16),) * 2),
 }
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")

@@ -11,6 +11,8 @@ suffixes read alone (`ALONE`), where each sequence's own range is an item of its
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -317,3 +319,29 @@ def test_the_default_launch_reads_suffixes_alone():
     assert DEFAULT_LAUNCH.decode.lone_pass and DEFAULT_LAUNCH.verify.lone_pass
     assert DEFAULT_LAUNCH.decode.lone_all_heads
     assert SharedPrefixPlanner(BS, 4, 8).launch == DEFAULT_LAUNCH
+
+
+def test_a_lone_pass_cuts_long_lone_units_into_chunks_of_at_most_lone_max_keys():
+    """A lone item is one program's serial work in a lone pass: a sequence alone with a long
+    context is cut (a GRPO group's short suffixes are not); chunks cover its keys exactly once."""
+    capped = LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False, lone_pass=True,
+                          lone_max_keys=32)
+    table, ctx = grpo_tables(prompts=1, samples=4, prompt_blocks=5, gen_lens=[1, 3, 6, 9])
+    alone = np.arange(5000, 5030)[None, :]  # a sequence of 30 blocks of its own
+    table = np.concatenate([np.pad(table, ((0, 0), (0, 30 - table.shape[1]))), alone])
+    ctx = ctx + [117]
+    for launch, cut in ((LaunchConfigs(capped, capped), True),
+                        (LaunchConfigs(*(replace(capped, lone_pass=False),) * 2), False)):
+        p = plan(table, ctx, [1] * 5, launch=launch)
+        lone = p.items[(p.items[:, F["indirect"]] == 0) & (p.items[:, F["table_row"]] == 4)]
+        covered = sorted((int(i[F["v_lo"]]), int(i[F["v_hi"]])) for i in lone)
+        assert covered[0][0] == 0 and covered[-1][1] == 117
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        assert (len(lone) == 4 and max(hi - lo for lo, hi in covered) <= 32) if cut else len(lone) == 1
+        members = p.items[(p.items[:, F["indirect"]] == 0) & (p.items[:, F["table_row"]] < 4)]
+        assert len(members) == 4  # the samples' short suffixes stay whole
+
+
+def test_lone_max_keys_is_0_or_at_least_a_key_tile():
+    with pytest.raises(ValueError, match="lone_max_keys"):
+        LaunchConfig(block_n=64, lone_max_keys=32)

@@ -37,6 +37,7 @@ class LaunchConfig:
     lone_block_n: int = 64
     lone_num_warps: int = 4
     lone_num_stages: int = 2
+    lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):
@@ -46,6 +47,8 @@ class LaunchConfig:
         for warps, stages in ((self.num_warps, self.num_stages), (self.lone_num_warps, self.lone_num_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
+        if self.lone_max_keys and self.lone_max_keys < self.block_n:
+            raise ValueError(f"lone_max_keys must be 0 (no cap) or >= block_n, got {self.lone_max_keys}")
         if self.target_programs < 1 or self.min_chunk < self.block_n:
             raise ValueError(f"need target_programs >= 1 and min_chunk >= block_n, got "
                              f"{self.target_programs}, {self.min_chunk}")
@@ -71,9 +74,10 @@ class LaunchConfigs:
 # / 0.547 against 0.804 / 0.589).
 DEFAULT_LAUNCH = LaunchConfigs(
     decode=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
-                        lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2),
+                        lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2,
+                        lone_max_keys=256),
     verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
-                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=2),
+                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=2, lone_max_keys=256),
 )
 
 
@@ -98,16 +102,15 @@ class ShareRule:
     max_verify_query_len: int = 1 << 30
 
 
-# Measured on the H200 (notes: "Results"), ratio of the shared-prefix kernel to the plain one per
-# layer call, P prompts x n samples x prompt tokens, samples' own tokens uniform in [1, 150]:
-# - decode: wins at n=8 / 1024 (0.536), n=16 / 4096 (0.217), n=4 / 1024 (fused 0.831); loses at
-#   n=2 / 1024 (fused 1.285) and at a 256-token prompt (n=8, fused 1.344). 512 tokens is between
-#   the two prompt lengths measured (linear in prompt length: fused ~0.99 there; separate, 25-30%
-#   faster than fused in both decode steps timed with both, ~0.73): the crossover run times it.
-# - verify (q=9): wins only with separate at n=8 / 1024 (0.806) and n=16 / 4096 (0.588); loses at
-#   n=4 / 1024 (fused 1.053), n=2 (1.293), a 256-token prompt (1.543); nothing measured past q=9.
-SHARE_RULE = ShareRule(decode=GroupRule(min_members=4, min_keys=512),
-                       verify=GroupRule(min_members=8, min_keys=1024), max_verify_query_len=9)
+# Measured on the H200 with the default launch (notes: "The lone pass", crossover run), ratio of
+# the shared-prefix kernel to the plain one per layer call, P prompts x n samples x prompt tokens,
+# samples' own tokens uniform in [1, 150]:
+# - decode: wins at n=8 / 256 (0.803), n=8 / 512 (0.592), n=4 / 1024 (0.607), n=8 / 1024 (0.426),
+#   n=16 / 4096 (0.182); n=2 / 1024 only just (0.940): left to the plain kernel.
+# - verify (q=9): wins at n=4 / 1024 (0.836), n=8 / 512 (0.921), n=8 / 1024 (0.741), n=16 / 4096
+#   (0.550); loses at n=8 / 256 (1.152) and n=2 / 1024 (1.027); nothing measured past q=9.
+SHARE_RULE = ShareRule(decode=GroupRule(min_members=4, min_keys=256),
+                       verify=GroupRule(min_members=4, min_keys=512), max_verify_query_len=9)
 
 
 MAX_FUSED_SEGMENTS = 32  # past this many segments a row tile's lookup spills registers: suffixes read alone

@@ -186,17 +186,23 @@ class SharedPrefixPlanner:
                         plain_keys=int(((units.hi - units.lo) * units.num_members).sum()))
 
     def _chunks(self, arrays: UnitArrays, lens, units: _Units, lone, q, config: LaunchConfig):
-        """(chunks [U + L], partial slots): about config.target_programs (item, KV head) pairs,
-        fewer chunks until the plan fits its capacities (no chunks always fits)."""
+        """(chunks [U + L], partial slots): about config.target_programs (item, KV head) pairs, and
+        in a lone pass no lone item longer than config.lone_max_keys; fewer chunks until the plan
+        fits its capacities (no chunks always fits)."""
         num_tokens = int(q.sum())
         chunk = chunk_size(int((arrays.tiles * lens).sum()), self.num_kv_heads, config)
+        lone_max = config.lone_max_keys if config.lone_pass else 0
+        is_lone = np.arange(len(lens)) >= len(units.lo)  # [U + L]
         while True:
-            chunks = np.where(arrays.splittable, np.maximum(1, (lens + chunk // 2) // chunk), 1)  # [U + L] rounded
+            chunks = np.maximum(1, (lens + chunk // 2) // chunk)  # [U + L] rounded
+            if lone_max:  # a lone item is one program's serial work: long ones are cut (balance)
+                chunks = np.where(is_lone, np.maximum(chunks, -(-lens // lone_max)), chunks)
+            chunks = np.where(arrays.splittable, chunks, 1)
             slots = partial_slots(units.top, units.bottom, lone, chunks, len(units.lo), q)
             num_items = int((arrays.tiles * chunks).sum())
             if slots.num_partial_rows <= self.partial_rows_cap(num_tokens) and num_items <= self.items_cap(num_tokens):
                 return chunks, slots
-            chunk *= 2
+            chunk, lone_max = chunk * 2, lone_max * 2
 
     def _unit_arrays(self, units: _Units, starts, q, config: LaunchConfig) -> tuple[UnitArrays, Segments, np.ndarray]:
         """The shared units, then a lone unit for each sequence whose own keys are not fused into
