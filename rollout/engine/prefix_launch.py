@@ -69,15 +69,16 @@ class LaunchConfigs:
 # Measured on the H200 (benchmarks/results/prefix_attention_notes.md, "Results" and "The lone
 # pass"; ms per layer call, ratio to the plain kernel): lone units' items in a lone pass of their
 # own, in decode steps every head of a token in one program with key tiles of 16 keys x 8 KV heads
-# ("heads_n128": 32x8x1024 q=1 0.429, 16x16x4096 q=1 0.176, against 0.536 / 0.217 with suffixes
-# in the shared launch), in verify steps per KV head in tiles of 32 keys ("heads_n32": q=9 0.744
-# / 0.547 against 0.804 / 0.589).
+# and lone units cut at 256 keys (32x8x1024 q=1 0.420, 16x16x4096 q=1 0.182, against 0.536 / 0.217
+# with suffixes in the shared launch; uncut, a step of 16 groups beside 128 long sequences alone
+# lost to plain: 1.169, cut 0.966), in verify steps per KV head in tiles of 32 keys, uncut (q=9
+# 0.745 / 0.547 against 0.804 / 0.589; that mixed step 1.005 uncut, 1.172 cut at 256).
 DEFAULT_LAUNCH = LaunchConfigs(
     decode=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2,
                         lone_max_keys=256),
     verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
-                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=2, lone_max_keys=256),
+                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=2),
 )
 
 
