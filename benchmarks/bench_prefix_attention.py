@@ -91,6 +91,12 @@ VARIANTS = {
     "heads_n128w8": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_num_warps=8,
                                  **LONE),
     "heads_n64w8": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_warps=8, **LONE),
+    # the decode default with lone units cut shorter: the lone pass ends with its longest item
+    "cut64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=64, **LONE),
+    "cut128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=128, **LONE),
+    "cut64_n64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_max_keys=64, **LONE),
+    "cut64_n64s3": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_stages=3,
+                                lone_max_keys=64, **LONE),
 }
 
 
