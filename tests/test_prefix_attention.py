@@ -13,6 +13,7 @@ and the flag that turns it off.
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -313,3 +314,15 @@ def test_the_flag_reaches_the_engine_config():
     off = parser.parse_args(["serve", "--no-shared-prefix-attention"])
     assert on.shared_prefix_attention is True and off.shared_prefix_attention is False
     assert engine_factory(off).args[0].shared_prefix_attention is False
+
+
+def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
+    """Decode steps only (a lone item is one token), KV heads dividing the key tile, and a tile no
+    larger than the measured one: a head dim of 256 falls back to the per-KV-head lone pass."""
+    config = DEFAULT_LAUNCH.decode
+    decode = SimpleNamespace(max_query_len=1)
+    assert tpa._all_heads(config, decode, num_kv_heads=8, head_dim=128)
+    assert not tpa._all_heads(config, SimpleNamespace(max_query_len=9), num_kv_heads=8, head_dim=128)
+    assert not tpa._all_heads(config, decode, num_kv_heads=8, head_dim=256)
+    assert not tpa._all_heads(config, decode, num_kv_heads=6, head_dim=128)
+    assert not tpa._all_heads(DEFAULT_LAUNCH.verify, decode, num_kv_heads=8, head_dim=128)

@@ -382,7 +382,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     if config.lone_pass:  # shared units' items through the queue, then the lone ones in a lean launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
-        if _all_heads(config, plan, num_kv_heads):
+        if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _lone_heads_kernel[(lone,)](
                 q, k_cache, v_cache, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
@@ -406,11 +406,16 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     return out
 
 
-def _all_heads(config, plan: SharedPrefixPlan, num_kv_heads: int) -> bool:
+ALL_HEADS_TILE = 128 * 128  # key rows x head dim of the all-heads kernel's tile at most (measured:
+# 128 x 128, 82 KB of shared memory with two stages; twice that would not fit an H200's 228 KB)
+
+
+def _all_heads(config, plan: SharedPrefixPlan, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the lone pass runs every head of a token in one program (_lone_heads_kernel): asked
-    for, a decode step (a lone item is one token), and a key tile holding whole keys."""
+    for, a decode step (a lone item is one token), a key tile holding whole keys, and a tile no
+    larger than the one measured (else the per-KV-head lone pass runs)."""
     return (config.lone_all_heads and plan.max_query_len == 1 and num_kv_heads & (num_kv_heads - 1) == 0
-            and config.lone_block_n % num_kv_heads == 0)
+            and config.lone_block_n % num_kv_heads == 0 and config.lone_block_n * head_dim <= ALL_HEADS_TILE)
 
 
 @functools.cache
