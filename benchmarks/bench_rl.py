@@ -91,6 +91,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an EngineConfig field for both paths, e.g. max_num_batched_tokens=8192 (repeatable)")
     p.add_argument("--warmup-tokens", type=int, default=32, help="output tokens of each engine's warm-up run")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after each in-process case, run it again and profile this many steps from the middle of "
+                        "its decode (torch.profiler): attention kernels' device ms per step (0 off CUDA)")
     p.add_argument("--out", default="benchmarks/results/bench_rl.json")
     args = p.parse_args()
     args.engine_args = dict(_key_value(kv) for kv in args.engine_arg)
@@ -164,6 +167,34 @@ class Costs:
         flops = (tokens * self.flops_per_token + rows * self.flops_per_row + qk * self.flops_per_qk
                  + drafting * self.flops_per_draft)
         return max(read / bandwidth, flops / rate)
+
+
+ATTENTION_KERNELS = ("_attn_kernel", "_merge_kernel", "_item_kernel", "_lone_heads_kernel")  # the Triton ones
+
+
+def profile_attention(engine: LLMEngine, case: dict, prompts, steps: int, device: str) -> dict:
+    """Device ms per step of the attention kernels (triton_attention.py, triton_prefix_attention.py)
+    and of every kernel, over `steps` steps from the middle of a fresh run of the case
+    (torch.profiler; kernels replayed by CUDA graphs included), which is then aborted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request("profile", prompts, SamplingParams(**sampling_of(case)), n=case["n"], mask=case["mask"])
+    for _ in range(case["output_len"] // 2):
+        engine.step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    engine.abort("profile")
+    while engine.has_unfinished():
+        engine.step()
+    attention = total = 0.0
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0.0)
+        total += us
+        attention += us if any(name in event.key for name in ATTENTION_KERNELS) else 0.0
+    return dict(attention_ms=attention / 1e3 / steps, kernels_ms=total / 1e3 / steps)
 
 
 class StepLog:
@@ -290,6 +321,9 @@ def bench_group(args, dirs: dict, spec: bool, attention: str, cases: list[str], 
             row, records = run_in_process(engine, case, prompts_of(case, vocab, 1), name, args.device)
             limits[name] = tuple(sum(costs.step_seconds(r, result["bandwidth"], result["matmul_rate"], unique)
                                      for r in records) for unique in (False, True))
+            if args.profile_steps:
+                row.update(profile_attention(engine, case, prompts_of(case, vocab, 1), args.profile_steps,
+                                             args.device))
             rows.append(summary(name, "in_process", attention, case, row, limits[name], engine.kv_blocks()[1]))
             report(rows, result, args)
         del engine
@@ -359,8 +393,9 @@ def main() -> None:
                 bench_group(args, dirs, spec, attention, cases, rows, result)
     result["seconds"] = time.perf_counter() - start
     columns = ["case", "path", "attention", "spec", "mask", "prompts", "n", "prompt_len", "output_len",
-               "tokens_per_s", "over_plain", "steps", "step_ms", "peak_gb", "plan_step_gb", "plan_graphs_gb",
-               "kv_blocks", "limit_s", "fraction", "fraction_unique", "service_over_in_process"]
+               "tokens_per_s", "over_plain", "steps", "step_ms", "attention_ms", "kernels_ms", "peak_gb",
+               "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction", "fraction_unique",
+               "service_over_in_process"]
     print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "
                 f"(fraction = memory-bound limit / run time; service: in-process limit)", rows, columns)
     report(rows, result, args)
