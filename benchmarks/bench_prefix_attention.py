@@ -31,11 +31,9 @@ plain kernel at q = 9.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 if "--quick" in sys.argv:  # the interpreter must be chosen before triton is first imported
@@ -43,7 +41,7 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is fir
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import environment, print_table, write_json  # noqa: E402
+from common import environment, kernel_us, print_table, write_json  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
 from rollout.engine.prefix_attention import plan_to_device  # noqa: E402
@@ -64,9 +62,9 @@ FORCED = ShareRule()  # every group shared: what the kernel variants are timed w
 KEY = ("prompts", "n", "prompt", "alone", "q_len")  # a step's fields in every row
 MAX_ERROR = 2e-2  # bf16 operands against float32: ~1e-3 expected; more is a wrong result
 # The sweep: one LaunchConfig for both kinds of step (predictions: prefix_attention_notes.md).
-# The first sweep (fused layouts, tile shapes) is recorded in the notes; this one times the lone
-# pass: suffixes and sequences alone in a second, lean launch (LaunchConfig.lone_pass), with
-# several shared-pass tiles beside it.
+# The first sweep (fused layouts, tile shapes) is recorded in the notes; these time the lone pass:
+# suffixes and sequences alone in a second, lean launch (LaunchConfig.lone_pass). Variants measured
+# and dropped (other lone tiles and warps, m32 shared tiles beside a lone pass): the notes.
 SEPARATE = dict(fuse_suffix=False)
 LONE = dict(SEPARATE, lone_pass=True)
 VARIANTS = {
@@ -74,29 +72,15 @@ VARIANTS = {
     "fused": LaunchConfig(),
     "m32t128": LaunchConfig(block_m=32, target_programs=128, **SEPARATE),
     "lone": LaunchConfig(lone_block_n=32, **LONE),  # lone pass m16 n32 w4 s2: 96 registers (5 CTAs / SM)
-    "lone_n64": LaunchConfig(lone_block_n=64, **LONE),
-    "lone_n32w2": LaunchConfig(lone_block_n=32, lone_num_warps=2, **LONE),
-    "lone_n16": LaunchConfig(lone_block_n=16, **LONE),
-    "lone_m32": LaunchConfig(block_m=32, block_n=32, lone_block_n=32, **LONE),
-    "lone_m32n64s2": LaunchConfig(block_m=32, num_stages=2, lone_block_n=32, **LONE),
-    "lone_n32": LaunchConfig(block_n=32, lone_block_n=32, **LONE),
-    "lone_w8": LaunchConfig(num_warps=8, lone_block_n=32, **LONE),
     "lone_t256": LaunchConfig(target_programs=256, lone_block_n=32, **LONE),
-    "lone_t1024": LaunchConfig(target_programs=1024, lone_block_n=32, **LONE),
     # decode: every head of a lone item in one program, key tiles of lone_block_n // 8 keys x 8 KV heads
     "heads": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, **LONE),
     "heads_s3": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_stages=3, **LONE),
     "heads_n32": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=32, **LONE),
     "heads_n128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, **LONE),
-    "heads_n128w8": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_num_warps=8,
-                                 **LONE),
-    "heads_n64w8": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_warps=8, **LONE),
-    # the decode default with lone units cut shorter: the lone pass ends with its longest item
+    # the decode default with lone units cut shorter (measured: no faster; the notes say why)
     "cut64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=64, **LONE),
     "cut128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=128, **LONE),
-    "cut64_n64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_max_keys=64, **LONE),
-    "cut64_n64s3": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_stages=3,
-                                lone_max_keys=64, **LONE),
 }
 
 
@@ -252,30 +236,6 @@ class Step:
         return float("inf") if diff.isnan().any() else diff.max().item()
 
 
-def kernel_us(fn, calls: int) -> dict[str, float]:
-    """Device microseconds per call of each kernel `fn` launches (named with its grid: the item
-    kernel's shared pass and lone pass differ in it), from torch.profiler's trace of `calls` eager calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals: dict[str, float] = {}
-    for e in events:
-        if e.get("cat") == "kernel":
-            name = f"{e['name']} grid {e.get('args', {}).get('grid')}"
-            totals[name] = totals.get(name, 0.0) + e["dur"] / calls
-    return totals
-
-
 def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
     """Rows (step, variant, kernel, us per call) for the main steps, the plain kernel first."""
     rows = []
@@ -287,7 +247,8 @@ def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
                 host, _ = step.planned(launch, repeats=0)
                 fns[name] = step.shared_fn(plan_to_device(host, torch.device("cuda")))
             for name, fn in fns.items():
-                kernels = kernel_us(fn, calls=20)
+                fn()
+                kernels = kernel_us(fn, calls=20, by_grid=True)
                 for kernel, us in kernels.items():
                     rows.append(dict(key_fields(step), variant=name, kernel=kernel, us=us))
                 rows.append(dict(key_fields(step), variant=name, kernel="(all)", us=sum(kernels.values())))

@@ -45,6 +45,7 @@ from common import (
     copy_bandwidth,
     environment,
     free_memory,
+    kernel_us,
     print_table,
     sync,
     time_ms,
@@ -175,26 +176,17 @@ ATTENTION_KERNELS = ("_attn_kernel", "_merge_kernel", "_item_kernel", "_lone_hea
 def profile_attention(engine: LLMEngine, case: dict, prompts, steps: int, device: str) -> dict:
     """Device ms per step of the attention kernels (triton_attention.py, triton_prefix_attention.py)
     and of every kernel, over `steps` steps from the middle of a fresh run of the case
-    (torch.profiler; kernels replayed by CUDA graphs included), which is then aborted."""
-    from torch.profiler import ProfilerActivity, profile
-
+    (common.kernel_us; off CUDA: 0), which is then aborted."""
     engine.add_request("profile", prompts, SamplingParams(**sampling_of(case)), n=case["n"], mask=case["mask"])
     for _ in range(case["output_len"] // 2):
         engine.step()
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-        sync(device)
+    kernels = kernel_us(engine.step, steps) if device == "cuda" else {}
     engine.abort("profile")
     while engine.has_unfinished():
         engine.step()
-    attention = total = 0.0
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", 0.0)
-        total += us
-        attention += us if any(name in event.key for name in ATTENTION_KERNELS) else 0.0
-    return dict(attention_ms=attention / 1e3 / steps, kernels_ms=total / 1e3 / steps)
+    attention = sum(us for name, us in kernels.items() if any(k in name for k in ATTENTION_KERNELS))
+    return dict(attention_ms=attention / 1e3, kernels_ms=sum(kernels.values()) / 1e3)
 
 
 class StepLog:

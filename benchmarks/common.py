@@ -316,3 +316,29 @@ def eager_step_kernels(engine: LLMEngine, add_requests, device: str = "cuda") ->
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     return sorted(events, key=lambda e: -e.device_time_total)
 
+
+
+def kernel_us(run, calls: int, by_grid: bool = False) -> dict[str, float]:
+    """Device microseconds per call of each CUDA kernel that `calls` calls of `run()` launch, kernels
+    replayed by CUDA graphs included (torch.profiler's trace), keyed by kernel name (and launch grid
+    with by_grid: two launches of one kernel with different grids are told apart)."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            name = f"{e['name']} grid {e.get('args', {}).get('grid')}" if by_grid else e["name"]
+            totals[name] = totals.get(name, 0.0) + e["dur"] / calls
+    return totals

@@ -1,0 +1,70 @@
+"""The online-softmax pieces both shared-prefix attention kernels are built from
+(triton_prefix_attention.py: the item kernel and the all-heads lone kernel): one tile of keys into
+the running (max, sum, accumulator) of a tile of query rows, and the store of those rows, to the
+output or to their token's partial row. Scores are in base 2 (the scale folded into log2 e)."""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependency
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
+                  stride_kb, stride_ks, stride_vb, stride_vs,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr = True):
+        """One tile of keys (block [N] int64 and pos [N] of each) into the online softmax of the
+        rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32."""
+        return _row_tile(q, k_base + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks,
+                         v_base + block * stride_vb + (pos % BLOCK_SIZE) * stride_vs, key_ok, seen, m_i, l_i, acc,
+                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED)
+
+    @triton.jit
+    def _row_tile(q, k_row, v_row, key_ok, seen, m_i, l_i, acc, qk_scale,
+                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+        """One tile of key rows (k_row / v_row [N]: each row's first element) into the online
+        softmax of the rows of q [M, D], a key row counting for the rows `seen` [M, N] gives it
+        (MASKED False: every row sees every key row, all valid; key_ok and seen are not read)."""
+        dims = tl.arange(0, HEAD_DIM)
+        if MASKED:
+            k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
+        else:
+            k = tl.load(k_row[:, None] + dims[None, :])
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
+        if MASKED:
+            scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_row[:, None] + dims[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
+                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """The normalised rows to the output where their token has one partial result, else with
+        their log-sum-exp (natural log) to the token's partial row of the item's slot."""
+        dims = tl.arange(0, HEAD_DIM)
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
+        count = tl.load(part_count_ptr + token, mask=row_ok, other=0)
+        direct = row_ok & (count == 1)
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+        part = row_ok & (count != 1)
+        base = (tl.load(part_start_ptr + token, mask=row_ok, other=0) + tl.load(item_ptr + 11)) * NUM_HEADS + head
+        tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
+                 mask=part[:, None])
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(part_lse_ptr + base, lse, mask=part)
