@@ -3,11 +3,12 @@
 shapes and prints which is fastest).
 
 Host only (no torch, no triton): the planner (prefix_plan.py) cuts work items by `block_m`,
-`block_n`, `target_programs`, `min_chunk` and `fuse_suffix`, shares only the groups that
-`SHARE_RULE` (the measured crossover) admits, and drops whole steps where `enabled` is False or
-no group is left (the plain paged kernel runs them); the kernel (triton_prefix_attention.py)
-compiles with the same `block_m`, `block_n`, `num_warps` and `num_stages`, read from the plan,
-so the two always agree. A step's parameters depend on its longest query alone (`pick`): a CUDA
+`block_n`, `target_programs`, `min_chunk`, `fuse_suffix` and (with a lone pass) `lone_max_keys`,
+shares only the groups that `SHARE_RULE` (the measured crossover) admits, and drops whole steps
+where `enabled` is False or no group is left (the plain paged kernel runs them); the kernels
+(triton_prefix_attention.py) compile with the same `block_m`, `block_n`, `num_warps` and
+`num_stages`, and the lone pass with its `lone_*` fields, read from the plan, so the two always
+agree. A step's parameters depend on its longest query alone (`pick`): a CUDA
 graph captured for a query length replays with the same ones.
 """
 
