@@ -308,6 +308,21 @@ def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():
     assert learned.seconds(32, 32, False, 32, 224) == pytest.approx(2 * plain + 3 * extra, rel=0.02)
 
 
+def test_the_learned_correction_prices_a_kind_of_step_at_its_mean_time():
+    """Throughput follows the mean step time: steps of one kind alternating between 1x and 3x the
+    tables' time are priced at 2x, not at the geometric mean (1.73x, which underpriced steps whose
+    time varies, e.g. drafting steps, so drafting was bought where it lost)."""
+    cost, tables = cost_table(1.0, 0.1, drafter_ms=0.5), cost_table(1.0, 0.1, drafter_ms=0.5)
+    cost.learn = True
+    plain = tables.seconds(32, 32)
+    extra = tables.seconds(32, 32, False, 32, 224) - plain
+    for i in range(400):
+        cost.observe(32, 32, False, 0, 0, plain * (1 + 2 * (i % 2)))
+        cost.observe(32, 32, False, 32, 224, 2 * plain + extra * (1 + 2 * (i % 2)))
+    assert cost.seconds(32, 32) == pytest.approx(2 * plain, rel=0.1)
+    assert cost.seconds(32, 32, False, 32, 224) - cost.seconds(32, 32) == pytest.approx(2 * extra, rel=0.1)
+
+
 @pytest.mark.parametrize("graphed", [False, True])
 def test_drafting_is_never_priced_below_the_plain_step_whatever_was_learned(graphed):
     """Plain steps take 1.5x the tables' time, drafting steps of 64 drafting rows take what the tables
