@@ -185,5 +185,5 @@ def fill_pending(step: StepBatch, num_drafts: list[int], prev: Launched, device:
             source.append(seq.pending_entry)
         offset += item.num_new_tokens + k
     if index:
-        tokens = prev.result.tokens[upload(source, torch.int64, device), 0]  # [P] each entry's first token
-        step.tokens.input_ids.index_put_((upload(index, torch.int64, device),), tokens)
+        where, entry = upload([index, source], torch.int64, device)  # [2, P]: one copy
+        step.tokens.input_ids.index_put_((where,), prev.result.tokens[entry, 0])  # each entry's first token
