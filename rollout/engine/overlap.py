@@ -178,12 +178,13 @@ def fill_pending(step: StepBatch, num_drafts: list[int], prev: Launched, device:
     index, source = [], []
     offset = 0
     for item, k in zip(step.tokens.items, num_drafts):
-        seq, start = item.seq, item.seq.num_computed_tokens
-        known = seq.num_prompt_tokens + len(seq.output_token_ids)  # the pending token's position
-        if seq.pending_entry >= 0 and start <= known < start + item.num_new_tokens:
-            index.append(offset + known - start)
-            source.append(seq.pending_entry)
-        offset += item.num_new_tokens + k
+        seq, new = item.seq, item.num_new_tokens
+        if seq.pending_entry >= 0:  # (a loop over the batch every overlapped step: kept lean)
+            at = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens  # its input slot
+            if 0 <= at < new:
+                index.append(offset + at)
+                source.append(seq.pending_entry)
+        offset += new + k
     if index:
         where, entry = upload([index, source], torch.int64, device)  # [2, P]: one copy
         step.tokens.input_ids.index_put_((where,), prev.result.tokens[entry, 0])  # each entry's first token
