@@ -49,8 +49,8 @@ def _record_caps(eng: LLMEngine) -> list[list[int]]:
     """Every step's chosen drafts per decode sample (wraps the budget's hook)."""
     chosen, caps = [], eng.spec_budget.caps
 
-    def recording(running, admits, budget, waiting_tokens=0):
-        out = caps(running, admits, budget, waiting_tokens)
+    def recording(running, budget, waiting_tokens=0):
+        out = caps(running, budget, waiting_tokens)
         chosen.append([out.get(s, 0) for s in running if s.num_tokens - s.num_computed_tokens <= 1])
         return out
 

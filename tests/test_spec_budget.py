@@ -214,7 +214,7 @@ def test_probes_stay_within_their_share():
     budget.acceptance.observe(seqs, np.full(8, K), np.zeros(8, dtype=np.int64))
     plain = float(cost.seconds(8, 8, False, 0))
     extra = float(cost.seconds(8, 8, False, 8, 8 * K)) - plain
-    probes = sum(sum(budget.caps(seqs, False, 2048).values()) > 0 for _ in range(2000))
+    probes = sum(sum(budget.caps(seqs, 2048).values()) > 0 for _ in range(2000))
     expected = 2000 * PROBE_SHARE * plain / extra
     assert budget.totals["probes"] == probes and 0.8 * expected <= probes <= expected + 1
 
@@ -234,7 +234,7 @@ def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
     """caps then record, `steps` times, each draft accepted by `accept(position)`; the caps chosen."""
     chosen = []
     for _ in range(steps):
-        caps = budget.caps(seqs, False, 4096)
+        caps = budget.caps(seqs, 4096)
         chosen.append(caps)
         step = _step(seqs, caps)
         accepted = [sum(1 for _ in itertools.takewhile(accept, range(k))) for k in step.rows.num_draft]
@@ -400,7 +400,7 @@ def test_a_choice_of_an_untimed_kind_of_step_serves_one_step():
     budget.acceptance.observe(seqs, np.full(8, K), np.full(8, 1))  # measured: one draft of a block accepted
     chosen = []
     for _ in range(RECHOOSE_STEPS):
-        caps = budget.caps(seqs, False, 4096)
+        caps = budget.caps(seqs, 4096)
         step = _step(seqs, caps)
         drafts, rows = sum(step.rows.num_draft), sum(1 for k in step.rows.num_draft if k)
         seconds = tables.seconds(8, 8, False, rows, drafts) * (10 if drafts else 1)
@@ -444,7 +444,7 @@ def test_prompts_waiting_for_the_token_budget_leave_drafts_no_room():
     budget = SpecBudget(K, cost, graphs=False, max_graph_rows=256)
     seqs = _decoding(8)
     budget.acceptance.observe(seqs * 4, np.full(32, K), np.full(32, K))  # measured: everything accepted
-    assert budget.caps(seqs, True, 64, waiting_tokens=200) == {}
-    assert sum(budget.caps(seqs, True, 64, waiting_tokens=40).values()) <= 64 - 8 - 40
-    assert sorted(budget.caps(seqs, False, 64).values()) == [K] * 8
+    assert budget.caps(seqs, 64, waiting_tokens=200) == {}
+    assert sum(budget.caps(seqs, 64, waiting_tokens=40).values()) <= 64 - 8 - 40
+    assert sorted(budget.caps(seqs, 64).values()) == [K] * 8
 

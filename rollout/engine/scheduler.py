@@ -156,8 +156,7 @@ class Scheduler:
         """This step's most drafts per running sample, from the draft budget (None: full blocks)."""
         if self.draft_budget is None or not self.num_spec:
             return None
-        admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        return self.draft_budget.caps(self.running, admits, budget, self._admissible_prompt_tokens(budget))
+        return self.draft_budget.caps(self.running, budget, self._admissible_prompt_tokens(budget))
 
     def _admissible_prompt_tokens(self, budget: int) -> int:
         """Prompt tokens of the waiting samples this step may admit (by count: max_num_seqs), at most

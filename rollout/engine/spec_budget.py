@@ -245,12 +245,11 @@ class SpecBudget:
         self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
 
-    def caps(self, running: list[Sequence], admits: bool, token_budget: int,
-             waiting_tokens: int = 0) -> dict[Sequence, int]:
-        """The most drafts each caught-up running sample verifies this step. `admits`: waiting samples
-        may be admitted (their prefill makes the step eager); token_budget: the step's token budget;
-        waiting_tokens: the prompt tokens of the waiting samples it may admit (drafts get the room
-        left after them: see the module docstring)."""
+    def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0) -> dict[Sequence, int]:
+        """The most drafts each caught-up running sample verifies this step. token_budget: the step's
+        token budget; waiting_tokens: the prompt tokens of the waiting samples it may admit (their
+        prefill makes the step eager, and drafts get the room left after them: see the module
+        docstring)."""
         decode, limits, prefill, num_spec = [], [], 0, self.num_spec
         for seq in running:
             behind, remaining = seq.behind_and_remaining()
@@ -262,7 +261,7 @@ class SpecBudget:
         if not decode:
             return {}
         base = min(token_budget, len(decode) + prefill + waiting_tokens)
-        graphs = self.graphs and not prefill and not admits and len(decode) <= self.max_graph_rows
+        graphs = self.graphs and not prefill and not waiting_tokens and len(decode) <= self.max_graph_rows
         budget, full_seconds = self._choose(decode, limits, len(running), base, token_budget - base, graphs)
         drafts = None if budget.k == 0 else budget.drafts  # [S]; None: a plain decode step
         if self._probe(0 if drafts is None else int(drafts.sum()), sum(limits), budget.seconds, full_seconds,
