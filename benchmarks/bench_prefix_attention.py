@@ -68,7 +68,7 @@ MAX_ERROR = 2e-2  # bf16 operands against float32: ~1e-3 expected; more is a wro
 SEPARATE = dict(fuse_suffix=False)
 LONE = dict(SEPARATE, lone_pass=True)
 VARIANTS = {
-    "separate": LaunchConfig(**SEPARATE),  # the default before the lone pass
+    "separate": LaunchConfig(**SEPARATE),  # the default before the lone pass (then one launch; now two)
     "fused": LaunchConfig(),
     "m32t128": LaunchConfig(block_m=32, target_programs=128, **SEPARATE),
     "lone": LaunchConfig(lone_block_n=32, **LONE),  # lone pass m16 n32 w4 s2: 96 registers (5 CTAs / SM)

@@ -32,6 +32,7 @@ class LaunchConfig:
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
+    # Always so where their row tile differs from block_m; lone_pass asks for it where it does not.
     lone_pass: bool = False
     lone_all_heads: bool = False  # decode steps: a lone item's every head in one program, key tiles of
     # lone_block_n // KV heads keys x every KV head (all of a key's heads in one contiguous read)

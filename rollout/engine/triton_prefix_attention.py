@@ -20,9 +20,11 @@ queries, so its full key tiles skip the causal mask. `_merge_kernel` combines ea
 partial rows (all its heads in one program) by their log-sum-exp, and resets the counter for the
 next layer.
 
-The lone pass (`LaunchConfig.lone_pass`): one launch runs the shared units' items through the
-queue, a second the lone units' items (suffixes read alone, sequences in no group), compiled with
-their own tile and warps: their body needs far fewer registers than the shared one, so more
+The lone pass (`LaunchConfig.lone_pass`, and whenever lone units' row tile differs from shared
+units'): one launch runs the shared units' items through the queue, a second the lone units'
+items (suffixes read alone, sequences in no group), compiled with their own tile and warps (one
+kernel holding both bodies ran at the larger one's registers: measured slower, 116 us against 54 +
+44 at 32x8x1024 decode): their body needs far fewer registers than the shared one, so more
 programs fit on an SM, and these short items are bound by their chain of dependent loads (item,
 block ids, keys), which more programs in flight hide. Each of its programs takes every P-th item
 (no queue). In a decode step (`lone_all_heads`) `_lone_heads_kernel` runs a lone item's token with
@@ -188,29 +190,14 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True)
-            elif PASS == _SHARED or SHARED_BLOCK_M == SUFFIX_BLOCK_M:  # one body (lone units have no segments)
+            else:  # shared units' items (all items in one launch: the same row tile, lone ones unfused)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
-                    PASS != _SHARED)  # one body: lone items too
-            elif item < num_shared:
-                _attend_item(
-                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
-                    unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
-                    False)
-            else:
-                _attend_item(
-                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
-                    unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True)
+                    PASS != _SHARED)
             if PASS == _LONE:
                 work += tl.num_programs(0)
             else:
@@ -326,7 +313,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
-    if config.lone_pass:  # shared units' items through the queue, then the lone ones in a lean launch
+    if config.lone_pass or config.block_m != plan.suffix_block_m:  # shared items queued, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
@@ -342,7 +329,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
-    else:
+    else:  # one row tile for both kinds of item: one launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
