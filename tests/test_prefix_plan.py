@@ -324,8 +324,8 @@ def test_the_default_launch_reads_suffixes_alone():
 def test_a_lone_pass_cuts_long_lone_units_into_chunks_of_at_most_lone_max_keys():
     """A lone item is one program's serial work in a lone pass: a sequence alone with a long
     context is cut (a GRPO group's short suffixes are not); chunks cover its keys exactly once."""
-    capped = LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False, lone_pass=True,
-                          lone_max_keys=32)
+    capped = LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
+                          lone_pass=True, lone_max_keys=32)  # (block_m 16: lone_pass False is one launch)
     table, ctx = grpo_tables(prompts=1, samples=4, prompt_blocks=5, gen_lens=[1, 3, 6, 9])
     alone = np.arange(5000, 5030)[None, :]  # a sequence of 30 blocks of its own
     table = np.concatenate([np.pad(table, ((0, 0), (0, 30 - table.shape[1]))), alone])

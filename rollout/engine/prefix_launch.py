@@ -56,6 +56,12 @@ class LaunchConfig:
                              f"{self.target_programs}, {self.min_chunk}")
 
 
+def lone_launch(config: LaunchConfig, suffix_block_m: int) -> bool:
+    """Whether lone units' items run in a launch of their own (a lone pass): asked for, or their row
+    tile differs from the shared units' (one kernel would hold both bodies)."""
+    return config.lone_pass or config.block_m != suffix_block_m
+
+
 @dataclass(frozen=True)
 class LaunchConfigs:
     """Decode steps (one query per sequence) and the rest (verify blocks, prefill chunks beside

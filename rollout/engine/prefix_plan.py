@@ -61,6 +61,7 @@ from rollout.engine.prefix_launch import (
     LaunchConfig,
     LaunchConfigs,
     ShareRule,
+    lone_launch,
     max_segments,
 )
 
@@ -191,12 +192,12 @@ class SharedPrefixPlanner:
         fits its capacities (no chunks always fits)."""
         num_tokens = int(q.sum())
         chunk = chunk_size(int((arrays.tiles * lens).sum()), self.num_kv_heads, config)
-        lone_max = config.lone_max_keys if config.lone_pass else 0
-        is_lone = np.arange(len(lens)) >= len(units.lo)  # [U + L]
+        lone_max = config.lone_max_keys if lone_launch(config, self.suffix_block_m(int(q.max()))) else 0
+        num_shared = len(units.lo)
         while True:
             chunks = np.maximum(1, (lens + chunk // 2) // chunk)  # [U + L] rounded
             if lone_max:  # a lone item is one program's serial work: long ones are cut (balance)
-                chunks = np.where(is_lone, np.maximum(chunks, -(-lens // lone_max)), chunks)
+                chunks[num_shared:] = np.maximum(chunks[num_shared:], -(-lens[num_shared:] // lone_max))
             chunks = np.where(arrays.splittable, chunks, 1)
             slots = partial_slots(units.top, units.bottom, lone, chunks, len(units.lo), q)
             num_items = int((arrays.tiles * chunks).sum())

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from rollout.engine.prefix_attention import SharedPrefixPlan
 from rollout.engine.prefix_items import ITEM_FIELDS
-from rollout.engine.prefix_launch import max_segments
+from rollout.engine.prefix_launch import lone_launch, max_segments
 
 try:
     import triton
@@ -313,7 +313,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
-    if config.lone_pass or config.block_m != plan.suffix_block_m:  # shared items queued, then the lone ones
+    if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
