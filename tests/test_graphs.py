@@ -70,15 +70,19 @@ def _assert_finite(eng) -> None:
     assert all(bool(torch.isfinite(t).all()) for t in outputs + caches)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, random_drafters, backend):
+@pytest.mark.parametrize("backend,spec", [("torch", "dflash"), ("triton", "dflash"), ("torch", "dspark")])
+def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, random_drafters, backend, spec):
     """The replayed step also writes the drafter's context K/V (padded rows into the scratch
     block of the drafter's cache), and the drafter's forward replays from its own static buffers
-    (DraftGraphs, padded to batch and context buckets): drafts, hence acceptance and outputs,
-    equal the eager engine. Under the Triton kernel a padded verify row once saw no key (context
-    1 < its 4 queries) and computed NaN; on the H200 that NaN reached the scratch blocks, which
-    the drafter's context reads (masked, but 0 * NaN): acceptance fell from ~3.0 to ~1.7."""
-    kw = dict(spec="dflash", draft=random_drafters["dflash"], spec_block_size=4, kernel_backend=backend)
+    (DraftGraphs, padded to batch and context buckets), and so does its choice of drafts (sampled
+    batches; DSpark's walk with its confidence cut, greedy batches too): drafts, hence acceptance
+    and outputs, equal the eager engine. Under the Triton kernel a padded verify row once saw no
+    key (context 1 < its 4 queries) and computed NaN; on the H200 that NaN reached the scratch
+    blocks, which the drafter's context reads (masked, but 0 * NaN): acceptance fell from ~3.0 to
+    ~1.7."""
+    kw = dict(spec=spec, draft=random_drafters[spec], spec_block_size=4, kernel_backend=backend)
+    if spec == "dspark":
+        kw.update(spec_confidence_threshold=0.5)
     if backend == "triton":  # interpreted on CPU: 6 sequences, still padded to the batch bucket 8
         kw.update(prompts=PROMPTS[:3], n=1, max_tokens=5,
                   params=SamplingParams(temperature=1.0, top_k=20, max_tokens=4, seed=3, ignore_eos=True))
@@ -87,7 +91,10 @@ def test_static_replay_with_a_block_drafter_matches_eager(tiny_random_qwen3, ran
     assert eng.graphs.num_replays > 0 and any(k[1] == 4 for k in eng.graphs.graphs)
     assert eng.drafter.graphs.num_replays > 0 and len(eng.drafter.graphs.graphs) >= 2  # drafter graphs too
     assert _one_output_buffer(eng.graphs) and _one_output_buffer(eng.drafter.graphs)
-    assert eng.compiled()["graphs"] == len(eng.graphs.graphs) + len(eng.drafter.graphs.graphs)
+    choices = eng.drafter.graphs.choices  # (batch bucket, sampled): greedy batches choose eagerly but DSpark's
+    assert {sampled for _, sampled in choices} == ({True, False} if spec == "dspark" else {True})
+    assert len({b for b, _ in choices}) >= 2
+    assert eng.compiled()["graphs"] == len(eng.graphs.graphs) + len(eng.drafter.graphs.graphs) + len(choices)
     assert base_eng.compiled()["graphs"] == 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in base]
@@ -118,3 +125,45 @@ def test_every_query_of_a_padded_row_sees_a_key():
     assert seen["q"] == 4 and seen["context_lens"][:3] == contexts
     assert seen["context_lens"][3] >= 4  # the padded row: each of its 4 queries sees key 0 at least
     assert set(seen["tables"][3]) == {9}  # ... all of them in the scratch block
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_choice_graphs_draw_what_the_eager_choice_draws(tiny_random_qwen3, random_drafters, spec):
+    """The drafter's choice replayed from its static buffers (DraftGraphs.run_choice) against the
+    same choice made eagerly, call after call: batches of 3, 5 and 3 rows again (padded to the
+    buckets 4 and 8), greedy, sampled and mixed rows, DSpark with its confidence cut. The choice
+    rewrites its logits in place, so a graph's first replay must not follow a warm-up run on the
+    inputs (it did once: every key's first proposal then drew from twice-tempered logits)."""
+    from rollout.engine.loader import load_model
+    from rollout.spec.draft_graphs import DraftGraphs
+    from rollout.spec.draft_loader import load_drafter
+    from rollout.spec.proposer import BlockDrafter
+
+    target = load_model(tiny_random_qwen3)
+    drafter = BlockDrafter(load_drafter(random_drafters[spec], target), 4, confidence_threshold=0.5)
+    graphs = DraftGraphs(None, 16, 8, 4, 0, torch.device("cpu"), capture=False)
+
+    class Seq:
+        def __init__(self, temperature, seed):
+            self.params, self.seed = SamplingParams(temperature=temperature), seed
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, temps in [(3, [1.0, 0.0, 0.7]), (5, [0.0] * 5), (3, [1.0, 1.0, 1.0]), (5, [0.0, 1.3, 1.0, 0.0, 1.0])]:
+        logits = torch.randn(rows, 3, 264, generator=gen) * 4
+        hidden = torch.randn(rows, 3, drafter.model.config.backbone.hidden_size, generator=gen)
+        anchors, first = torch.randint(0, 264, (rows,), generator=gen), torch.randint(5, 50, (rows,), generator=gen)
+        seqs = [Seq(t, 7 * i + rows) for i, t in enumerate(temps)]
+        drafter.graphs = None
+        want = drafter._choose(logits.clone(), hidden, anchors, seqs, first)
+        drafter.graphs = graphs
+        got = drafter._choose(logits.clone(), hidden, anchors, seqs, first)
+        if spec == "dflash" and not any(temps):  # greedy DFlash: the argmax, no graph
+            assert got[1] is None and torch.equal(got[0], want[0])
+            continue
+        assert torch.equal(got[0], want[0])
+        assert (got[2] is None) == (spec == "dflash") and (got[2] is None or torch.equal(got[2], want[2]))
+        assert (got[1] is None) == (not any(temps))
+        if got[1] is not None:
+            for a, b in zip((got[1].z, got[1].lse, got[1].one_hot), (want[1].z, want[1].lse, want[1].one_hot)):
+                assert torch.equal(a, b)
+    assert {b for b, _ in graphs.choices} == {4, 8} and graphs.num_choice_replays >= 3

@@ -188,9 +188,10 @@ class LLMEngine:
     def compiled(self) -> dict[str, int]:
         """What steps have had to build so far, each inside the step that first needed it, which
         made that step slow: `graphs`, the CUDA graphs held (target steps and the drafter's block
-        forward), and `kernels`, the Triton kernel variants of this process."""
+        forward and its choice), and `kernels`, the Triton kernel variants of this process."""
         drafter = getattr(self.drafter, "graphs", None)
-        graphs = sum(len(g.graphs) for g in (self.graphs, drafter) if g is not None)
+        graphs = len(self.graphs.graphs) if self.graphs is not None else 0
+        graphs += drafter.num_graphs() if drafter is not None else 0
         kernels = triton_ops.compiled_variants() + triton_prefix_attention.compiled_variants()
         return dict(graphs=graphs, kernels=kernels)
 

@@ -230,13 +230,19 @@ def _run_graphs(engine, max_model_len: int, meter) -> None:
 
 
 def _metered(meter, name: str, graphs) -> None:
-    run = graphs.run
+    """The set's replays (`run`, and a drafter's `run_choice`) inside `meter.section(name)`."""
+    for method in ("run", "run_choice"):
+        run = getattr(graphs, method, None)
+        if run is not None:
+            setattr(graphs, method, _in_section(meter, name, run))
 
+
+def _in_section(meter, name: str, run):
     def metered(*args):
         with meter.section(name):
             return run(*args)
 
-    graphs.run = metered
+    return metered
 
 
 @contextlib.contextmanager

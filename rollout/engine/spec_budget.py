@@ -60,7 +60,9 @@ SERVER_PRIOR_WEIGHT = 4.0  # the prior's worth in drafts tried, server-wide
 SERVER_DECAY = 0.97  # server-wide counts, per step that verified drafts
 PRIOR_WEIGHT = 2.0  # the server-wide estimate's worth in a sample's own drafts tried
 SAMPLE_DECAY = 0.8  # a sample's counts of one position, per draft tried there
-PROBE_SHARE = 0.01
+PROBE_SHARE = 0.005  # issue 19 allows speculation 3% of the time where it does not pay; a loaded drafter's
+# context update took ~2% of the 8B shape's batch-8 steps without drafts on the H200 (6.11 against 5.99 ms;
+# BENCHMARKS.md), and 1% of probing left the adaptive arm at 0.964-0.970 of no drafter
 MEASURED = 8.0  # drafts tried server-wide at the first position (decayed) before the prior stops steering
 EXPLORE_SHARE = 0.2  # until then: the most a step's drafts may add to a plain decode step's time
 RECHOOSE_STEPS = 8  # steps a full choice's rule serves (SpecBudget._choose)

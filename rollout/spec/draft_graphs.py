@@ -8,6 +8,15 @@ sequence's anchor position are masked by the forward itself, so a longer bucket 
 Rows past the real batch are padding: anchor position 0 (no context) and the scratch block that
 no sequence owns. With `capture=False` the same static-buffer path runs eagerly, which is how it
 is tested on CPU (rollout.engine.graphs.capture_graph).
+
+The choice that follows the forward (rollout.spec.proposer: the drafts drawn from the block's logits;
+DSpark walks its block position by position, ~20 small kernels a position) has graphs of its own,
+one per (batch bucket, sampled or not): its inputs (the logits, the hidden states the confidence
+head reads, anchors, and the sampled rows' temperatures, seeds and first positions) are copied into
+static buffers and the choice rewrites the logits buffer into q's tempered logits in place. Padded
+rows draw from what their rows of the buffers last held (temperatures start at 1): nothing reads
+them. A batch whose float32 logits would exceed CHOICE_GRAPH_BYTES chooses eagerly (its kernels are
+large enough that launching them costs little, and the buffer would be held for good).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch
 from rollout.engine.graphs import BATCH_BUCKETS, StaticOutputs, bucket, capture_graph, context_bucket
 
 MIN_CONTEXT_BUCKET = 64
+CHOICE_GRAPH_BYTES = 256 << 20  # the most a choice graph's static float32 logits take
 
 
 class DraftGraphs:
@@ -37,7 +47,15 @@ class DraftGraphs:
         self.outputs = StaticOutputs(s)
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
-        self.num_replays = 0
+        self.num_replays = 0  # block forwards replayed
+        self.num_choice_replays = 0
+        self.choices: dict[tuple[int, bool], tuple] = {}  # the choice's graphs (see the module docstring)
+        self.choice_inputs: list[torch.Tensor | None] | None = None  # its static inputs, made at the first
+        self.choice_outputs = StaticOutputs(s)
+
+    def num_graphs(self) -> int:
+        """Graphs held: block forwards and choices."""
+        return len(self.graphs) + len(self.choices)
 
     def key(self, num_seqs: int, ctx_len: int) -> tuple[int, int] | None:
         """(batch bucket, context bucket), or None when the step does not fit (run it eagerly)."""
@@ -70,3 +88,47 @@ class DraftGraphs:
         run = lambda: self.forward(self.anchors[:s_pad], self.anchor_pos[:s_pad], self.table[:s_pad], ctx)  # noqa: E731
         replay, outputs, self.pool = capture_graph(run, self.capture, self.outputs, self.pool)
         return replay, *outputs
+
+    def choice_key(self, num_seqs: int, logits: torch.Tensor, sampled: bool) -> tuple[int, bool] | None:
+        """(batch bucket, sampled) of a choice over `logits` [S, B-1, V], or None (choose eagerly)."""
+        batch = bucket(num_seqs, self.buckets)
+        if batch is None or batch * logits.shape[1] * logits.shape[2] * 4 > CHOICE_GRAPH_BYTES:
+            return None
+        return batch, sampled
+
+    @torch.inference_mode()
+    def run_choice(self, key, choose: Callable, inputs: list[torch.Tensor | None]) -> tuple:
+        """`choose(*inputs)` replayed: inputs [S, ...] (the first the logits, in any float dtype; None
+        where unused) into the static buffers. Returns choose's outputs for the S real rows and the
+        logits buffer's rows (as choose left them), views valid until the next replay."""
+        s_pad, _ = key
+        s = inputs[0].shape[0]
+        if self.choice_inputs is None:
+            self.choice_inputs = [None] * len(inputs)
+        static = self.choice_inputs
+        rows = max(b for b in self.buckets if self.choice_key(b, inputs[0], False) is not None)  # the largest key's
+        for i, t in enumerate(inputs):  # (a greedy batch's choice leaves the sampling inputs None)
+            if t is not None and static[i] is None:
+                static[i] = _static_like(t, rows, i == 0)
+        if key not in self.choices:  # (before the inputs go in: the capture's warm-up runs the choice, in place)
+            used = [t is not None for t in inputs]  # (a key's inputs: the same at every call)
+            run = lambda: choose(*(b[:s_pad] if u else None for b, u in zip(static, used)))  # noqa: E731
+            replay, outputs, self.pool = capture_graph(run, self.capture, self.choice_outputs, self.pool)
+            self.choices[key] = replay, *outputs
+        for buf, t in zip(static, inputs, strict=True):
+            if t is not None:
+                buf[:s].copy_(t)
+        replay, *outputs = self.choices[key]
+        replay()
+        self.num_choice_replays += 1
+        return tuple(None if o is None else o[:s] for o in outputs), static[0][:s]
+
+
+def _static_like(t: torch.Tensor, rows: int, logits: bool) -> torch.Tensor:
+    """A static input buffer of `rows` rows shaped like t's (float32 for the logits): zeros, but
+    temperatures (a float vector) ones, so that padded rows divide by 1."""
+    shape = (rows, *t.shape[1:])
+    if logits:
+        return torch.zeros(shape, dtype=torch.float32, device=t.device)
+    fill = 1 if t.dtype.is_floating_point and t.dim() == 1 else 0
+    return torch.full(shape, fill, dtype=t.dtype, device=t.device)

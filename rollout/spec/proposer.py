@@ -170,9 +170,7 @@ class BlockDrafter(Drafter):
             hidden, logits = self.graphs.run(key, anchors, anchor_pos, table)
         else:
             hidden, logits = self._block_forward(anchors, anchor_pos, table, ctx_len)
-        logits = logits.float()  # [S, B-1, V]
-        temps = [s.params.temperature for s in seqs]
-        drafts, q, keep = self._choose(logits, hidden, anchors, temps, seqs, anchor_pos + 1)
+        drafts, q, keep = self._choose(logits, hidden, anchors, seqs, anchor_pos + 1)
         limit = [items[i].num_draft for i in rows]
         counts = self._lengths(keep, limit)
         self.num_drafted += sum(counts)
@@ -209,45 +207,62 @@ class BlockDrafter(Drafter):
         hidden = self.model.block_hidden(block_ids, positions, ctx_k, ctx_v, anchor_pos)[:, 1:]
         return hidden, self.model.head_logits(hidden)
 
-    def _choose(self, logits, hidden, anchors, temps, seqs, first_pos):
-        """Greedy samples draft the argmax (one-hot q); sampled ones draw from q =
-        softmax(logits / temperature) with their own seeded uniforms. DFlash positions are
-        independent, so the whole block is chosen at once; DSpark walks the block left to right,
-        adding its Markov bias from the previous token and scoring each position's confidence.
-        `logits` become q's tempered logits in place. Returns drafts [S, B-1], q (a Proposal over
-        [S, B-1] rows) or None (all one-hot), keep or None."""
-        # logits: [S, B-1, V]; hidden: [S, B-1, H]; anchors, first_pos: [S]
-        dev = logits.device
+    def _choose(self, logits, hidden, anchors, seqs, first_pos):
+        """The drafts from the block's logits [S, B-1, V] (in the head's dtype): greedy samples draft
+        the argmax (one-hot q), sampled ones draw from q = softmax(logits / temperature) with their own
+        seeded uniforms (`_walk`, replayed from a CUDA graph when the drafter has them: see
+        rollout.spec.draft_graphs). Returns drafts [S, B-1], q (a Proposal over [S, B-1] rows, its
+        logits q's tempered logits) or None (all one-hot), keep [S, B-1] or None."""
+        temps = [s.params.temperature for s in seqs]
         sampled = any(t > 0 for t in temps)
-        dspark = self.model.config.kind == "dspark"
-        if not sampled and not dspark:
+        if not sampled and self.model.config.kind != "dspark":
             return logits.argmax(dim=-1), None, None
+        inputs = [logits, hidden if self.threshold > 0 else None, anchors, None, None, None]
         if sampled:
-            temp = upload([t if t > 0 else 1.0 for t in temps], torch.float32, dev)[:, None]  # [S, 1]
-            greedy = upload([t == 0 for t in temps], torch.bool, dev)[:, None]  # [S, 1]
-            seeds = upload([s.seed for s in seqs], torch.int64, dev)
-            width = logits.shape[1]
-            positions = first_pos[:, None] + torch.arange(width, device=dev)  # [S, B-1]
+            inputs[3:] = (upload(temps, torch.float32, logits.device),
+                          upload([s.seed for s in seqs], torch.int64, logits.device), first_pos)
+        key = self.graphs.choice_key(len(seqs), logits, sampled) if self.graphs is not None else None
+        if key is not None:
+            (drafts, lse, one_hot, keep), z = self.graphs.run_choice(key, self._walk, inputs)
+        else:
+            inputs[0] = z = logits.float()
+            drafts, lse, one_hot, keep = self._walk(*inputs)
+        return drafts, Proposal(z, lse, one_hot, drafts) if sampled else None, keep
+
+    def _walk(self, z, hidden, anchors, temps=None, seeds=None, first_pos=None):
+        """`_choose` on the device, nothing read back: z [S, B-1, V] float32 becomes q's tempered
+        logits in place; hidden [S, B-1, H] (None without a confidence threshold); anchors [S]; for
+        a batch that samples, temps (0: greedy), seeds and first_pos [S] (else None). DFlash positions
+        are independent, so the whole block is chosen at once; DSpark walks the block left to right,
+        adding its Markov bias from the previous token and scoring each position's confidence.
+        Returns drafts [S, B-1], logsumexp(z) [S, B-1] and one_hot [S, B-1] (None when nothing is
+        sampled), keep [S, B-1] or None."""
+        if temps is not None:
+            greedy = (temps == 0)[:, None]  # [S, 1]
+            temp = torch.where(greedy, 1.0, temps[:, None])  # [S, 1]
+            width = z.shape[1]
+            positions = first_pos[:, None] + torch.arange(width, device=z.device)  # [S, B-1]
             u = uniform(seeds[:, None].expand(-1, width), positions, PURPOSE_DRAFT)  # [S, B-1]
-        if not dspark:
-            drafts, lse = _draw(logits, temp[:, :, None], greedy, u)
-            return drafts, Proposal(logits, lse, greedy.expand_as(drafts), drafts), None
+        if self.model.config.kind != "dspark":
+            drafts, lse = _draw(z, temp[:, :, None], greedy, u)
+            return drafts, lse, greedy.expand_as(drafts), None
         prev, drafts, lses, conf = anchors, [], [], []
-        for i in range(logits.shape[1]):
+        for i in range(z.shape[1]):
             bias, emb = self.model.markov_bias(prev)
-            z = logits[:, i].add_(bias)  # [S, V], in place: these are q's logits
-            if self.threshold > 0:
+            zi = z[:, i].add_(bias)  # [S, V], in place: these are q's logits
+            if hidden is not None:
                 conf.append(self.model.confidence(hidden[:, i], emb))
-            if not sampled:
-                prev = z.argmax(dim=-1)
+            if temps is None:
+                prev = zi.argmax(dim=-1)
             else:
-                prev, lse = _draw(z, temp, greedy[:, 0], u[:, i])
+                prev, lse = _draw(zi, temp, greedy[:, 0], u[:, i])
                 lses.append(lse)
             drafts.append(prev)
         keep = torch.stack(conf, dim=1) >= self.threshold if conf else None
         drafts = torch.stack(drafts, dim=1)
-        q = Proposal(logits, torch.stack(lses, dim=1), greedy.expand_as(drafts), drafts) if sampled else None
-        return drafts, q, keep
+        if temps is None:
+            return drafts, None, None, keep
+        return drafts, torch.stack(lses, dim=1), greedy.expand_as(drafts), keep
 
     @staticmethod
     def _lengths(keep: torch.Tensor | None, limit: list[int]) -> list[int]:
