@@ -21,6 +21,8 @@ mode that counts the aten ops of every phase (deterministic; on a GPU each is a 
 at least a host dispatch). With `--overlap on off` both modes run on one engine per spec, in turns,
 `--rounds` times (the order reversed every other round), and each row is its mode's round of the
 median step (`step_ms_rounds` lists them all): the first engine or mode measured ran slower.
+`--budget adaptive full` likewise takes turns between the adaptive draft budget and full blocks
+(issue 19: where the adaptive arm's host time goes).
 
     python benchmarks/bench_host.py                        # batches 1 8 64 256, greedy + t1, none + dflash
     python benchmarks/bench_host.py --quick                # a short check of the script
@@ -84,6 +86,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mask", default=None, choices=("selected", "support"), help="every request asks for masks")
     p.add_argument("--overlap", nargs="+", default=["on"], choices=("on", "off"),
                    help="overlapped scheduling (rollout.engine.overlap): the modes take turns on one engine")
+    p.add_argument("--budget", nargs="+", default=["adaptive"], choices=("adaptive", "full"),
+                   help="with a drafter: the adaptive draft budget, or full blocks every step (--no-spec-adaptive); "
+                        "several take turns like --overlap")
     p.add_argument("--rounds", type=int, default=3,
                    help="each case's modes measured in turn this many times, the order reversed every other "
                         "round; the round of the median step is shown (the first engine or mode measured ran "
@@ -256,31 +261,34 @@ def main() -> None:
         for spec in args.specs:
             engine = build_engine(spec, dirs, args, max_tokens, True)
             for mode, batch in itertools.product(args.sampling, args.batches):
-                runs: dict[str, list[dict]] = {overlap: [] for overlap in args.overlap}
+                budgets = args.budget if spec != "none" else ["-"]
+                runs: dict[tuple, list[dict]] = {m: [] for m in itertools.product(args.overlap, budgets)}
                 for r in range(args.rounds):
-                    for overlap in args.overlap[:: 1 if r % 2 == 0 else -1]:
+                    for overlap, budget in list(runs)[:: 1 if r % 2 == 0 else -1]:
                         while not engine.pipeline.idle:  # the last run's step in flight (its samples aborted)
                             engine.step()
                         engine.pipeline.enabled = overlap == "on"
-                        runs[overlap].append(measure(engine, batch, SAMPLING[mode],
-                                                     f"{spec}-{overlap}-{mode}-{batch}-{r}", args, max_tokens,
-                                                     profile))
-                for overlap, rounds in runs.items():
-                    row = dict(spec=spec, overlap=overlap, sampling=mode, batch=batch)
+                        if spec != "none":
+                            engine.scheduler.draft_budget = engine.spec_budget if budget == "adaptive" else None
+                        runs[overlap, budget].append(measure(engine, batch, SAMPLING[mode],
+                                                             f"{spec}-{overlap}-{budget}-{mode}-{batch}-{r}", args,
+                                                             max_tokens, profile))
+                for (overlap, budget), rounds in runs.items():
+                    row = dict(spec=spec, overlap=overlap, budget=budget, sampling=mode, batch=batch)
                     row.update(nearest_median(rounds, "step_ms"))
                     row["step_ms_rounds"] = [round(x["step_ms"], 3) for x in rounds]
                     result["rows"].append(row)
                     write_json(args.out, result)
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    columns = ["spec", "overlap", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other",
+    columns = ["spec", "overlap", "budget", "sampling", "batch", "step_ms", *(name for name, _, _ in PHASES), "other",
                "tokens_per_step", "finish_ms"]
     print_table(f"ms per decode step by phase ({args.device}, one thread, {args.clock} clock, "
                 f"{'embedded tiny-qwen3' if args.embedded else f'{args.shape} random Qwen3'}, masks {args.mask})",
                 result["rows"], columns)
     print_table("aten ops dispatched per decode step by phase (one step counted)",
-                [dict(spec=r["spec"], overlap=r["overlap"], sampling=r["sampling"], batch=r["batch"], **r["ops"])
-                 for r in result["rows"]],
-                ["spec", "overlap", "sampling", "batch", "step", *(name for name, _, _ in PHASES), "other"])
+                [dict(spec=r["spec"], overlap=r["overlap"], budget=r["budget"], sampling=r["sampling"],
+                      batch=r["batch"], **r["ops"]) for r in result["rows"]],
+                ["spec", "overlap", "budget", "sampling", "batch", "step", *(name for name, _, _ in PHASES), "other"])
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(40)
     print(f"wrote {args.out}")

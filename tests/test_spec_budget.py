@@ -269,6 +269,28 @@ def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(mo
     assert not any(caps) and len(full) == 5 + 3  # none: kept for REUSE_STEPS steps
 
 
+def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):
+    """Between full choices a ragged rule (the slots whose gain reaches its threshold) is applied
+    from per-sample counts kept since the full choice: a sample that joins later, and one whose
+    limit shrank (near its max_tokens), get what the rule recomputed from the estimates gives."""
+    monkeypatch.setattr(spec_budget, "MEASURED", 0.0)
+    budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.4, drafter_ms=0.5), graphs=False, max_graph_rows=0)
+    seqs = [_seq(i) for i in range(10)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    for i, s in enumerate(seqs[:9]):  # some samples' drafts pay far, others' hardly
+        budget.acceptance.observe([s] * 6, np.full(6, K), np.full(6, i % K))
+    first = budget.caps(seqs[:9], 4096)
+    last = budget._last[0]
+    assert last.k == -1 and len(set(first.values())) > 1  # a ragged rule, not a uniform block
+    seqs[2].params = SamplingParams(max_tokens=seqs[2].num_output_tokens + 2)  # limit 1 now
+    reused = budget.caps(seqs, 4096)  # (a tenth sample joins: the same rows bucket, so the rule serves)
+    assert budget._age == 2
+    limits = np.asarray([min(K, s.remaining_tokens - 1) for s in seqs])
+    want = (spec_budget.slot_gains(budget.acceptance.of(seqs), limits) >= last.threshold).sum(axis=1)
+    assert [reused[s] for s in seqs] == want.tolist() and reused[seqs[2]] <= 1
+
+
 # -- the cost model -----------------------------------------------------------------------------------
 
 
