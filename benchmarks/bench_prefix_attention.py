@@ -31,7 +31,6 @@ plain kernel at q = 9.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -82,10 +81,6 @@ VARIANTS = {
     # the decode default with lone units cut shorter (measured: no faster; the notes say why)
     "cut64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=64, **LONE),
     "cut128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=128, **LONE),
-    # the decode default with other shared tiles (the one-loop shared body spills 196 bytes at s3, 148 at
-    # s2, 64 at n32; compiled for sm_90 here)
-    "shared_s2": dataclasses.replace(DEFAULT_LAUNCH.decode, num_stages=2),
-    "shared_n32s4": dataclasses.replace(DEFAULT_LAUNCH.decode, block_n=32, num_stages=4),
 }
 
 

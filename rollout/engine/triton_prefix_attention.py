@@ -116,39 +116,6 @@ if triton is not None:
                     part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
 
     @triton.jit
-    def _attend_shared(
-        item_ptr, kv_head, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, unit_tokens_ptr, part_start_ptr,
-        part_count_ptr, block_tables_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        """One (shared unit's item, KV head) pair of the shared pass (no fused suffixes): the unit's keys
-        all precede its rows' queries, so the one mask is the end of its range, and one loop walks it
-        (compiled for sm_90 at m64 n64 w4 s3, `_attend_item`'s two loops, an unmasked one and a causal
-        tail, spilled 420 bytes past 255 registers; this body 196; the loop alone needs ~190). The rows'
-        tokens are looked up again for the store, so that only the tile's softmax state is live across
-        the loop."""
-        token, head, row_ok = _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS, BLOCK_M)
-        q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_M)
-        k_base = k_ptr + kv_head * stride_kh
-        v_base = v_ptr + kv_head * stride_vh
-        table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-        key_lo = tl.load(item_ptr + 5).to(tl.int32)
-        hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
-        for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, BLOCK_N):
-            vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
-            key_ok = vk < hi
-            pos = key_lo + vk
-            block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
-            m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, key_ok[None, :], m_i, l_i, acc,
-                                      qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
-                                      DOT_PRECISION)
-        token, head, row_ok = _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS, BLOCK_M)
-        _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
-                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
-
-    @triton.jit
     def _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
         """The item's rows ([M]: row = token * GROUPS + group head): each one's token (int64: listed in
         unit_tokens when the item is indirect, else consecutive from its first), query head, and
@@ -232,13 +199,6 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True)
-            elif PASS == _SHARED and not FUSED:
-                _attend_shared(
-                    item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                    unit_tokens_ptr, part_start_ptr, part_count_ptr, block_tables_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, DOT_PRECISION)
             else:  # shared units' items (all items in one launch: the same row tile, lone ones unfused)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
