@@ -129,6 +129,7 @@ def rates(batch: int, output_len: int, seconds_1: float, seconds_n: float) -> di
 
 def engine_rates(engine: LLMEngine, prompts: list[list[int]], output_len: int, device: str,
                  overlap: bool = True) -> dict:
+    """Greedy decode rates (`rates`) and the last run's token ids in prompt order (`tokens`)."""
     engine.pipeline.enabled = overlap  # between runs: nothing is in flight
     seconds: dict[int, float] = {}
     for i, n in enumerate(LENGTHS + (output_len,)):
@@ -136,7 +137,8 @@ def engine_rates(engine: LLMEngine, prompts: list[list[int]], output_len: int, d
         run = run_engine(engine, [(p, params, {}) for p in prompts], f"r{i}", device)
         assert run.tokens == len(prompts) * n, run.tokens
         seconds[n] = min(seconds.get(n, float("inf")), run.seconds)
-    return rates(len(prompts), output_len, seconds[1], seconds[output_len])
+    tokens = [o.token_ids for o in sorted(run.outputs, key=lambda o: int(o.request_id.rsplit("-", 1)[-1]))]
+    return dict(rates(len(prompts), output_len, seconds[1], seconds[output_len]), tokens=tokens)
 
 
 @torch.inference_mode()
@@ -215,7 +217,8 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: d
         if args.overlap == "both":
             sync_loop = engine_rates(engine, prompts, args.output_len, args.device, overlap=False)
             row.update(no_overlap_tokens_per_s=sync_loop["decode"], no_overlap_e2e_tokens_per_s=sync_loop["e2e"],
-                       overlap_speedup=ours["decode"] / sync_loop["decode"])
+                       overlap_speedup=ours["decode"] / sync_loop["decode"],
+                       overlap_identical=ours["tokens"] == sync_loop["tokens"])  # greedy: the same tokens
         row["fraction_of_read_floor"] = ours["decode"] / row["read_floor_tokens_per_s"]
         if batch == 1 and not moe:
             row["floor_tokens_per_s"] = bandwidth / nbytes
@@ -242,7 +245,7 @@ def main() -> None:
     for name in args.shapes:
         bench_shape(name, args, bandwidth, result)
     columns = ["shape", "batch", "engine_tokens_per_s", "no_overlap_tokens_per_s", "overlap_speedup",
-               "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
+               "overlap_identical", "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
                "fraction_of_floor", "experts_touched", "read_floor_tokens_per_s", "fraction_of_read_floor",
                "engine_e2e_tokens_per_s", "hf_e2e_tokens_per_s"]  # fmt: skip
     print_table(
