@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -278,6 +279,10 @@ def test_parallel_streams_must_agree_on_their_count_and_carry_an_update_id(serve
         go_on.wait(60)
 
     pending = call_a.future(first_call(), timeout=60)
+    arena, end = _arena(server), time.monotonic() + 30
+    while not arena.resident_bytes() and time.monotonic() < end:  # update "x" opened by the first call
+        time.sleep(0.01)  # (else the second call could open it first, with 3 streams, and wait for them)
+    assert arena.resident_bytes(), "the first call's piece never reached the arena"
     other = {k: v for k, v in original.items() if k != name}
     with pytest.raises(grpc.RpcError) as err:  # the same update, another count
         call_b(encoded_ahead(weight_streams(other, update_id="x", streams=3)[0]), timeout=60)
