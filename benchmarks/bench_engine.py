@@ -61,8 +61,9 @@ KV_BLOCK = 16
 EMBEDDED = "embedded"  # the embedded tiny Qwen3, its own weights
 # Runs before the timed N-token one: two 1-token runs (prefill + first token; the faster one is
 # subtracted). Before them an untimed N-token warm-up builds every CUDA graph and kernel the timed
-# runs need: a 4-token one left the graphs of longer contexts to be captured inside the first timed
-# run, which with --overlap both was always the overlapped one (`built_while_timed` counts them).
+# runs need (a 4-token one could leave a longer context bucket's graphs, or a kernel variant, to be
+# built inside the first timed run, always the overlapped one with --overlap both);
+# `built_while_timed` counts what was built while timing all the same.
 LENGTHS = (1, 1)
 
 
