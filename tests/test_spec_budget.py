@@ -24,6 +24,7 @@ from rollout.engine.params import SamplingParams
 from rollout.engine.sequence import SeqStatus, Sequence
 from rollout.engine.spec_budget import (
     EXPLORE_SHARE,
+    MAX_DOUBLINGS,
     PROBE_SHARE,
     RECHOOSE_STEPS,
     REUSE_STEPS,
@@ -265,8 +266,17 @@ def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(mo
     _run_steps(budget, seqs[:3], 1, accept=lambda j: True)  # 8 -> 3 rows: another bucket
     assert full == [8, 8, 8, 8, 3]
     monkeypatch.setattr(budget, "cost", cost_table(decode_ms=1.0, token_ms=100.0, drafter_ms=100.0))
-    caps = _run_steps(budget, seqs, 1 + 2 * REUSE_STEPS, accept=lambda j: True)
-    assert not any(caps) and len(full) == 5 + 3  # none: kept for REUSE_STEPS steps
+    chosen_at, probes = [], budget.totals["probes"]  # the steps that chose in full, from here on
+    for step in range(400):
+        before = len(full)
+        assert not any(_run_steps(budget, seqs, 1, accept=lambda j: True))  # never worth drafting now
+        if len(full) > before:
+            chosen_at.append(step)
+    # no drafts: kept for REUSE_STEPS steps, then twice as long for each full choice that chose it again
+    # (up to MAX_DOUBLINGS); a probe (none here: too dear for the credit) would start the doubling over
+    gaps = [b - a for a, b in zip(chosen_at, chosen_at[1:])]
+    assert chosen_at[0] == 0 and gaps == [REUSE_STEPS << min(i, MAX_DOUBLINGS) for i in range(len(gaps))]
+    assert gaps[-1] == REUSE_STEPS << MAX_DOUBLINGS and budget.totals["probes"] == probes
 
 
 def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):
@@ -289,6 +299,28 @@ def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):
     limits = np.asarray([min(K, s.remaining_tokens - 1) for s in seqs])
     want = (spec_budget.slot_gains(budget.acceptance.of(seqs), limits) >= last.threshold).sum(axis=1)
     assert [reused[s] for s in seqs] == want.tolist() and reused[seqs[2]] <= 1
+
+
+def test_a_probe_is_learned_from_soon_whatever_the_doubling(monkeypatch):
+    """Full choices that keep choosing no drafts come further and further apart, but a probe starts
+    that over: the full choice that learns the probe's results comes within REUSE_STEPS of it."""
+    monkeypatch.setattr(spec_budget, "MEASURED", 0.0)
+    monkeypatch.setattr(spec_budget, "PROBE_SHARE", 0.05)  # a probe every ~100 steps here
+    full = []
+    monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(1) or choose_drafts(*a))
+    budget = SpecBudget(K, cost_table(decode_ms=10.0, token_ms=0.5, drafter_ms=2.0), graphs=False, max_graph_rows=0)
+    seqs = [_seq(i) for i in range(8)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    chosen_at, probed_at = [], []
+    for step in range(600):
+        before, probes = len(full), budget.totals["probes"]
+        _run_steps(budget, seqs, 1, accept=lambda j: False)  # drafts never pay
+        chosen_at += [step] * (len(full) - before)
+        probed_at += [step] * (budget.totals["probes"] - probes)
+    assert len(probed_at) >= 3 and max(b - a for a, b in zip(chosen_at, chosen_at[1:])) > REUSE_STEPS  # doubled
+    for p in probed_at[:-1]:
+        assert any(p < c <= p + REUSE_STEPS for c in chosen_at), (p, chosen_at)
 
 
 # -- the cost model -----------------------------------------------------------------------------------

@@ -20,10 +20,13 @@ that position (decayed counts over all samples, from an optimistic prior so that
 measure), updated from the steps' num_accepted in their one host copy. The engine records each step
 (`SpecBudget.record`: a few list appends); the estimates and the cost model learn from the recorded
 steps when the budget next chooses in full, which it does every RECHOOSE_STEPS steps (REUSE_STEPS
-while no draft has been verified since) or when the batch's shape changes (CUDA graphs or not, the
-rows' buckets, whether the step's token room binds the drafts); in between, the last choice's rule
+while no draft has been verified since), twice as long after each full choice that chose the rule it
+already had (up to 2^MAX_DOUBLINGS times: a steady batch re-decides every 64 steps), at once when the
+batch's shape changes (CUDA graphs or not, the rows' buckets, whether the step's token room binds
+the drafts), and soon after a probe (whose results should steer); in between, the last choice's rule
 (k drafts each, or the slots whose expected gain clears its threshold) is applied to the step's
-samples: a full choice costs the host ~100 us.
+samples: a full choice costs the host ~0.3-0.7 ms at batch 1-32 on this machine's CPU, a reused
+rule ~0.1 ms.
 
 Room: drafts get the step's token budget that the running samples' prefill and the prompts it may
 admit leave (`caps`' waiting_tokens). A draft in a budget-bound step displaces a prompt token,
@@ -67,6 +70,7 @@ MEASURED = 8.0  # drafts tried server-wide at the first position (decayed) befor
 EXPLORE_SHARE = 0.2  # until then: the most a step's drafts may add to a plain decode step's time
 RECHOOSE_STEPS = 8  # steps a full choice's rule serves (SpecBudget._choose)
 REUSE_STEPS = 16  # the same while no draft is verified
+MAX_DOUBLINGS = 3  # of those, while full choices keep choosing the same rule
 
 
 class AcceptanceEstimates:
@@ -200,6 +204,14 @@ def explore(budget: Budget, acc: np.ndarray, cost: StepCost, rows: int, base_tok
     return Budget(drafts, tokens, float(seconds[n - 1]), -1, float("inf"))
 
 
+def _same_rule(a: Budget, b: Budget) -> bool:
+    """Whether two full choices chose the same rule: the same k, and for a threshold rule thresholds
+    within 10% of each other."""
+    if a.k != b.k:
+        return False
+    return a.k != -1 or abs(a.threshold - b.threshold) <= 0.1 * max(a.threshold, b.threshold)
+
+
 def uniform_sizes(k_max: int) -> list[int]:
     """The uniform block sizes tried: 0, then 1, 3, 7, ... below k_max, and k_max."""
     return [0, *(k for k in (2 ** i - 1 for i in range(1, 7)) if k < k_max), k_max]
@@ -246,6 +258,7 @@ class SpecBudget:
         self._verified: list[tuple] = []  # recorded steps' (entries, num_draft, num_accepted), the same
         self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
         self._counts: dict[Sequence, int] = {}  # its threshold rule's drafts per sample (_rule_counts)
+        self._streak = 0  # full choices in a row that chose the rule they had (_serves)
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
 
     def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0) -> dict[Sequence, int]:
@@ -301,6 +314,8 @@ class SpecBudget:
         if exploring:
             budget = explore(budget, acc, self.cost, rows, base, graphs)
         self._tentative = exploring or not self.cost.timed(rows, graphs, budget.k != 0)
+        same = key == self._key and self._last is not None and _same_rule(self._last[0], budget)
+        self._streak = self._streak + 1 if same else 0
         self._key, self._last, self._age = key, (budget, full.seconds), 1
         return budget, full.seconds
 
@@ -318,10 +333,11 @@ class SpecBudget:
 
     def _serves(self) -> int:
         """Steps a full choice serves: one when tentative (see the module docstring), RECHOOSE_STEPS,
-        REUSE_STEPS while no verify result has come in."""
+        REUSE_STEPS while no verify result has come in; doubled for each full choice in a row that
+        chose the rule it had (`_streak`, up to MAX_DOUBLINGS)."""
         if self._tentative:
             return 1
-        return RECHOOSE_STEPS if self._verified else REUSE_STEPS
+        return (RECHOOSE_STEPS if self._verified else REUSE_STEPS) << min(self._streak, MAX_DOUBLINGS)
 
     def _probe(self, chosen: int, full: int, seconds: float, full_seconds: float, room: int) -> bool:
         """Whether to verify full blocks (`full` drafts, `full_seconds`) instead of the chosen
@@ -334,6 +350,7 @@ class SpecBudget:
             return False
         self.credit -= extra
         self.totals["probes"] += 1
+        self._streak = 0  # (the probe's results are learned at the next full choice: soon)
         return True
 
     def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool) -> None:
