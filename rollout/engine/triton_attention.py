@@ -4,7 +4,8 @@ The torch path (`attention.paged_attention`'s default) gathers each sequence's k
 `[S, L, Hkv, D]` copy per layer and pads ragged queries; this kernel does neither. One program
 owns (sequence, KV head, query tile, key split): its rows are the (query token, group head) pairs
 of that KV head, so GQA shares every key load across the G query heads; it walks the sequence's
-block table in chunks of BLOCK_N keys with an online softmax in float32. Causality is by
+block table in chunks of BLOCK_N keys with an online softmax in float32 (base 2: the tile is
+triton_prefix_tiles' `_key_tile`, which the shared-prefix kernels use too). Causality is by
 position: query j of a sequence with q_len queries and context_len keys sits at position
 context_len - q_len + j and sees keys 0..position, exactly like the torch path's mask; a query
 that sees no key (position < 0) gets 0, as the torch path's SDPA gives.
@@ -30,6 +31,8 @@ import os
 import torch
 from torch import Tensor
 
+from rollout.engine.triton_prefix_tiles import LOG2E
+
 try:
     import triton
     import triton.language as tl
@@ -51,12 +54,13 @@ def supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 if triton is not None:
+    from rollout.engine.triton_prefix_tiles import _key_tile
 
     @triton.jit(do_not_specialize=["num_tokens", "stride_bt"])
     def _attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
-        scale, keys_per_split, num_tokens,
+        qk_scale, keys_per_split, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -92,27 +96,16 @@ if triton is not None:
                 key_ok = keys < hi
                 block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok,
                                 other=0).to(tl.int64)
-                slot = keys % BLOCK_SIZE
-                k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                            + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
-                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [M, N]
                 seen = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-                scores = tl.where(seen, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-                alpha = tl.exp(m_i - m_ref)
-                p = tl.exp(scores - m_ref[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                            + dims[None, :], mask=key_ok[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-                m_i = m_new
+                m_i, l_i, acc = _key_tile(q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, block, keys,
+                                          key_ok, seen, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_vb,
+                                          stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
             token = q_start + tok
             if NUM_SPLITS == 1:  # a row that saw no key has acc = 0, l = 0: it gives 0 (torch's SDPA too)
                 out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
                 tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-            else:  # partials [splits, T, Hq, D] and [splits, T, Hq, 2] (max, sum), merged by _merge_kernel
+            else:  # partials [splits, T, Hq, D] and [splits, T, Hq, 2] (max in log2 units, sum): _merge_kernel
                 base = (split * num_tokens + token) * NUM_HEADS + head  # [M]
                 tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
                 tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
@@ -130,7 +123,7 @@ if triton is not None:
         m = tl.load(part_ml_ptr + base * 2)
         l_split = tl.load(part_ml_ptr + base * 2 + 1)
         m_max = tl.max(m, 0)
-        weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # splits that saw no key weigh 0
+        weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # splits that saw no key weigh 0
         dims = tl.arange(0, HEAD_DIM)
         acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :])  # [P, D]
         total = tl.sum(l_split * weight, 0)
@@ -177,7 +170,7 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         part_acc = part_ml = out  # unused
     _attn_kernel[(num_seqs, num_kv_heads, tiles * splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, cu_seqlens_q,
-        scale, keys_per_split, num_tokens,
+        scale * LOG2E, keys_per_split, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -49,6 +49,7 @@ from torch import Tensor
 from rollout.engine.prefix_attention import SharedPrefixPlan
 from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import lone_launch, max_segments
+from rollout.engine.triton_prefix_tiles import LOG2E
 
 try:
     import triton
@@ -59,7 +60,6 @@ except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependen
 PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
 LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-th item)
 ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
-LOG2E = 1.4426950408889634
 
 if triton is not None:
     from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _store_rows

@@ -1,9 +1,12 @@
-"""The online-softmax pieces both shared-prefix attention kernels are built from
-(triton_prefix_attention.py: the item kernel and the all-heads lone kernel): one tile of keys into
-the running (max, sum, accumulator) of a tile of query rows, and the store of those rows, to the
-output or to their token's partial row. Scores are in base 2 (the scale folded into log2 e)."""
+"""The online-softmax pieces the attention kernels are built from (triton_attention.py: the plain
+paged kernel; triton_prefix_attention.py: the shared-prefix item kernel and the all-heads lone
+kernel): one tile of keys into the running (max, sum, accumulator) of a tile of query rows, and the
+store of those rows, to the output or to their token's partial row. Scores are in base 2: callers
+pass the softmax scale times LOG2E."""
 
 from __future__ import annotations
+
+LOG2E = 1.4426950408889634
 
 try:
     import triton
