@@ -4,8 +4,8 @@ and verifying is cheap, none when they are rejected or verify rows are expensive
 good samples only in a mixed batch (also when steps replay CUDA graphs: ragged ones do too, priced
 at their graph's padded tokens), a budget monotone in acceptance, the limits and the token room
 kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
-sample at the server-wide estimate; probes stay within their share of the time; the cost model
-learns a kind of step's wall time and stays put when frozen; at start-up the prior's choices verify
+sample at the server-wide estimate; probes stay within their share of the time; full choices come
+as often as the budget's cadence says (tests/test_step_cost.py: the cost model); at start-up the prior's choices verify
 drafts of a few samples only at a large batch, while a good drafter still reaches full blocks within
 a few steps; a choice of a kind of step not timed yet serves one step."""
 
@@ -34,7 +34,7 @@ from rollout.engine.spec_budget import (
     SpecBudget,
     choose_drafts,
 )
-from rollout.engine.step_cost import Curve, StepCost, TargetCost
+from rollout.engine.step_cost import Curve, StepCost
 
 K = 7
 
@@ -321,81 +321,6 @@ def test_a_probe_is_learned_from_soon_whatever_the_doubling(monkeypatch):
     assert len(probed_at) >= 3 and max(b - a for a, b in zip(chosen_at, chosen_at[1:])) > REUSE_STEPS  # doubled
     for p in probed_at[:-1]:
         assert any(p < c <= p + REUSE_STEPS for c in chosen_at), (p, chosen_at)
-
-
-# -- the cost model -----------------------------------------------------------------------------------
-
-
-def test_tables_interpolate_and_extrapolate():
-    c = Curve((1.0, 9.0, 17.0), (1.0, 2.0, 4.0))
-    points, values = [0, 1, 5, 17, 25], [1.0, 1.0, 1.5, 4.0, 6.0]
-    np.testing.assert_allclose(c(np.array(points, dtype=float)), values)
-    assert [c.at(x) for x in points] == pytest.approx(values)
-    with pytest.raises(ValueError):
-        Curve((2.0, 1.0), (1.0, 1.0))
-    target = TargetCost((1, 16), (1.0, 2.0), (2.0, 6.0), q=5)  # a draft token: 0.25 (1 row), 1/16 (16 rows)
-    assert [target.at(1, t) for t in (1, 3, 5, 9)] == pytest.approx([1.0, 1.5, 2.0, 3.0])
-    assert [target.at(16, t) for t in (16, 80)] == pytest.approx([2.0, 6.0])
-    assert target.at(32, 32) == pytest.approx(2.0 + 16 / 15)  # rows extrapolated
-    cost = StepCost(target, drafter=Curve((1, 4), (0.5, 1.0)), learn=False)
-    np.testing.assert_allclose(cost.ragged_seconds(4, 4, np.array([1, 2, 4])),
-                               [cost.seconds(4, 4, False, rows, n) for n, rows in ((1, 1), (2, 2), (3, 4))])
-
-
-def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():
-    learned, frozen = cost_table(1.0, 0.1, drafter_ms=0.5), cost_table(1.0, 0.1, drafter_ms=0.5)
-    learned.learn = True
-    plain = frozen.seconds(32, 32)
-    extra = frozen.seconds(32, 32, False, 32, 224) - plain
-    truth = plain + 3 * extra  # drafting adds 3x what the tables say (say, sampling on many rows)
-    for _ in range(60):
-        learned.observe(32, 32, False, 32, 224, truth)
-        frozen.observe(32, 32, False, 32, 224, truth)
-    assert learned.seconds(32, 32, False, 32, 224) == pytest.approx(truth, rel=0.02)
-    carried = learned.seconds(64, 64, False, 64, 448) - learned.seconds(64, 64)  # to other rows
-    assert carried > 2.5 * (frozen.seconds(64, 64, False, 64, 448) - frozen.seconds(64, 64))
-    assert learned.seconds(32, 32) == pytest.approx(plain)  # plain steps untouched
-    assert frozen.seconds(32, 32, False, 32, 224) == pytest.approx(plain + extra)
-    for _ in range(60):  # plain steps take 2x the tables' prediction: the drafting steps' plain part too
-        learned.observe(32, 32, False, 0, 0, 2 * plain)
-    assert learned.seconds(32, 32) == pytest.approx(2 * plain, rel=0.02)
-    assert learned.seconds(32, 32, False, 32, 224) == pytest.approx(2 * plain + 3 * extra, rel=0.02)
-
-
-def test_the_learned_correction_prices_a_kind_of_step_at_its_mean_time():
-    """Throughput follows the mean step time: steps of one kind alternating between 1x and 3x the
-    tables' time are priced at 2x, not at the geometric mean (1.73x, which underpriced steps whose
-    time varies, e.g. drafting steps, so drafting was bought where it lost)."""
-    cost, tables = cost_table(1.0, 0.1, drafter_ms=0.5), cost_table(1.0, 0.1, drafter_ms=0.5)
-    cost.learn = True
-    plain = tables.seconds(32, 32)
-    extra = tables.seconds(32, 32, False, 32, 224) - plain
-    for i in range(400):
-        cost.observe(32, 32, False, 0, 0, plain * (1 + 2 * (i % 2)))
-        cost.observe(32, 32, False, 32, 224, 2 * plain + extra * (1 + 2 * (i % 2)))
-    assert cost.seconds(32, 32) == pytest.approx(2 * plain, rel=0.1)
-    assert cost.seconds(32, 32, False, 32, 224) - cost.seconds(32, 32) == pytest.approx(2 * extra, rel=0.1)
-
-
-@pytest.mark.parametrize("graphed", [False, True])
-def test_drafting_is_never_priced_below_the_plain_step_whatever_was_learned(graphed):
-    """Plain steps take 1.5x the tables' time, drafting steps of 64 drafting rows take what the tables
-    say for them: a step drafting a few tokens costs at least the plain step, and an untrained drafter
-    (acceptance ~0.003) gets no drafts. (With one correction per kind of step, a 1-slot step was priced
-    at the drafting correction, below the plain one: such steps were chosen nearly every step.)"""
-    cost = cost_table(decode_ms=13.0, token_ms=0.01, drafter_ms=1.0, graph=graphed)
-    cost.learn = True
-    tables = cost_table(decode_ms=13.0, token_ms=0.01, drafter_ms=1.0, graph=graphed)
-    for _ in range(40):
-        cost.observe(256, 256, graphed, 0, 0, 1.5 * tables.seconds(256, 256, graphed))
-        cost.observe(256, 256, graphed, 64, 64 * K, tables.seconds(256, 256, graphed, 64, 64 * K))
-    plain = cost.seconds(256, 256, graphed)
-    assert plain == pytest.approx(1.5 * tables.seconds(256, 256, graphed), rel=0.02)
-    for rows, drafts in ((1, 1), (4, 4), (64, 64 * K)):
-        assert cost.seconds(256, 256, graphed, rows, drafts) > plain
-    assert (cost.ragged_seconds(256, 256, np.arange(1, 65), graphed) > plain).all()
-    budget = choose_drafts(np.full((256, K), 0.003), np.full(256, K), cost, 256, 256, 10_000, graphs=graphed)[0]
-    assert budget.k == 0 or not budget.drafts.any(), budget
 
 
 # -- start-up -------------------------------------------------------------------------------------------
