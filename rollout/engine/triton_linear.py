@@ -1,0 +1,141 @@
+"""Linear layers of steps with few tokens (decode at small batch, a short verify), in Triton.
+
+At batch 1 a decoder step is a chain of matrix-vector products bound by reading the weights.
+cuBLAS picks tiles for them that reach 0.73-0.84 of the copy bandwidth on the projections of an
+8B-shaped layer (qkv, o and the split-K down projection, which adds a reduction launch), against
+0.96 on the wide gate|up projection (BENCHMARKS.md, issue 17). `skinny_linear` streams the weight
+once with enough programs in flight to keep every SM's loads queued: a program owns BLOCK_N
+output columns for all the step's tokens and walks the whole K dimension in BLOCK_K chunks. One
+token reduces with float32 multiply-adds; two to 16 tokens pad to 16 and use tl.dot. The down
+projection can take the packed gate|up output and apply silu(gate) * up while it loads it
+(`silu_input`), with the same bfloat16 roundings as triton_ops.silu_mul, so that launch goes too.
+
+`linear` is what the layers call (the Triton kernel backend): the kernel where `Launch.rule` says
+it pays, F.linear otherwise (prefill, wide batches). The kernel sums in another order than
+cuBLAS, so results differ from F.linear by float rounding; tests compare the two through
+Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rollout.engine import triton_attention
+from rollout.engine.triton_attention import triton
+
+MAX_TOKENS = 16  # the kernel's tl.dot path pads the tokens to this
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel configuration: output columns and K elements per program, warps, stages."""
+
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+
+    @staticmethod
+    def rule(num_tokens: int, n: int, k: int) -> Launch | None:
+        """The launch for a [num_tokens, k] x [n, k]^T product, or None for F.linear. Columns per
+        program shrink until the grid has about two programs per SM of a 132-SM part."""
+        if not 1 <= num_tokens <= MAX_TOKENS or k % 64:
+            return None
+        block_n = 32 if num_tokens == 1 else 64
+        while block_n > (8 if num_tokens == 1 else 16) and -(-n // block_n) < 256:
+            block_n //= 2
+        block_k = 512 if num_tokens == 1 else 128
+        while k % block_k:
+            block_k //= 2
+        return Launch(block_n=block_n, block_k=block_k)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _load_input(x_ptr, tok, cols, tok_ok, stride_x, K, SILU_INPUT: tl.constexpr):
+        """x[tok, cols] as float32 ([TOKENS, BLOCK_K]); with SILU_INPUT, silu(gate) * up of a
+        packed gate|up row (gate at cols, up at K + cols), rounded as triton_ops.silu_mul."""
+        ptrs = x_ptr + tok[:, None] * stride_x + cols[None, :]
+        if SILU_INPUT:
+            gate = tl.load(ptrs, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+            up = tl.load(ptrs + K, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            return (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return tl.load(ptrs, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, N, K, stride_x, stride_w, stride_out,
+                       HAS_BIAS: tl.constexpr, SILU_INPUT: tl.constexpr, TOKENS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x: [num_tokens, K] (or [num_tokens, 2K] gate|up with SILU_INPUT), w: [N, K], out: [num_tokens, N]
+        cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = cols_n < N
+        tok = tl.arange(0, TOKENS)
+        tok_ok = tok < num_tokens
+        w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # N x K passes 2**31 in an LM head
+        if TOKENS == 1:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, TOKENS], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (Launch.rule, skinny_linear)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+            x = _load_input(x_ptr, tok, cols, tok_ok, stride_x, K, SILU_INPUT)  # [TOKENS, BLOCK_K]
+            if TOKENS == 1:
+                acc += tl.sum(w.to(tl.float32) * x, 1)
+            else:
+                acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc, input_precision="ieee")  # float32: no tf32
+        if TOKENS == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + cols_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + tok[None, :] * stride_out + cols_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=n_ok[:, None] & tok_ok[None, :])
+
+
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, launch: Launch,
+                  silu_input: bool = False) -> Tensor:
+    """x: [T, K] (silu_input: [T, 2K], gate | up) -> x @ weight.T + bias: [T, N], T <= MAX_TOKENS.
+    weight: [N, K], row-major; K a multiple of launch.block_k."""
+    num_tokens, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.shape[1] != (2 * k if silu_input else k) or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} against weight {tuple(weight.shape)}")
+    if not 1 <= num_tokens <= MAX_TOKENS or k % launch.block_k:
+        raise ValueError(f"skinny_linear takes 1..{MAX_TOKENS} tokens and K a multiple of "
+                         f"{launch.block_k}, got {num_tokens} x {k}")
+    out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(n, launch.block_n),)](
+        x, weight, bias if bias is not None else weight, out, num_tokens, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_INPUT=silu_input,
+        TOKENS=1 if num_tokens == 1 else MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        num_warps=launch.warps, num_stages=launch.stages)
+    return out
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x: [T, K] -> [T, N]: the skinny kernel for few tokens where Triton runs, else F.linear."""
+    launch = _launch_for(x, weight)
+    return skinny_linear(x, weight, bias, launch) if launch is not None else F.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: Tensor, weight: Tensor) -> Tensor | None:
+    """gate_up: [T, 2I] -> (silu(gate) * up) @ weight.T: [T, N] in one kernel, or None where the
+    skinny kernel does not apply (the caller runs triton_ops.silu_mul and a plain linear)."""
+    launch = _launch_for(gate_up, weight)
+    return skinny_linear(gate_up, weight, None, launch, silu_input=True) if launch is not None else None
+
+
+def _launch_for(x: Tensor, weight: Tensor) -> Launch | None:
+    if not triton_attention.runs_on(weight.device) or x.dtype != weight.dtype or weight.dtype not in DTYPES:
+        return None
+    return Launch.rule(x.shape[0], weight.shape[0], weight.shape[1])
