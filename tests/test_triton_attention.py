@@ -158,12 +158,15 @@ def test_graph_static_buffers_with_the_kernel(tiny_random_qwen3):
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_qk_norm_rope_store_equals_the_torch_layer(qk_norm):
+@pytest.mark.parametrize("heads", [(6, 2), (18, 6)])  # (18, 6): 30 heads, over two programs of 16
+def test_qk_norm_rope_store_equals_the_torch_layer(qk_norm, heads):
     from rollout.engine.model import Attention, ModelConfig, RotaryEmbedding
     from rollout.engine.triton_ops import qk_norm_rope_store
 
+    num_heads, kv_heads = heads
     cfg = ModelConfig(model_type="qwen3" if qk_norm else "llama", vocab_size=64, hidden_size=48,
-                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
+                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=num_heads,
+                      num_key_value_heads=kv_heads,
                       head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
                       max_position_embeddings=256, tie_word_embeddings=False, attention_bias=not qk_norm)
     torch.manual_seed(0)
@@ -174,13 +177,13 @@ def test_qk_norm_rope_store_equals_the_torch_layer(qk_norm):
     hidden = torch.randn(5, 48, device=DEVICE)
     positions = torch.tensor([0, 7, 8, 100, 255], device=DEVICE)
     slots = torch.tensor([3, 17, 9, 30, 0], device=DEVICE)
-    caches = [torch.zeros(8, 4, 2, 16, device=DEVICE) for _ in range(4)]
+    caches = [torch.zeros(8, 4, kv_heads, 16, device=DEVICE) for _ in range(4)]
     q_ref, k_ref, v_ref = attn.project_qkv(hidden, positions)
     write_kv(k_ref, v_ref, caches[0], caches[1], slots)
     with torch.no_grad():
         q = qk_norm_rope_store(attn.qkv_proj(hidden), positions, attn.rotary.table(DEVICE, torch.float32),
                                attn.q_norm.weight if qk_norm else None, attn.k_norm.weight if qk_norm else None,
-                               1e-6, 6, 2, 16, caches[2], caches[3], slots)
+                               1e-6, num_heads, kv_heads, 16, caches[2], caches[3], slots)
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[2], caches[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0)  # v is copied as is

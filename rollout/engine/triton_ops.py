@@ -33,10 +33,10 @@ if triton is not None:
         qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, table_ptr, q_w_ptr, k_w_ptr,
         eps, stride_qkv, stride_table, stride_kc, stride_vc,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEADS_P2: tl.constexpr, QK_NORM: tl.constexpr,
+        HEAD_BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
-        heads = tl.arange(0, HEADS_P2)  # q heads, then k heads, then v heads
+        heads = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)  # q heads, then k heads, then v heads
         dims = tl.arange(0, HEAD_DIM)
         total = NUM_HEADS + 2 * NUM_KV_HEADS
         ok = heads < total
@@ -111,12 +111,14 @@ def qk_norm_rope_store(qkv: Tensor, positions: Tensor, table: Tensor, q_weight: 
     if num_tokens == 0:
         return q
     qk_norm = q_weight is not None
-    _qk_norm_rope_store_kernel[(num_tokens,)](
+    # heads over several programs: a decode step of one token is otherwise one program on one SM
+    head_block = min(16, triton.next_power_of_2(num_heads + 2 * num_kv_heads))
+    _qk_norm_rope_store_kernel[(num_tokens, triton.cdiv(num_heads + 2 * num_kv_heads, head_block))](
         qkv, q, k_cache, v_cache, slot_mapping, positions, table,
         q_weight if qk_norm else qkv, k_weight if qk_norm else qkv, eps,
         qkv.stride(0), table.stride(0), k_cache.stride(1), v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_P2=triton.next_power_of_2(num_heads + 2 * num_kv_heads), QK_NORM=qk_norm,
+        HEAD_BLOCK=head_block, QK_NORM=qk_norm,
     )
     return q
 
