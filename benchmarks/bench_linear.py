@@ -5,7 +5,8 @@ Each row times one projection at T tokens as CUDA-graph replays over rotated cop
 weight (more than 256 MB in all, so no copy stays in L2 between calls, as in a real step where
 the next layer reads other weights), and reports microseconds and the fraction of the copy
 bandwidth the weight read reaches. "down+silu" is the down projection fed the packed gate|up
-output: cuBLAS after triton_ops.silu_mul against the kernel's fused input. The sweep times
+output: cuBLAS after triton_ops.silu_mul against the kernel's fused input; "+norm" likewise the
+projection after a residual add and RMSNorm (triton_ops.add_rms_norm). The sweep times
 other launches than `Launch.rule`'s so the rule can be checked; `best` is the fastest.
 
     python benchmarks/bench_linear.py --device cuda --out benchmarks/results/bench_linear_h200.json
@@ -21,14 +22,33 @@ import torch.nn.functional as F
 from common import copy_bandwidth, environment, print_table, time_us, write_json
 
 from rollout.engine.triton_linear import Launch, skinny_linear
-from rollout.engine.triton_ops import silu_mul
+from rollout.engine.triton_ops import add_rms_norm, silu_mul
 
-# (shape, projection, N, K); "down+silu" takes a [T, 2K] gate|up input
+# (shape, projection, N, K); "+silu" takes a [T, 2K] gate|up input (silu * up inside the kernel),
+# "+norm" the previous output and the residual stream (add + RMSNorm inside the kernel; the rule's
+# launch only: the sweep of the plain projection stands for it)
 PROJECTIONS = [
-    ("qwen3-8b", "qkv", 6144, 4096), ("qwen3-8b", "o", 4096, 4096), ("qwen3-8b", "gate_up", 24576, 4096),
+    ("qwen3-8b", "qkv", 6144, 4096), ("qwen3-8b", "qkv+norm", 6144, 4096), ("qwen3-8b", "o", 4096, 4096),
+    ("qwen3-8b", "gate_up", 24576, 4096), ("qwen3-8b", "gate_up+norm", 24576, 4096),
     ("qwen3-8b", "down+silu", 4096, 12288), ("qwen3-30b-a3b", "qkv", 5120, 2048),
     ("qwen3-30b-a3b", "o", 2048, 4096), ("qwen3-30b-a3b", "router", 128, 2048),
 ]
+EPS = 1e-6
+
+
+def unfused(proj: str, x, w, residual, norm):
+    """The engine's ops without the skinny kernel: F.linear after silu_mul / add_rms_norm."""
+    if proj.endswith("+silu"):
+        return F.linear(silu_mul(x), w)
+    if proj.endswith("+norm"):
+        return F.linear(add_rms_norm(x, residual, norm, EPS)[0], w)
+    return F.linear(x, w)
+
+
+def fused(proj: str, x, w, residual, norm, launch: Launch):
+    if proj.endswith("+norm"):
+        return skinny_linear(x, w, None, launch, add_norm=(residual, norm, EPS))[0]
+    return skinny_linear(x, w, None, launch, silu_input=proj.endswith("+silu"))
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,11 +88,12 @@ def bench_projection(args, shape: str, proj: str, n: int, k: int, bandwidth: flo
     nbytes = n * k * torch.finfo(dtype).bits // 8
     copies = max(2, -(-(256 << 20) // nbytes)) if args.device == "cuda" else 2
     weights = [(torch.randn(n, k, device=args.device) * 0.02).to(dtype) for _ in range(copies)]
-    silu = proj == "down+silu"
     rows, best = [], []
+    norm = torch.rand(k, device=args.device).to(dtype) + 0.5
     for num_tokens in args.tokens:
-        x = torch.randn(num_tokens, 2 * k if silu else k, device=args.device).to(dtype)
-        want = F.linear(silu_mul(x) if silu else x, weights[0]).float()
+        x = torch.randn(num_tokens, 2 * k if proj.endswith("+silu") else k, device=args.device).to(dtype)
+        residual = torch.randn(num_tokens, k, device=args.device).to(dtype)
+        want = unfused(proj, x, weights[0], residual, norm).float()
         mine = []
 
         def add(path: str, launch: Launch | None, us: float, out=None, mine=mine, want=want,
@@ -82,14 +103,14 @@ def bench_projection(args, shape: str, proj: str, n: int, k: int, bandwidth: flo
                              launch=launch_name(launch), us=us, fraction=nbytes / (us * 1e-6) / bandwidth,
                              rel_err=err))
 
-        cublas = (lambda x, w: F.linear(silu_mul(x), w)) if silu else (lambda x, w: F.linear(x, w))  # noqa: E731
-        add("cublas", None, time_row(args, weights, x, cublas))
+        add("cublas", None, time_row(args, weights, x, lambda x, w, r=residual: unfused(proj, x, w, r, norm)))
         rule = Launch.rule(num_tokens, n, k)
-        launches = ([rule] if rule else []) + (sweep(num_tokens) if args.sweep and not args.quick else [])
+        swept = args.sweep and not args.quick and not proj.endswith("+norm")
+        launches = ([rule] if rule else []) + (sweep(num_tokens) if swept else [])
         for i, launch in enumerate(launches):
             if k % launch.block_k:
                 continue
-            fn = lambda x, w, launch=launch: skinny_linear(x, w, None, launch, silu_input=silu)  # noqa: E731
+            fn = lambda x, w, launch=launch, r=residual: fused(proj, x, w, r, norm, launch)  # noqa: E731
             add("rule" if i == 0 and rule else "sweep", launch, time_row(args, weights, x, fn), fn(x, weights[0]))
         fastest = min((r for r in mine[1:] if r["us"] == r["us"]), key=lambda r: r["us"], default=None)
         ruled = next((r for r in mine if r["path"] == "rule"), None)
@@ -109,7 +130,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     bandwidth = copy_bandwidth(args.device, 1 << 30) if args.device == "cuda" else float("nan")
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
-    projections = [("tiny", p, 128, 256) for p in ("qkv", "down+silu")] if args.quick else PROJECTIONS
+    projections = [("tiny", p, 128, 256) for p in ("qkv", "qkv+norm", "down+silu")] if args.quick else PROJECTIONS
     result = dict(args=vars(args), env=environment(args.device), bandwidth=bandwidth, rows=[], best=[])
     for shape, proj, n, k in projections:
         rows, best = bench_projection(args, shape, proj, n, k, bandwidth, dtype)

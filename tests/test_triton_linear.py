@@ -92,3 +92,21 @@ def test_linear_dispatch(monkeypatch):
     assert silu_mul_linear(rand(64, 256), w) is None
     assert silu_mul_linear(rand(2, 256), w) is not None and calls[-1] == (2, 256)
     assert linear(rand(1, 128, dtype=torch.float64), w.double()).dtype == torch.float64  # F.linear: no kernel
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_fused_add_norm_equals_add_rms_norm_then_linear(num_tokens):
+    """The projection after a residual add and RMSNorm (a layer's qkv, a dense MLP's gate|up):
+    the same product as triton_ops.add_rms_norm then F.linear, and the same residual sum."""
+    from rollout.engine.triton_ops import add_rms_norm
+
+    n, k = 56, 192
+    x, res, norm = rand(num_tokens, k, seed=8), rand(num_tokens, k, seed=9), rand(k, seed=10) + 1.0
+    w, b = rand(n, k, scale=0.1, seed=11), rand(n, seed=12)
+    normed, want_total = add_rms_norm(x, res, norm, 1e-6)
+    got, total = skinny_linear(x, w, b, Launch(block_n=16, block_k=64), add_norm=(res, norm, 1e-6))
+    torch.testing.assert_close(total, want_total, atol=0, rtol=0)
+    torch.testing.assert_close(got, F.linear(normed, w, b), atol=1e-5, rtol=1e-5)
+    unnormed = F.linear(x + res, w, b)
+    assert (got - unnormed).abs().max() > 1e-2
+    assert triton_linear.add_norm_linear(rand(64, k), rand(64, k), norm, 1e-6, w) is None  # prefill-sized

@@ -55,30 +55,61 @@ class Launch:
         return Launch(block_n=block_n, block_k=block_k)
 
 
+PLAIN, SILU_MUL, ADD_NORM = 0, 1, 2  # what the kernel applies to its input as it loads it
+
+
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _load_input(x_ptr, tok, cols, tok_ok, stride_x, K, SILU_INPUT: tl.constexpr):
-        """x[tok, cols] as float32 ([TOKENS, BLOCK_K]); with SILU_INPUT, silu(gate) * up of a
-        packed gate|up row (gate at cols, up at K + cols), rounded as triton_ops.silu_mul."""
+    def _residual_sum(x_ptr, res_ptr, tok, cols, tok_ok, stride_x, stride_res):
+        """(x + residual)[tok, cols] rounded to the residual's dtype, as float32 ([TOKENS, BLOCK_K])."""
+        s = (tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float32)
+             + tl.load(res_ptr + tok[:, None] * stride_res + cols[None, :], mask=tok_ok[:, None],
+                       other=0.0).to(tl.float32))
+        return s.to(res_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _load_input(x_ptr, res_ptr, norm_ptr, inv, tok, cols, tok_ok, stride_x, stride_res, K,
+                    INPUT: tl.constexpr):
+        """The kernel's input at [tok, cols] as float32 ([TOKENS, BLOCK_K]), rounded to x's dtype
+        as the unfused ops round it: x itself; SILU_MUL: silu(gate) * up of a packed gate|up row
+        (gate at cols, up at K + cols; triton_ops.silu_mul); ADD_NORM: rms_norm(x + residual) *
+        norm weight, `inv` the rows' 1 / rms (triton_ops.add_rms_norm)."""
         ptrs = x_ptr + tok[:, None] * stride_x + cols[None, :]
-        if SILU_INPUT:
+        if INPUT == 1:
             gate = tl.load(ptrs, mask=tok_ok[:, None], other=0.0).to(tl.float32)
             up = tl.load(ptrs + K, mask=tok_ok[:, None], other=0.0).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
             return (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if INPUT == 2:
+            s = _residual_sum(x_ptr, res_ptr, tok, cols, tok_ok, stride_x, stride_res)
+            w = tl.load(norm_ptr + cols).to(tl.float32)
+            return (s * inv[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
         return tl.load(ptrs, mask=tok_ok[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, N, K, stride_x, stride_w, stride_out,
-                       HAS_BIAS: tl.constexpr, SILU_INPUT: tl.constexpr, TOKENS: tl.constexpr,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, norm_ptr, sum_ptr, eps, num_tokens, N, K,
+                       stride_x, stride_w, stride_out, stride_res,
+                       HAS_BIAS: tl.constexpr, INPUT: tl.constexpr, TOKENS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # x: [num_tokens, K] (or [num_tokens, 2K] gate|up with SILU_INPUT), w: [N, K], out: [num_tokens, N]
+        # x: [num_tokens, K] (SILU_MUL: [num_tokens, 2K], gate | up), w: [N, K], out: [num_tokens, N];
+        # ADD_NORM: residual [num_tokens, K], norm weight [K], and the sum written to sum_ptr [num_tokens, K]
         cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = cols_n < N
         tok = tl.arange(0, TOKENS)
         tok_ok = tok < num_tokens
+        inv = tl.zeros([TOKENS], dtype=tl.float32)
+        if INPUT == 2:  # every program norms the rows itself (they are in L2); program 0 writes the sum
+            squares = tl.zeros([TOKENS], dtype=tl.float32)
+            writes = tok < tl.where(tl.program_id(0) == 0, num_tokens, 0)  # [TOKENS]
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                s = _residual_sum(x_ptr, res_ptr, tok, cols, tok_ok, stride_x, stride_res)
+                squares += tl.sum(s * s, 1)
+                tl.store(sum_ptr + tok[:, None] * K + cols[None, :], s.to(sum_ptr.dtype.element_ty),
+                         mask=writes[:, None])
+            inv = 1.0 / tl.sqrt(squares / K + eps)
         w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # N x K passes 2**31 in an LM head
         if TOKENS == 1:
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -87,7 +118,7 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (Launch.rule, skinny_linear)
             cols = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
-            x = _load_input(x_ptr, tok, cols, tok_ok, stride_x, K, SILU_INPUT)  # [TOKENS, BLOCK_K]
+            x = _load_input(x_ptr, res_ptr, norm_ptr, inv, tok, cols, tok_ok, stride_x, stride_res, K, INPUT)
             if TOKENS == 1:
                 acc += tl.sum(w.to(tl.float32) * x, 1)
             else:
@@ -103,10 +134,12 @@ if triton is not None:
                      mask=n_ok[:, None] & tok_ok[None, :])
 
 
-def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, launch: Launch,
-                  silu_input: bool = False) -> Tensor:
-    """x: [T, K] (silu_input: [T, 2K], gate | up) -> x @ weight.T + bias: [T, N], T <= MAX_TOKENS.
-    weight: [N, K], row-major; K a multiple of launch.block_k."""
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, launch: Launch, silu_input: bool = False,
+                  add_norm: tuple[Tensor, Tensor, float] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """x: [T, K] -> x @ weight.T + bias: [T, N], T <= MAX_TOKENS; weight: [N, K], row-major, K a
+    multiple of launch.block_k. silu_input: x is [T, 2K] (gate | up) and the product is taken of
+    silu(gate) * up. add_norm = (residual [T, K], norm weight [K], eps): the product is taken of
+    rms_norm(x + residual) * norm weight, and (out, x + residual) is returned."""
     num_tokens, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     if x.shape[1] != (2 * k if silu_input else k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} against weight {tuple(weight.shape)}")
@@ -114,12 +147,17 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, launch: Launch
         raise ValueError(f"skinny_linear takes 1..{MAX_TOKENS} tokens and K a multiple of "
                          f"{launch.block_k}, got {num_tokens} x {k}")
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    residual, norm, eps = add_norm if add_norm is not None else (x, weight, 0.0)
+    total = torch.empty_like(residual) if add_norm is not None else out
+    if residual.shape != x.shape or residual.stride(1) != 1:
+        raise ValueError(f"skinny_linear: residual {tuple(residual.shape)} against x {tuple(x.shape)}")
     _skinny_kernel[(triton.cdiv(n, launch.block_n),)](
-        x, weight, bias if bias is not None else weight, out, num_tokens, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU_INPUT=silu_input,
+        x, weight, bias if bias is not None else weight, out, residual, norm, total, eps, num_tokens, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), residual.stride(0), HAS_BIAS=bias is not None,
+        INPUT=ADD_NORM if add_norm is not None else SILU_MUL if silu_input else PLAIN,
         TOKENS=1 if num_tokens == 1 else MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         num_warps=launch.warps, num_stages=launch.stages)
-    return out
+    return (out, total) if add_norm is not None else out
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -133,6 +171,17 @@ def silu_mul_linear(gate_up: Tensor, weight: Tensor) -> Tensor | None:
     skinny kernel does not apply (the caller runs triton_ops.silu_mul and a plain linear)."""
     launch = _launch_for(gate_up, weight)
     return skinny_linear(gate_up, weight, None, launch, silu_input=True) if launch is not None else None
+
+
+def add_norm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                    bias: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """x, residual: [T, K] -> (rms_norm(x + residual) * norm_weight @ weight.T + bias: [T, N],
+    x + residual: [T, K]) in one kernel (triton_ops.add_rms_norm, then `linear`), or None where
+    the skinny kernel does not apply."""
+    launch = _launch_for(x, weight)
+    if launch is None or residual.dtype != x.dtype:
+        return None
+    return skinny_linear(x, weight, bias, launch, add_norm=(residual, norm_weight, eps))
 
 
 def _launch_for(x: Tensor, weight: Tensor) -> Launch | None:
