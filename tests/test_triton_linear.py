@@ -1,6 +1,8 @@
 """rollout/engine/triton_linear.py: the skinny linear kernel against F.linear (on CPU through
-Triton's interpreter, conftest sets TRITON_INTERPRET=1 without a GPU), its fused silu * up input
-against triton_ops.silu_mul, the launch rule, and the Triton-backend layers that call it."""
+Triton's interpreter, conftest sets TRITON_INTERPRET=1 without a GPU), its fused silu * up and
+add + RMSNorm inputs against triton_ops' kernels, the launch rule, and its dispatch. The engine
+tests of the Triton backend (test_triton_attention.py, test_triton_moe.py) run the tiny models'
+layers through it."""
 
 from __future__ import annotations
 
@@ -68,15 +70,16 @@ def test_bad_shapes_are_refused():
 
 
 def test_rule():
-    """Few tokens and K a multiple of 64 take the kernel; columns per program shrink until the
-    grid has ~256 programs (not below 8, or 16 for tl.dot); K chunks divide K."""
-    assert Launch.rule(0, 4096, 4096) is None and Launch.rule(MAX_TOKENS + 1, 4096, 4096) is None
-    assert Launch.rule(1, 4096, 100) is None
-    assert Launch.rule(1, 4096, 4096) == Launch(block_n=16, block_k=512)  # 256 programs
-    assert Launch.rule(1, 2048, 4096).block_n == 8  # 256 programs
-    assert Launch.rule(1, 128, 2048).block_n == 8  # the floor
-    assert Launch.rule(4, 6144, 4096) == Launch(block_n=16, block_k=128)
-    assert Launch.rule(1, 4096, 192).block_k == 64
+    """Few tokens, K a multiple of 64 and a small weight take the kernel; columns per program
+    shrink until the grid has ~256 programs (not below 8, or 16 for tl.dot); K chunks divide K."""
+    assert Launch.rule(0, 1024, 512) is None and Launch.rule(MAX_TOKENS + 1, 1024, 512) is None
+    assert Launch.rule(1, 1024, 100) is None
+    assert Launch.rule(1, 4096, 4096) is None  # an 8B projection: cuBLAS (BENCHMARKS.md, issue 17)
+    assert Launch.rule(1, 4096, 256) == Launch(block_n=16, block_k=256)  # 256 programs
+    assert Launch.rule(1, 2048, 512) == Launch(block_n=8, block_k=512)
+    assert Launch.rule(1, 128, 2048).block_n == 8  # a router: the floor
+    assert Launch.rule(4, 1536, 256) == Launch(block_n=16, block_k=128)
+    assert Launch.rule(1, 1024, 192).block_k == 64
 
 
 def test_linear_dispatch(monkeypatch):

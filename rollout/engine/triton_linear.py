@@ -1,19 +1,24 @@
-"""Linear layers of steps with few tokens (decode at small batch, a short verify), in Triton.
+"""Linear layers of small models' few-token steps (decode at small batch, a short verify), in Triton.
 
-At batch 1 a decoder step is a chain of matrix-vector products bound by reading the weights.
-cuBLAS picks tiles for them that reach 0.73-0.84 of the copy bandwidth on the projections of an
-8B-shaped layer (qkv, o and the split-K down projection, which adds a reduction launch), against
-0.96 on the wide gate|up projection (BENCHMARKS.md, issue 17). `skinny_linear` streams the weight
-once with enough programs in flight to keep every SM's loads queued: a program owns BLOCK_N
-output columns for all the step's tokens and walks the whole K dimension in BLOCK_K chunks. One
-token reduces with float32 multiply-adds; two to 16 tokens pad to 16 and use tl.dot. The down
-projection can take the packed gate|up output and apply silu(gate) * up while it loads it
-(`silu_input`), with the same bfloat16 roundings as triton_ops.silu_mul, so that launch goes too.
+A decode step of a small model (the embedded one, a drafter's head) is a chain of tiny kernels
+whose launches cost more than their arithmetic: a layer's residual add + RMSNorm, its qkv
+projection, the down projection's silu(gate) * up are each a launch. `skinny_linear` folds those
+into the projection: a program owns BLOCK_N output columns for all the step's tokens and walks the
+whole K dimension in BLOCK_K chunks (one token reduces with float32 multiply-adds; two to 16 pad
+to 16 and use tl.dot), applying to its input as it loads it silu(gate) * up of a packed gate|up
+row (`silu_input`) or the residual add and RMSNorm (`add_norm`: every program norms the rows
+itself from L2, program 0 writes the sum), with the roundings of triton_ops.silu_mul and
+add_rms_norm.
 
-`linear` is what the layers call (the Triton kernel backend): the kernel where `Launch.rule` says
-it pays, F.linear otherwise (prefill, wide batches). The kernel sums in another order than
-cuBLAS, so results differ from F.linear by float rounding; tests compare the two through
-Triton's interpreter.
+It is not a faster matrix-vector product for large weights: on an H200 it reached 0.48-0.77 of
+the copy bandwidth on the 8B's and 30B-A3B's projections where cuBLAS reached 0.61-0.93, its
+fused norm cost ~5 us a call more than the separate kernel, and the 8B decoded at 0.82x with it
+at batch 1 (BENCHMARKS.md, issue 17). So `Launch.rule` takes it only for weights of at most
+MAX_WEIGHT_ELEMENTS, where launches, not bytes, set the time.
+
+`linear` is what the layers call (the Triton kernel backend): the kernel where `Launch.rule` says,
+F.linear otherwise. The kernel sums in another order than cuBLAS, so results differ from F.linear
+by float rounding; tests compare the two through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from rollout.engine import triton_attention
 from rollout.engine.triton_attention import triton
 
 MAX_TOKENS = 16  # the kernel's tl.dot path pads the tokens to this
+MAX_WEIGHT_ELEMENTS = 1 << 20  # 2 MB of bfloat16; from 17 MB up cuBLAS was measured faster
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -42,9 +48,10 @@ class Launch:
 
     @staticmethod
     def rule(num_tokens: int, n: int, k: int) -> Launch | None:
-        """The launch for a [num_tokens, k] x [n, k]^T product, or None for F.linear. Columns per
-        program shrink until the grid has about two programs per SM of a 132-SM part."""
-        if not 1 <= num_tokens <= MAX_TOKENS or k % 64:
+        """The launch for a [num_tokens, k] x [n, k]^T product, or None for F.linear (more tokens,
+        a larger weight, K not a multiple of 64). Columns per program shrink until the grid has
+        about two programs per SM of a 132-SM part."""
+        if not 1 <= num_tokens <= MAX_TOKENS or k % 64 or n * k > MAX_WEIGHT_ELEMENTS:
             return None
         block_n = 32 if num_tokens == 1 else 64
         while block_n > (8 if num_tokens == 1 else 16) and -(-n // block_n) < 256:
