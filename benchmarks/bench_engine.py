@@ -26,7 +26,6 @@ with its trained weights (no transformers arm, no floors: its steps are host tim
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 import statistics
 import tempfile
@@ -51,7 +50,6 @@ from common import (
 )
 
 import rollout
-from rollout.engine import triton_linear
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -82,9 +80,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
-    p.add_argument("--linear", default="skinny", choices=("skinny", "cublas", "both"),
-                   help="few-token projections: the skinny Triton kernel (the engine's default), cuBLAS "
-                        "(F.linear everywhere), or both side by side on one engine, graphs recaptured")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
     if args.quick:
@@ -124,23 +119,6 @@ def build_engine(shape: dict | None, root: Path, hf, args: argparse.Namespace) -
     if hf is not None:
         load_state_into(engine.model, hf.state_dict())
     return engine
-
-
-@contextlib.contextmanager
-def linear_path(engine: LLMEngine, path: str):
-    """Run the engine's few-token projections through `path` ("skinny": triton_linear's rule;
-    "cublas": F.linear, the rule patched to decline) with its step graphs captured afresh."""
-    rule = triton_linear.Launch.rule
-    if path == "cublas":
-        triton_linear.Launch.rule = staticmethod(lambda *_: None)
-    if engine.graphs is not None:
-        engine.graphs = engine.make_step_graphs(capture=True)
-    try:
-        yield
-    finally:
-        triton_linear.Launch.rule = rule
-        if engine.graphs is not None:
-            engine.graphs = engine.make_step_graphs(capture=True)
 
 
 def rates(batch: int, output_len: int, seconds_1: float, seconds_n: float) -> dict:
@@ -241,20 +219,14 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: d
         read = step_read_bytes(engine.model, batch, context, touched)
         row = dict(shape=name, batch=batch, weight_gb=nbytes / 1e9, read_gb=read / 1e9, experts_touched=touched,
                    read_floor_tokens_per_s=batch * bandwidth / read)  # fmt: skip
-        with linear_path(engine, "cublas") if args.linear == "cublas" else contextlib.nullcontext():
-            ours = engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
+        ours = engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
         row.update(engine_tokens_per_s=ours["decode"], engine_e2e_tokens_per_s=ours["e2e"], overlap=args.overlap,
-                   built_while_timed=ours["built_while_timed"], linear=args.linear)
+                   built_while_timed=ours["built_while_timed"])
         if args.overlap == "both":
             sync_loop = engine_rates(engine, prompts, args.output_len, args.device, overlap=False)
             row.update(no_overlap_tokens_per_s=sync_loop["decode"], no_overlap_e2e_tokens_per_s=sync_loop["e2e"],
                        overlap_speedup=ours["decode"] / sync_loop["decode"],
                        overlap_identical=ours["tokens"] == sync_loop["tokens"])  # greedy: the same tokens
-        if args.linear == "both":  # the same overlap setting as `ours`
-            with linear_path(engine, "cublas"):
-                cublas = engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
-            row.update(cublas_tokens_per_s=cublas["decode"], skinny_speedup=ours["decode"] / cublas["decode"],
-                       skinny_identical=ours["tokens"] == cublas["tokens"])
         row["fraction_of_read_floor"] = ours["decode"] / row["read_floor_tokens_per_s"]
         if batch == 1 and not moe:
             row["floor_tokens_per_s"] = bandwidth / nbytes
@@ -280,8 +252,7 @@ def main() -> None:
     result = dict(args=vars(args), env=environment(args.device), copy_bandwidth_bytes_per_s=bandwidth, rows=[])
     for name in args.shapes:
         bench_shape(name, args, bandwidth, result)
-    columns = ["shape", "batch", "engine_tokens_per_s", "cublas_tokens_per_s", "skinny_speedup",
-               "no_overlap_tokens_per_s", "overlap_speedup",
+    columns = ["shape", "batch", "engine_tokens_per_s", "no_overlap_tokens_per_s", "overlap_speedup",
                "overlap_identical", "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
                "fraction_of_floor", "experts_touched", "read_floor_tokens_per_s", "fraction_of_read_floor",
                "engine_e2e_tokens_per_s", "hf_e2e_tokens_per_s"]  # fmt: skip

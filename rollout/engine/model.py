@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollout.engine import triton_attention, triton_linear, triton_ops, triton_prefix_attention
+from rollout.engine import triton_attention, triton_ops, triton_prefix_attention
 from rollout.engine.attention import AttentionMetadata, paged_attention
 from rollout.engine.moe import MoeConfig, SparseMoeBlock
 from rollout.engine.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
@@ -204,15 +204,9 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, H]
         if self.backend == "triton":
-            return self.down_fused(triton_linear.linear(x, self.gate_up_proj.weight))
+            return self.down_proj(triton_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
-
-    def down_fused(self, gate_up: Tensor) -> Tensor:
-        """The Triton path from the gate|up projection [T, 2I]: down(silu(gate) * up), the
-        product inside the down projection's kernel for few tokens."""
-        out = triton_linear.silu_mul_linear(gate_up, self.down_proj.weight)
-        return out if out is not None else self.down_proj(triton_ops.silu_mul(gate_up))
 
 
 class Attention(nn.Module):
@@ -272,29 +266,23 @@ class Attention(nn.Module):
         cos_sin: tuple[Tensor, Tensor] | None,
     ) -> Tensor:
         # hidden: [T, H] -> [T, H]; cos_sin: the torch path's shared RoPE lookup (the kernel reads the table)
-        if self.backend == "triton":
-            return self.attend_qkv(triton_linear.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias),
-                                   meta, kv_cache)
+        if self.backend == "triton":  # norms, RoPE and the cache write in one kernel, then paged attention
+            q = triton_ops.qk_norm_rope_store(
+                self.qkv_proj(hidden), meta.positions, self.rotary.table(hidden.device, hidden.dtype),
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None, self.rotary_eps,
+                self.num_heads, self.num_kv_heads, self.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)
+            if meta.shared is not None:  # blocks shared by several sequences read once for all of them
+                out = triton_prefix_attention.shared_prefix_attention_triton(
+                    q, kv_cache[0], kv_cache[1], meta.block_tables, meta.positions, meta.shared, self.scale)
+            else:
+                out = triton_attention.paged_attention_triton(
+                    q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                    meta.max_query_len, meta.max_context_len, self.scale)
+            return self.o_proj(out.view(-1, self.q_size))
         q, k, v = self.project_qkv(hidden, meta.positions, cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.view(-1, self.q_size))
-
-    def attend_qkv(self, qkv: Tensor, meta: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
-        """The Triton path from the packed projection qkv [T, (Hq + 2 Hkv) D] -> [T, H]: norms, RoPE
-        and the cache write in one kernel, paged (or shared-prefix) attention, the o projection."""
-        q = triton_ops.qk_norm_rope_store(
-            qkv, meta.positions, self.rotary.table(qkv.device, qkv.dtype),
-            self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None, self.rotary_eps,
-            self.num_heads, self.num_kv_heads, self.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        if meta.shared is not None:  # blocks shared by several sequences read once for all of them
-            out = triton_prefix_attention.shared_prefix_attention_triton(
-                q, kv_cache[0], kv_cache[1], meta.block_tables, meta.positions, meta.shared, self.scale)
-        else:
-            out = triton_attention.paged_attention_triton(
-                q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                meta.max_query_len, meta.max_context_len, self.scale)
-        return triton_linear.linear(out.view(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -324,31 +312,21 @@ class DecoderLayer(nn.Module):
                       kv_cache: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """`forward` with the residual adds fused into the norms (Triton): the residual stream
         is `residual + pending` (pending: the previous layer's MLP output, None before layer 0).
-        Returns this layer's (pending, residual). For few tokens (triton_linear) the adds and norms
-        before the qkv and a dense MLP's gate|up projections run inside those projections' kernels."""
-        attn, residual = self.attend_fused(pending, residual, meta, kv_cache)
-        norm = self.post_attention_layernorm
-        if isinstance(self.mlp, MLP):
-            fused = triton_linear.add_norm_linear(attn, residual, norm.weight, norm.eps, self.mlp.gate_up_proj.weight)
-            if fused is not None:
-                gate_up, residual = fused
-                return self.mlp.down_fused(gate_up), residual
-        normed, residual = triton_ops.add_rms_norm(attn, residual, norm.weight, norm.eps)
+        Returns this layer's (pending, residual)."""
+        normed, residual = self.attend_fused(pending, residual, meta, kv_cache)
         return self.mlp(normed), residual
 
     def attend_fused(self, pending: Tensor | None, residual: Tensor, meta: AttentionMetadata,
                      kv_cache: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """`forward_fused` up to the MLP's norm: (the attention block's output, the residual stream)."""
-        norm, attn = self.input_layernorm, self.self_attn
+        """`forward_fused` up to the MLP: (the MLP's normed input, the residual stream)."""
+        eps = self.input_layernorm.eps
         if pending is None:
-            return attn(norm(residual), meta, kv_cache, None), residual
-        fused = triton_linear.add_norm_linear(pending, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                              attn.qkv_proj.bias)
-        if fused is not None:
-            qkv, residual = fused
-            return attn.attend_qkv(qkv, meta, kv_cache), residual
-        normed, residual = triton_ops.add_rms_norm(pending, residual, norm.weight, norm.eps)
-        return attn(normed, meta, kv_cache, None), residual
+            normed = self.input_layernorm(residual)
+        else:
+            normed, residual = triton_ops.add_rms_norm(pending, residual, self.input_layernorm.weight, eps)
+        attn = self.self_attn(normed, meta, kv_cache, None)
+        return triton_ops.add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps)
 
 
 class TransformerLM(nn.Module):

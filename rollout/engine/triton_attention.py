@@ -44,16 +44,12 @@ BLOCK_N = 64  # keys per inner iteration
 MAX_BLOCK_M = 64  # query rows (token x group head) per program
 
 
-def runs_on(device: torch.device) -> bool:
-    """Whether Triton kernels run on `device`: CUDA, or CPU under Triton's interpreter."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
 def supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel runs here: on CUDA, or on CPU under Triton's interpreter
     (TRITON_INTERPRET=1 before triton is imported, as the test suite does); a head size that
     tl.dot takes (a power of two >= 16); a floating dtype."""
-    return (runs_on(device) and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    runs_here = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return (triton is not None and runs_here and head_dim >= 16 and head_dim & (head_dim - 1) == 0
             and dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
