@@ -54,7 +54,7 @@ def supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 if triton is not None:
-    from rollout.engine.triton_prefix_tiles import _key_tile
+    from rollout.engine.triton_prefix_tiles import _key_tile, _rows_start
 
     @triton.jit(do_not_specialize=["num_tokens", "stride_bt"])
     def _attn_kernel(
@@ -81,16 +81,12 @@ if triton is not None:
             row_ok = tok < q_len
             q_pos = ctx - q_len + tok  # [M]
             dims = tl.arange(0, HEAD_DIM)
-            q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                        mask=row_ok[:, None], other=0.0)
+            q, m_i, l_i, acc = _rows_start(q_ptr, q_start + tok, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_M)
             # keys this program reads: its split of [0, ctx), cut at the tile's last query position
             last_row = tl.minimum(tile * BLOCK_M + BLOCK_M, q_len * GROUPS) - 1
             last = ctx - q_len + last_row // GROUPS + 1
             lo = split * keys_per_split
             hi = tl.minimum(lo + keys_per_split, last)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             for n0 in range(lo, hi, BLOCK_N):
                 keys = n0 + tl.arange(0, BLOCK_N)  # [N]
                 key_ok = keys < hi

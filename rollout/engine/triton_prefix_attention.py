@@ -62,7 +62,7 @@ LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-
 ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
 
 if triton is not None:
-    from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _store_rows
+    from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _rows_start, _store_rows
 
     _SHARED, _LONE = tl.constexpr(SHARED_PASS), tl.constexpr(LONE_PASS)  # the kernel's view of the passes
 
@@ -127,15 +127,6 @@ if triton is not None:
         indirect = (tl.load(item_ptr + 3) + tl.zeros([BLOCK_M], tl.int64)) != 0  # the interpreter masks by vectors
         token = tl.load(unit_tokens_ptr + tok_start + local, mask=row_ok & indirect, other=0)
         return tl.where(indirect, token, tok_start + local), kv_head * GROUPS + rows % GROUPS, row_ok
-
-    @triton.jit
-    def _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        """The rows' queries [M, D] and an empty online softmax: (max, sum) [M] and accumulator [M, D]."""
-        dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        return (q, tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
-                tl.zeros([BLOCK_M, HEAD_DIM], tl.float32))
 
     @triton.jit
     def _segment_keys(item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, lo, hi, k_base, v_base, m_i, l_i, acc,
@@ -236,7 +227,6 @@ if triton is not None:
         kv_row = tl.arange(0, BLOCK_N)  # [N] key rows: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
         kv_head = kv_row % NUM_KV_HEADS
         mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
-        dims = tl.arange(0, HEAD_DIM)
         item = num_shared + tl.program_id(0)
         while item < total:
             item_ptr = items_ptr + item * NUM_FIELDS
@@ -244,12 +234,8 @@ if triton is not None:
             key_lo = tl.load(item_ptr + 5).to(tl.int32)
             hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
             q_pos = tl.load(positions_ptr + tl.load(item_ptr)).to(tl.int32)
-            q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                        mask=row_ok[:, None], other=0.0)
+            q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            m_i = tl.full([HEADS_P2], float("-inf"), tl.float32)
-            l_i = tl.zeros([HEADS_P2], tl.float32)
-            acc = tl.zeros([HEADS_P2, HEAD_DIM], tl.float32)
             for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
                 vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
                 key_ok = vk < hi

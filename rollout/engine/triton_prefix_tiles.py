@@ -1,8 +1,8 @@
 """The online-softmax pieces the attention kernels are built from (triton_attention.py: the plain
 paged kernel; triton_prefix_attention.py: the shared-prefix item kernel and the all-heads lone
-kernel): one tile of keys into the running (max, sum, accumulator) of a tile of query rows, and the
-store of those rows, to the output or to their token's partial row. Scores are in base 2: callers
-pass the softmax scale times LOG2E."""
+kernel): a tile of query rows with an empty online softmax, one tile of keys into its running
+(max, sum, accumulator), and the store of those rows, to the output or to their token's partial
+row. Scores are in base 2: callers pass the softmax scale times LOG2E."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependen
     triton = None
 
 if triton is not None:
+
+    @triton.jit
+    def _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The queries of M rows (token int64 [M], head [M]) as [M, D], and an empty online softmax:
+        (m, l) [M] and acc [M, D]."""
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        return (q, tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                tl.zeros([BLOCK_M, HEAD_DIM], tl.float32))
 
     @triton.jit
     def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,

@@ -107,7 +107,8 @@ class DraftGraphs:
             self.choice_inputs = [None] * len(inputs)
         static = self.choice_inputs
         for i, t in enumerate(inputs):  # (a greedy batch's choice leaves the sampling inputs None)
-            if t is not None and static[i] is None:  # rows of the largest key a choice graph takes:
+            if t is not None and static[i] is None:
+                # the rows of the largest key a choice graph takes
                 rows = max(b for b in self.buckets if self.choice_key(b, inputs[0], False) is not None)
                 static[i] = _static_like(t, rows, i == 0)
         if key not in self.choices:  # (before the inputs go in: the capture's warm-up runs the choice, in place)
