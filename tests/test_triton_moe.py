@@ -157,11 +157,15 @@ CASES = {  # tokens, experts, top k
 }
 # Every launch of the table on every case, and on two cases variants with other tiles (several
 # reduction iterations, one pipeline stage, 64-row blocks on a small step, routing launched
-# before the gemv programs): any launch computes the same function.
+# before the gemv programs, the gemv kernels multiplying by tl.dot): any launch computes the same
+# function.
 TABLE = {f"table-{i}": launch for i, (_, launch) in enumerate(moe_launch.LAUNCHES)}
 VARIANTS = {
     "gemv-narrow": MoeLaunch("gemv", gate_up=Tiles(16, 16, 2, 1), down=Tiles(16, 16, 4, 2)),
     "gemv-routed": MoeLaunch("gemv", gate_up=Tiles(16, 32), down=Tiles(8, 32), route_inside=False),
+    "gemv-dot": MoeLaunch("gemv", gate_up=Tiles(16, 16, 4, 2, dot=True), down=Tiles(16, 16, 4, 3, dot=True)),
+    "gemv-dot-routed": MoeLaunch("gemv", gate_up=Tiles(32, 32, 4, 1, dot=True), down=Tiles(32, 32, 2, 2, dot=True),
+                                 route_inside=False),
     "sorted-m16": MoeLaunch("sorted", gate_up=Tiles(16, 16, 4, 1), down=Tiles(32, 16, 4, 2), block_m=16),
     "sorted-m64": MoeLaunch("sorted", gate_up=Tiles(32, 32, 4, 2), down=Tiles(16, 32, 4, 3), block_m=64),
 }
@@ -208,7 +212,7 @@ def test_the_table_picks_by_token_count():
     assert small.path == "gemv" and all(launch.path == "sorted" for _, launch in moe_launch.LAUNCHES[1:])
 
 
-@pytest.mark.parametrize("bad", [dict(block_n=24), dict(warps=3), dict(stages=0)])
+@pytest.mark.parametrize("bad", [dict(block_n=24), dict(warps=3), dict(stages=0), dict(block_n=8, dot=True)])
 def test_bad_tiles_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Tiles(**{**dict(block_n=16, block_k=32, warps=4, stages=2), **bad})
@@ -236,7 +240,7 @@ def test_fused_moe_equals_the_sparse_block(num_tokens):
     assert not torch.allclose(got, torch.zeros_like(got))
 
 
-@pytest.mark.parametrize("launch", ["table-0", "sorted-m16"])
+@pytest.mark.parametrize("launch", ["table-0", "sorted-m16", "gemv-dot"])
 def test_a_wrong_expert_breaks_the_comparison(launch):
     x, logits, gate_up, down, top_k = _case("experts-without-tokens", torch.float32)
     weights, ids = moe.route(logits, top_k, True)

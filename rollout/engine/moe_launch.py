@@ -13,7 +13,10 @@ A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same
   each token's k rows.
 
 `Tiles` are one kernel's launch parameters: `block_n` output columns per program, `block_k`
-reduction elements per iteration, `warps`, and `stages` of Triton's software pipeline. The
+reduction elements per iteration, `warps`, and `stages` of Triton's software pipeline; for the
+gemv kernels `dot` picks how a program multiplies: an elementwise product summed over the
+reduction tile, or `tl.dot` on the token padded to 16 rows (Triton pipelines the weight loads
+that feed a dot over `stages`; the sorted kernels always multiply by tl.dot). The
 table's values were picked for Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, width 768) on an
 H200 with `benchmarks/bench_moe.py`, which times variants of every entry; any valid `Tiles`
 computes the same result (tests/test_triton_moe.py runs every entry of the table).
@@ -36,6 +39,7 @@ class Tiles:
     block_k: int
     warps: int = 4
     stages: int = 3
+    dot: bool = False  # gemv kernels: tl.dot on 16 padded rows (else an elementwise product summed)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "warps"):
@@ -43,9 +47,11 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be a power of two, got {getattr(self, name)}")
         if self.stages < 1:
             raise ValueError(f"Tiles.stages must be >= 1, got {self.stages}")
+        if self.dot and min(self.block_n, self.block_k) < 16:
+            raise ValueError(f"Tiles.dot needs block_n and block_k >= 16 (tl.dot), got {self}")
 
     def __str__(self) -> str:
-        return f"n{self.block_n}/k{self.block_k}/w{self.warps}/s{self.stages}"
+        return f"n{self.block_n}/k{self.block_k}/w{self.warps}/s{self.stages}" + ("/dot" if self.dot else "")
 
 
 @dataclass(frozen=True)

@@ -122,13 +122,20 @@ if triton is not None:
             tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :], out.to(dtype),
                      mask=valid[:, None] & col_ok[None, :])
 
+    @triton.jit
+    def _padded_row(row_ptr, ks, k_ok, ROW):
+        """The row's elements `ks` as row ROW of a [16, BK] tile of zeros (tl.dot needs 16 rows)."""
+        rows = tl.arange(0, 16)
+        return tl.load(row_ptr + rows[:, None] * 0 + ks[None, :], mask=(rows == ROW)[:, None] & k_ok[None, :],
+                       other=0.0)
+
     @triton.jit(do_not_specialize=["num_tokens"])
     def _gate_up_gemv_kernel(x_ptr, logits_ptr, w_ptr, hidden_ptr, weights_ptr, ids_ptr, num_tokens,
                              stride_xt, stride_lt, stride_we, stride_wn, stride_ht,
                              HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                              EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
                              RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
         pair = tl.program_id(0)
         token = pair // TOP_K
         if ROUTE:  # the token's routing, here: no routing launch
@@ -143,41 +150,75 @@ if triton is not None:
             expert = tl.load(ids_ptr + pair)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < INTER
-        w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1] gate rows
-        gate = tl.zeros([BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < HIDDEN
-            a = tl.load(x_ptr + token.to(tl.int64) * stride_xt + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            gate += tl.sum(tl.load(w + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)  # [BN, BK] -> [BN]
-            up += tl.sum(tl.load(w + INTER * stride_wn + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)
+        x_row = x_ptr + token.to(tl.int64) * stride_xt
+        if DOT:  # the token in row 0 of 16; the weight tiles [BK, BN] feed tl.dot (pipelined loads)
+            w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn  # [1, BN] gate rows
+            gate16 = tl.zeros([16, BLOCK_N], tl.float32)
+            up16 = tl.zeros([16, BLOCK_N], tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < HIDDEN
+                a = _padded_row(x_row, ks, k_ok, 0)
+                w_ok = k_ok[:, None] & col_ok[None, :]
+                gate16 = tl.dot(a, tl.load(w + ks[:, None], mask=w_ok, other=0.0), gate16,
+                                input_precision=DOT_PRECISION)
+                up16 = tl.dot(a, tl.load(w + INTER * stride_wn + ks[:, None], mask=w_ok, other=0.0), up16,
+                              input_precision=DOT_PRECISION)
+            gate, up = tl.sum(gate16, 0), tl.sum(up16, 0)  # rows 1-15 are zeros
+        else:
+            w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1] gate rows
+            gate = tl.zeros([BLOCK_N], tl.float32)
+            up = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < HIDDEN
+                a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                w_ok = col_ok[:, None] & k_ok[None, :]
+                gate += tl.sum(tl.load(w + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)  # [BN]
+                up += tl.sum(tl.load(w + INTER * stride_wn + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)
         tl.store(hidden_ptr + pair.to(tl.int64) * stride_ht + cols, _swiglu(gate, up, hidden_ptr.dtype.element_ty),
                  mask=col_ok)
 
     @triton.jit
     def _down_gemv_kernel(hidden_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, stride_ht, stride_we, stride_wn,
                           stride_ot, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-                          TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
-        slots = tl.arange(0, TOP_K_P2)
-        used = slots < TOP_K
-        pairs = token * TOP_K + slots  # [KP2]
-        experts = tl.load(ids_ptr + pairs, mask=used, other=0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < HIDDEN
-        w = w_ptr + experts[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn  # [KP2, BN, 1]
-        h = hidden_ptr + pairs[:, None, None] * stride_ht  # [KP2, 1, 1]
-        acc = tl.zeros([TOP_K_P2, BLOCK_N], tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            ks = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
-            k_ok = ks < INTER
-            a = tl.load(h + ks, mask=used[:, None, None] & k_ok, other=0.0).to(tl.float32)  # [KP2, 1, BK]
-            b = tl.load(w + ks, mask=used[:, None, None] & col_ok[None, :, None] & k_ok, other=0.0)  # [KP2, BN, BK]
-            acc += tl.sum(b.to(tl.float32) * a, 2)
+        if DOT:  # pair j's hidden row in row j of 16, one tl.dot per (expert, reduction tile): rows = pairs
+            slots = tl.arange(0, 16)
+            used = slots < TOP_K
+            pairs = token * TOP_K + slots  # [16]
+            experts = tl.load(ids_ptr + pairs, mask=used, other=0).to(tl.int64)
+            acc = tl.zeros([16, BLOCK_N], tl.float32)
+            k_iters: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+            for it in range(0, TOP_K * k_iters):  # one loop over (expert, tile): one software pipeline
+                j = it // k_iters
+                ks = (it % k_iters) * BLOCK_K + tl.arange(0, BLOCK_K)
+                k_ok = ks < INTER
+                expert = tl.sum(tl.where(slots == j, experts, 0))
+                a = _padded_row(hidden_ptr + (token * TOP_K + j) * stride_ht, ks, k_ok, j)
+                b = tl.load(w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None],
+                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        else:  # the k experts' tiles as one [KP2, BN, BK] load, an elementwise product summed
+            slots = tl.arange(0, TOP_K_P2)
+            used = slots < TOP_K
+            pairs = token * TOP_K + slots  # [KP2]
+            experts = tl.load(ids_ptr + pairs, mask=used, other=0).to(tl.int64)
+            w = w_ptr + experts[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn
+            h = hidden_ptr + pairs[:, None, None] * stride_ht  # [KP2, 1, 1]
+            acc = tl.zeros([TOP_K_P2, BLOCK_N], tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                ks = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
+                k_ok = ks < INTER
+                a = tl.load(h + ks, mask=used[:, None, None] & k_ok, other=0.0).to(tl.float32)  # [KP2, 1, BK]
+                b = tl.load(w + ks, mask=used[:, None, None] & col_ok[None, :, None] & k_ok, other=0.0)  # [KP2, BN, BK]
+                acc += tl.sum(b.to(tl.float32) * a, 2)
         dtype = out_ptr.dtype.element_ty
-        weight = tl.load(weights_ptr + pairs, mask=used, other=0.0).to(tl.float32)  # [KP2]
+        weight = tl.load(weights_ptr + pairs, mask=used, other=0.0).to(tl.float32)  # a weight per row of acc
         per_pair = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # as pair_out rounds
         tl.store(out_ptr + token * stride_ot + cols, tl.sum(per_pair, 0).to(dtype), mask=col_ok)
 
@@ -255,8 +296,8 @@ def gemv_gate_up(x: Tensor, router_logits: Tensor, gate_up: Tensor, top_k: int, 
         x, router_logits, gate_up, hidden, weights, ids, num_tokens,
         x.stride(0), router_logits.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
         HIDDEN=hidden_size, INTER=inter2 // 2, **routing_args(num_experts, top_k), RENORMALIZE=renormalize,
-        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
-        num_stages=tiles.stages)
+        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=tiles.dot, DOT_PRECISION=_precision(x),
+        num_warps=tiles.warps, num_stages=tiles.stages)
     return hidden, weights, ids
 
 
@@ -267,7 +308,8 @@ def gemv_down(hidden: Tensor, down: Tensor, weights: Tensor, ids: Tensor, top_k:
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, tiles.block_n))](
         hidden, down, out, weights, ids, hidden.stride(0), down.stride(0), down.stride(1), out.stride(0),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=tiles.dot, DOT_PRECISION=_precision(hidden),
+        num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 
