@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import SHAPES, copy_bandwidth, environment, free_memory, print_table, time_us, write_json  # noqa: E402
 
-from rollout.engine import moe, moe_launch, triton_moe, triton_moe_route  # noqa: E402
+from rollout.engine import moe, moe_launch, triton_moe, triton_moe_route, triton_ops  # noqa: E402
 from rollout.engine.moe_launch import MoeLaunch, Tiles  # noqa: E402
 
 # Variants per kernel (block_n, block_k, warps, stages); each list's first entry leads, the table's
@@ -58,6 +58,8 @@ SORTED_DOWN = {16: [Tiles(64, 64, 4, 4), Tiles(32, 128, 4, 3), Tiles(64, 128, 4,
 # What main ran before the table (tiles() at 50f12be): 16-row blocks below 32 pairs per expert.
 BEFORE = MoeLaunch("sorted", Tiles(32, 128, 4, 3), Tiles(32, 128, 4, 3), block_m=16)
 BEFORE_LARGE = MoeLaunch("sorted", Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3), block_m=64)
+ROUTER_ROWS = [2, 4, 8, 16]  # router rows per program of the norm's launch (add_rms_norm_router)
+ROUTER_IN_NORM_MAX_TOKENS = 8  # the norm + router launches are timed up to here
 GEMV_MAX_TOKENS = 64  # the gemv path is swept up to here (it re-reads shared experts per pair)
 BAD_ERROR = 2e-2  # bf16 operands land between 1e-3 and 1e-2
 
@@ -159,6 +161,8 @@ def sweep_tokens(layer: Layer, num_tokens: int, args, bandwidth: float, rows: li
             row.update(gb_per_s=moved / us / 1e3, of_copy=moved / us / 1e3 / (bandwidth / 1e9))
         rows.append(row)
 
+    if num_tokens <= ROUTER_IN_NORM_MAX_TOKENS:
+        sweep_router(layer, x, args, add)
     paths = [("gemv", 0)] if num_tokens <= GEMV_MAX_TOKENS else []
     for path, block_m in paths + [("sorted", bm) for bm in ((16, 64) if num_tokens >= 256 else (16,))]:
         try:
@@ -193,6 +197,24 @@ def sweep_gemv(layer: Layer, x, logits, args, add) -> None:
     for tiles in variants(GEMV_DOWN, args):
         us = layer.time(args, lambda c, t=tiles: triton_moe.gemv_down(hidden, c[1], weights, ids, k, t))
         add("gemv", "down", tiles, us, replace(base, down=tiles))
+
+
+def sweep_router(layer: Layer, x, args, add) -> None:
+    """The residual add + RMSNorm before the block and the router's logits: two launches (the
+    norm kernel, then the router's GEMM) against one (triton_ops.add_rms_norm_router), by rows
+    of the router per program."""
+    gen = torch.Generator(device=layer.device).manual_seed(1)
+    attn = torch.randn(x.shape, generator=gen, device=layer.device).to(layer.dtype)
+    norm = torch.rand(layer.hidden, generator=gen, device=layer.device).to(layer.dtype) + 0.5
+
+    def separate(router):
+        normed, _ = triton_ops.add_rms_norm(attn, x, norm, 1e-6)
+        return F.linear(normed, router)
+
+    add("norm", "router", "norm + GEMM", layer.time(args, lambda c: separate(c[2])))
+    for rows in ROUTER_ROWS:
+        us = layer.time(args, lambda c, r=rows: triton_ops.add_rms_norm_router(attn, x, norm, 1e-6, c[2], r))
+        add("norm", "router", f"in norm, {rows} rows a program", us)
 
 
 def sweep_sorted(layer: Layer, x, logits, block_m: int, args, add) -> None:
@@ -248,11 +270,12 @@ def parse_launch(text: str) -> MoeLaunch:
     """The MoeLaunch whose str() is `text`."""
     parts = text.split()
     block_m = int(parts[1][1:]) if parts[0] == "sorted" else 16
-    return MoeLaunch(parts[0], parse_tiles(parts[-3]), parse_tiles(parts[-1]), block_m, "routed" not in parts)
+    return MoeLaunch(parts[0], parse_tiles(parts[-3]), parse_tiles(parts[-1]), block_m, "routed" not in parts,
+                     "router-in-norm" in parts)
 
 
 def print_sweep(rows: list[dict]) -> None:
-    top, rows = [], [r for r in rows if r["path"] in moe_launch.PATHS]
+    top, rows = [], [r for r in rows if r["path"] in (*moe_launch.PATHS, "norm")]
     for key in sorted({(r["tokens"], r["path"], r["block_m"], r["phase"]) for r in rows}):
         group = sorted((r for r in rows if (r["tokens"], r["path"], r["block_m"], r["phase"]) == key),
                        key=lambda r: (r["rel_err"] is not None and r["rel_err"] >= BAD_ERROR, r["us"]))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_spec_engine import PROMPTS, _generate
 
-from rollout.engine import moe, moe_launch, triton_moe, triton_moe_route
+from rollout.engine import moe, moe_launch, triton_moe, triton_moe_route, triton_ops
 from rollout.engine.moe_launch import MoeLaunch, Tiles
 from rollout.engine.params import SamplingParams
 from rollout.engine.triton_attention import supported
@@ -271,3 +271,37 @@ def test_moe_engine_through_the_kernels_and_graph_buffers(tiny_random_qwen3_moe,
     for ref, got in zip(plain, outs, strict=True):
         assert got.token_ids == ref.token_ids
         assert got.token_logprobs == pytest.approx(ref.token_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("router_rows", [4, 8])
+def test_the_router_in_the_norm_launch_equals_norm_then_gate(router_rows):
+    """add_rms_norm_router: the norm and residual of add_rms_norm and the router's F.linear on the
+    normed rows, for 6 experts over programs of 4 (a partial tile) or 8 rows, a width of 48."""
+    gen = torch.Generator().manual_seed(6)
+    x, res = (torch.randn(3, 48, generator=gen).to(DEVICE) for _ in range(2))
+    weight, router = torch.rand(48, generator=gen).to(DEVICE) + 0.5, torch.randn(6, 48, generator=gen).to(DEVICE)
+    want_out, want_total = triton_ops.add_rms_norm(x, res, weight, 1e-6)
+    out, total, logits = triton_ops.add_rms_norm_router(x, res, weight, 1e-6, router, router_rows)
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(total, want_total, atol=0, rtol=0)
+    torch.testing.assert_close(logits, torch.nn.functional.linear(want_out, router), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="router_rows"):
+        triton_ops.add_rms_norm_router(x, res, weight, 1e-6, router, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_ops.add_rms_norm_router(x, res, weight, 1e-6, router.t().contiguous().t())
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU engine through the interpreter (bfloat16 on CUDA)")
+def test_moe_decode_on_the_gemv_path_with_the_router_in_the_norm(tiny_random_qwen3_moe, monkeypatch):
+    """One sequence decoding: its 1-token steps take the table's gemv entry, whose router logits
+    come from the norm's launch; tokens and log-probs are the torch engine's."""
+    assert moe_launch.launch_for(1).path == "gemv" and moe_launch.launch_for(1).router_in_norm
+    calls, fused = [], triton_ops.add_rms_norm_router
+    monkeypatch.setattr(triton_ops, "add_rms_norm_router",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or fused(*a, **k))
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want, _ = _generate(tiny_random_qwen3_moe, PROMPTS[1:2], greedy, kernel_backend="torch")
+    got, _ = _generate(tiny_random_qwen3_moe, PROMPTS[1:2], greedy, kernel_backend="triton")
+    assert calls and set(calls) == {1}  # the decode steps' sparse layers, never the prefill
+    assert got[0].token_ids == want[0].token_ids
+    assert got[0].token_logprobs == pytest.approx(want[0].token_logprobs, abs=1e-4)

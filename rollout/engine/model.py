@@ -313,20 +313,24 @@ class DecoderLayer(nn.Module):
         """`forward` with the residual adds fused into the norms (Triton): the residual stream
         is `residual + pending` (pending: the previous layer's MLP output, None before layer 0).
         Returns this layer's (pending, residual)."""
-        normed, residual = self.attend_fused(pending, residual, meta, kv_cache)
+        attn, residual = self.attend_fused(pending, residual, meta, kv_cache)
+        norm = self.post_attention_layernorm
+        if isinstance(self.mlp, SparseMoeBlock) and self.mlp.router_in_norm(residual.shape[0]):
+            normed, residual, logits = triton_ops.add_rms_norm_router(attn, residual, norm.weight, norm.eps,
+                                                                      self.mlp.gate.weight)
+            return self.mlp(normed, logits), residual
+        normed, residual = triton_ops.add_rms_norm(attn, residual, norm.weight, norm.eps)
         return self.mlp(normed), residual
 
     def attend_fused(self, pending: Tensor | None, residual: Tensor, meta: AttentionMetadata,
                      kv_cache: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """`forward_fused` up to the MLP: (the MLP's normed input, the residual stream)."""
+        """`forward_fused`'s attention: (its output, the residual stream it adds to)."""
         eps = self.input_layernorm.eps
         if pending is None:
             normed = self.input_layernorm(residual)
         else:
             normed, residual = triton_ops.add_rms_norm(pending, residual, self.input_layernorm.weight, eps)
-        attn = self.self_attn(normed, meta, kv_cache, None)
-        return triton_ops.add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps)
+        return self.self_attn(normed, meta, kv_cache, None), residual
 
 
 class TransformerLM(nn.Module):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollout.engine import triton_moe
+from rollout.engine import moe_launch, triton_moe
 from rollout.errors import LoadError
 
 _REQUIRED_KEYS = ("num_experts_per_tok", "moe_intermediate_size")
@@ -143,9 +143,15 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.backend = "torch"  # "triton": triton_moe.fused_moe
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, H] -> [T, H]
-        logits = self.gate(x)  # [T, E]
+    def router_in_norm(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` takes its router logits from the norm's launch
+        (triton_ops.add_rms_norm_router) rather than from `gate`: the launch table's choice."""
+        return self.backend == "triton" and moe_launch.launch_for(num_tokens).router_in_norm
+
+    def forward(self, x: Tensor, logits: Tensor | None = None) -> Tensor:
+        # x: [T, H] -> [T, H]; logits: the router's [T, E] when already computed
+        if logits is None:
+            logits = self.gate(x)  # [T, E]
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if self.backend == "triton":
             return triton_moe.fused_moe(x, logits, gate_up, down, self.top_k, self.renormalize)

@@ -8,6 +8,8 @@ A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same
   token's k experts at once and sums them weighted (no separate sum). Three launches per layer
   with the router's GEMM. A pair re-reads its expert even when another pair shares it, so this
   wins while few pairs share experts.
+  With `router_in_norm` the router's GEMV runs inside the residual add + RMSNorm launch before
+  the block (triton_ops.add_rms_norm_router): two launches per layer's MoE, not three.
 * "sorted" (larger steps): route, align the pairs into `block_m`-row blocks of one expert each,
   two grouped GEMMs (tl.dot) that read each touched expert once per block, then the sum of
   each token's k rows.
@@ -61,6 +63,7 @@ class MoeLaunch:
     down: Tiles
     block_m: int = 16  # rows per expert block (sorted path; tl.dot needs >= 16)
     route_inside: bool = True  # gemv path: gate/up programs route their token (False: a routing launch first)
+    router_in_norm: bool = False  # the router's logits come from the norm's launch (add_rms_norm_router)
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -73,7 +76,8 @@ class MoeLaunch:
 
     def __str__(self) -> str:
         rows = f" m{self.block_m}" if self.path == "sorted" else ("" if self.route_inside else " routed")
-        return f"{self.path}{rows} gate_up {self.gate_up} down {self.down}"
+        router = " router-in-norm" if self.router_in_norm else ""
+        return f"{self.path}{rows}{router} gate_up {self.gate_up} down {self.down}"
 
 
 # (largest token count of the bucket, launch), by increasing token count; the last entry takes
@@ -83,7 +87,7 @@ class MoeLaunch:
 # 64 tokens 357 us, 512 tokens (64-row blocks) 517 us. The sorted entries' tiles are the sweep's
 # fastest per phase (8 and 16 tokens share one entry: its gate/up tiles cost 8 tokens 1.5%).
 LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = (
-    (1, MoeLaunch("gemv", gate_up=Tiles(8, 256, 4, 3), down=Tiles(16, 128, 8, 3))),
+    (1, MoeLaunch("gemv", gate_up=Tiles(8, 256, 4, 3), down=Tiles(16, 128, 8, 3), router_in_norm=True)),
     (16, MoeLaunch("sorted", gate_up=Tiles(32, 128, 4, 3), down=Tiles(64, 128, 4, 3), block_m=16)),
     (256, MoeLaunch("sorted", gate_up=Tiles(128, 128, 8, 2), down=Tiles(64, 128, 4, 3), block_m=16)),
     (1024, MoeLaunch("sorted", gate_up=Tiles(64, 64, 4, 3), down=Tiles(128, 64, 4, 3), block_m=64)),

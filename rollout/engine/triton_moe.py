@@ -6,15 +6,19 @@ Routing is in rollout.engine.triton_moe_route (`_top_k`: softmax of the router l
 the k largest by repeated arg-max, ties to the lowest id, renormalised when asked, as `moe.route`
 computes it; the routing and align kernels of the sorted path).
 
-gemv path (1-token steps in the table; nothing sorted, three launches a layer with the router):
+gemv path (1-token steps in the table; nothing sorted, three launches a layer with the router's
+GEMM, two when the router runs in the norm's launch: `MoeLaunch.router_in_norm`):
 1. `_gate_up_gemv_kernel`, a program per (pair, column tile): routes its token, streams its
-   expert's gate and up rows against the token's x (an elementwise product summed over the
-   reduction tile: no padded rows), silu(gate) * up -> `hidden` [M, I]; the first column tile
-   of each pair also writes the pair's weight and expert for step 2. (`route_inside=False`:
-   `_route_kernel` routes first, one launch more, no top-k at the start of every program.)
-2. `_down_gemv_kernel`, a program per (token, column tile): the token's k experts' down rows read
-   as one [k, BLOCK_N, BLOCK_K] tile per iteration, each expert's output times its weight, summed
-   over the k experts -> [T, H].
+   expert's gate and up rows against the token's x, silu(gate) * up -> `hidden` [M, I]; the first
+   column tile of each pair also writes the pair's weight and expert for step 2.
+   (`route_inside=False`: `_route_kernel` routes first, one launch more, no top-k at the start of
+   every program.)
+2. `_down_gemv_kernel`, a program per (token, column tile): each of the token's k experts' down
+   rows against its hidden row, each expert's output times its weight, summed over the k experts
+   -> [T, H].
+Both multiply either as an elementwise product summed over the reduction tile, or (`Tiles.dot`)
+by tl.dot with the token in one row of 16, whose weight loads Triton pipelines; down then walks
+(expert, reduction tile) in one loop with pair j in row j.
 
 sorted path (bigger steps: each touched expert's weights are read once per block, not per pair):
 1. `_route_kernel` (triton_moe_route), a program per tile of BLOCK_T tokens -> weights, ids [T, k],

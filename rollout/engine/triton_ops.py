@@ -73,19 +73,32 @@ if triton is not None:
                  out.to(v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, stride_x, stride_res,
-                             SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, router_ptr, logits_ptr, eps, stride_x,
+                             stride_res, SIZE: tl.constexpr, BLOCK: tl.constexpr, ROUTER_ROWS: tl.constexpr,
+                             NUM_EXPERTS: tl.constexpr):
+        """A program per (token, router tile). Every program computes its token's sum and norm;
+        tile 0 stores them. With ROUTER_ROWS > 0, each also multiplies the normed row by its
+        ROUTER_ROWS rows of the router ([E, SIZE]) -> logits [T, E]."""
         t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         cols = tl.arange(0, BLOCK)
         ok = cols < SIZE
         s = (tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
              + tl.load(res_ptr + t * stride_res + cols, mask=ok, other=0.0).to(tl.float32))
         s = s.to(sum_ptr.dtype.element_ty)  # the residual stream keeps the model's dtype
-        tl.store(sum_ptr + t * SIZE + cols, s, mask=ok)
-        s = s.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(s * s, 0) / SIZE + eps)
+        s32 = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / SIZE + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * SIZE + cols, (s * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
+        normed = (s32 * inv * w).to(out_ptr.dtype.element_ty)
+        if tl.program_id(1) == 0:
+            tl.store(sum_ptr + t * SIZE + cols, s, mask=ok)
+            tl.store(out_ptr + t * SIZE + cols, normed, mask=ok)
+        if ROUTER_ROWS > 0:
+            experts = tl.program_id(1) * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
+            e_ok = experts < NUM_EXPERTS
+            r = tl.load(router_ptr + experts[:, None] * SIZE + cols[None, :], mask=e_ok[:, None] & ok[None, :],
+                        other=0.0)  # [RR, BLOCK]
+            logits = tl.sum(r.to(tl.float32) * normed.to(tl.float32)[None, :], 1)
+            tl.store(logits_ptr + t * NUM_EXPERTS + experts, logits.to(logits_ptr.dtype.element_ty), mask=e_ok)
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, SIZE: tl.constexpr, BLOCK: tl.constexpr):
@@ -125,13 +138,40 @@ def qk_norm_rope_store(qkv: Tensor, positions: Tensor, table: Tensor, q_weight: 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """x, residual: [T, H] -> (rms_norm(x + residual) * weight, x + residual), new tensors."""
-    out, total = torch.empty_like(residual), torch.empty_like(residual)
-    if residual.shape[0]:
-        size = residual.shape[1]
-        _add_rms_norm_kernel[(residual.shape[0],)](
-            x, residual, weight, out, total, eps, x.stride(0), residual.stride(0),
-            SIZE=size, BLOCK=triton.next_power_of_2(size))
+    out, total, _ = _add_rms_norm(x, residual, weight, eps, None, 0)
     return out, total
+
+
+ROUTER_ROWS = 4  # router rows per program of add_rms_norm_router: 32 programs for 128 experts
+
+
+def add_rms_norm_router(x: Tensor, residual: Tensor, weight: Tensor, eps: float, router: Tensor,
+                        router_rows: int = ROUTER_ROWS) -> tuple[Tensor, Tensor, Tensor]:
+    """`add_rms_norm` and a MoE layer's router logits on its output in one launch: router [E, H]
+    -> (out, total, logits [T, E] = out @ router.T in out's dtype). Each token's norm is computed
+    again by each of its E / router_rows programs, so this is for small steps (decode); larger
+    ones are better served by the router's GEMM."""
+    if router.stride(1) != 1 or router.stride(0) != router.shape[1]:
+        raise ValueError("add_rms_norm_router needs a contiguous router weight")
+    if router_rows < 1 or router_rows & (router_rows - 1):
+        raise ValueError(f"add_rms_norm_router router_rows must be a power of two, got {router_rows}")
+    return _add_rms_norm(x, residual, weight, eps, router, router_rows)
+
+
+def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, router: Tensor | None,
+                  router_rows: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    out, total = torch.empty_like(residual), torch.empty_like(residual)
+    num_tokens, size = residual.shape
+    experts = 0 if router is None else router.shape[0]
+    logits = None if router is None else torch.empty(num_tokens, experts, dtype=residual.dtype,
+                                                      device=residual.device)
+    if num_tokens:
+        tiles = 1 if router is None else triton.cdiv(experts, router_rows)
+        _add_rms_norm_kernel[(num_tokens, tiles)](
+            x, residual, weight, out, total, out if router is None else router, out if logits is None else logits,
+            eps, x.stride(0), residual.stride(0), SIZE=size, BLOCK=triton.next_power_of_2(size),
+            ROUTER_ROWS=0 if router is None else router_rows, NUM_EXPERTS=experts)
+    return out, total, logits
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
