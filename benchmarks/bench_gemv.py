@@ -1,0 +1,95 @@
+"""The dense projections of a few-token step through cuBLAS, by BLAS backend (issues 17 and 21).
+
+At batch 1 every projection is a matrix-vector product that should stream its weight at the
+copy bandwidth; torch's default cuBLAS heuristic reaches 0.61-0.93 of it on the 8B's shapes and
+splits K for some (a reduce kernel more). This times `F.linear` on each projection of a shape
+(qkv, o, gate|up, down, the MoE router, the LM head) at a few token counts under each backend
+torch can call: cuBLAS, cuBLASLt (`torch.backends.cuda.preferred_blas_library`) and TunableOp
+(which times the candidates for each shape once and keeps the fastest). Each variant runs as a
+CUDA graph over enough copies of the weight that repeats read DRAM, not L2; median of `--reps`.
+
+    python benchmarks/bench_gemv.py --device cuda --out benchmarks/results/bench_gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import SHAPES, copy_bandwidth, environment, print_table, time_us, write_json
+
+BACKENDS = ("cublas", "cublaslt", "tunableop")
+L2_BYTES = 256 << 20  # copies of a weight until the rotation passes this (H200's L2: 50 MB)
+
+
+def projections(shape: dict) -> dict[str, tuple[int, int]]:
+    """name -> (out_features, in_features) of the shape's dense projections."""
+    hidden, head_dim = shape["hidden_size"], shape.get("head_dim") or shape["hidden_size"] // shape[
+        "num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    out = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "lm_head": (shape["vocab_size"], hidden)}
+    if "num_experts" in shape:
+        out["router"] = (shape["num_experts"], hidden)
+    else:
+        out.update(gate_up=(2 * shape["intermediate_size"], hidden), down=(hidden, shape["intermediate_size"]))
+    return out
+
+
+def set_backend(name: str, results: Path) -> None:
+    tunable = torch.cuda.tunable
+    tunable.enable(name == "tunableop")
+    if name == "tunableop":
+        tunable.tuning_enable(True)
+        tunable.set_filename(str(results))
+        tunable.set_max_tuning_iterations(30)
+    else:
+        torch.backends.cuda.preferred_blas_library(name)
+
+
+def time_projection(args, name: str, n: int, k: int, bandwidth: float, tmp: Path) -> list[dict]:
+    """Rows for one [n, k] weight: each token count under each backend."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    nbytes, rows = n * k * 2, []
+    copies = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+              for _ in range(max(2, -(-L2_BYTES // nbytes)))]
+    for tokens in args.tokens:
+        x = torch.randn(tokens, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        want = F.linear(x.float(), copies[0].float())
+        for backend in args.backends:
+            set_backend(backend, tmp / f"tunableop_{name.replace(' ', '_')}_{tokens}.csv")
+            err = ((F.linear(x, copies[0]).float() - want).norm() / want.norm()).item()
+            us = time_us(lambda x=x: [F.linear(x, w) for w in copies], args.device, args.reps) / len(copies)
+            rows.append(dict(projection=name, n=n, k=k, tokens=tokens, backend=backend, us=us,
+                             of_copy=nbytes / us / 1e-6 / bandwidth, rel_err=err))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda",))
+    p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", default="benchmarks/results/bench_gemv.json")
+    args = p.parse_args()
+    bandwidth = copy_bandwidth(args.device, 4 << 30)
+    print(f"device copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)", flush=True)
+    rows, tmp = [], Path(tempfile.mkdtemp())
+    for shape_name in args.shapes:
+        for proj, (n, k) in projections(SHAPES[shape_name]).items():
+            rows += time_projection(args, f"{shape_name} {proj}", n, k, bandwidth, tmp)
+    set_backend("cublas", tmp / "unused.csv")
+    print_table("dense projections at few tokens, us a call (of_copy: weight bytes / time / copy bandwidth)", rows,
+                ["projection", "n", "k", "tokens", "backend", "us", "of_copy", "rel_err"])
+    write_json(args.out, dict(args=vars(args), env=environment(args.device), copy_bandwidth_bytes_per_s=bandwidth,
+                              rows=rows))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
