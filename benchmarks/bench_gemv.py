@@ -4,8 +4,9 @@ At batch 1 every projection is a matrix-vector product that should stream its we
 copy bandwidth; torch's default cuBLAS heuristic reaches 0.61-0.93 of it on the 8B's shapes and
 splits K for some (a reduce kernel more). This times `F.linear` on each projection of a shape
 (qkv, o, gate|up, down, the MoE router, the LM head) at a few token counts under each backend
-torch can call: cuBLAS, cuBLASLt (`torch.backends.cuda.preferred_blas_library`) and TunableOp
-(which times the candidates for each shape once and keeps the fastest). Each variant runs as a
+torch can call: cuBLAS, cuBLASLt (`torch.backends.cuda.preferred_blas_library`), `torch.mv` at
+one token (ATen's gemv), and optionally TunableOp (on CUDA its only candidate is the default
+GEMM, so it is a check, not a default arm). Each variant runs as a
 CUDA graph over enough copies of the weight that repeats read DRAM, not L2; median of `--reps`.
 
     python benchmarks/bench_gemv.py --device cuda --out benchmarks/results/bench_gemv.json
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from common import SHAPES, copy_bandwidth, environment, print_table, time_us, write_json
 
-BACKENDS = ("cublas", "cublaslt", "tunableop")
+BACKENDS = ("cublas", "cublaslt", "mv", "tunableop")
 L2_BYTES = 256 << 20  # copies of a weight until the rotation passes this (H200's L2: 50 MB)
 
 
@@ -46,7 +47,11 @@ def set_backend(name: str, results: Path) -> None:
         tunable.set_filename(str(results))
         tunable.set_max_tuning_iterations(30)
     else:
-        torch.backends.cuda.preferred_blas_library(name)
+        torch.backends.cuda.preferred_blas_library("cublaslt" if name == "cublaslt" else "cublas")
+
+
+def project(x, w, backend: str):
+    return torch.mv(w, x[0])[None] if backend == "mv" else F.linear(x, w)
 
 
 def time_projection(args, name: str, n: int, k: int, bandwidth: float, tmp: Path) -> list[dict]:
@@ -58,10 +63,11 @@ def time_projection(args, name: str, n: int, k: int, bandwidth: float, tmp: Path
     for tokens in args.tokens:
         x = torch.randn(tokens, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         want = F.linear(x.float(), copies[0].float())
-        for backend in args.backends:
+        for backend in (b for b in args.backends if b != "mv" or tokens == 1):
             set_backend(backend, tmp / f"tunableop_{name.replace(' ', '_')}_{tokens}.csv")
-            err = ((F.linear(x, copies[0]).float() - want).norm() / want.norm()).item()
-            us = time_us(lambda x=x: [F.linear(x, w) for w in copies], args.device, args.reps) / len(copies)
+            err = ((project(x, copies[0], backend).float() - want).norm() / want.norm()).item()
+            us = time_us(lambda x=x, b=backend: [project(x, w, b) for w in copies], args.device,
+                         args.reps) / len(copies)
             rows.append(dict(projection=name, n=n, k=k, tokens=tokens, backend=backend, us=us,
                              of_copy=nbytes / us / 1e-6 / bandwidth, rel_err=err))
             print(rows[-1], flush=True)
@@ -73,7 +79,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=("cuda",))
     p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS[:3]), choices=BACKENDS)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", default="benchmarks/results/bench_gemv.json")
     args = p.parse_args()
