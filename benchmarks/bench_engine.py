@@ -17,15 +17,23 @@ with and without it on the same engine in one run (`no_overlap_tokens_per_s`, `o
 `--overlap off` measures the synchronous loop only. The shape `embedded` is the embedded tiny Qwen3
 with its trained weights (no transformers arm, no floors: its steps are host time).
 
+`--compare` measures one alternative beside the default on the same engine, step graphs
+recaptured between the arms (`compare_tokens_per_s`, `default_over_compare`, `compare_identical`):
+`moe-table`, the MoE launch table as it was before the seventh session's changes
+(`BEFORE_MOE_LAUNCHES`: the elementwise gemv kernels, the router's own GEMM); `cublaslt`, cuBLASLt
+as torch's preferred BLAS library.
+
     python benchmarks/bench_engine.py --device cuda
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --hf-batches 64 --hf-output-len 32
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-8b embedded --batches 1 256 --no-hf --overlap both
+    python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --batches 1 --no-hf --compare moe-table
     python benchmarks/bench_engine.py --device cpu --quick     # checks the script itself
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
@@ -50,6 +58,7 @@ from common import (
 )
 
 import rollout
+from rollout.engine import moe_launch
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -65,6 +74,11 @@ EMBEDDED = "embedded"  # the embedded tiny Qwen3, its own weights
 # built inside the first timed run, always the overlapped one with --overlap both);
 # `built_while_timed` counts what was built while timing all the same.
 LENGTHS = (1, 1)
+# moe_launch.LAUNCHES at 850e6e9 (before Tiles.dot and MoeLaunch.router_in_norm), for --compare moe-table
+BEFORE_MOE_LAUNCHES = (
+    (1, moe_launch.MoeLaunch("gemv", moe_launch.Tiles(8, 256, 4, 3), moe_launch.Tiles(16, 128, 8, 3))),
+    *moe_launch.LAUNCHES[1:],
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,6 +94,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
+    p.add_argument("--compare", default="none", choices=("none", "moe-table", "cublaslt"),
+                   help="an alternative measured beside the default on the same engine (see the docstring)")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
     if args.quick:
@@ -87,6 +103,29 @@ def parse_args() -> argparse.Namespace:
     args.hf_batches = args.batches if args.hf_batches is None else args.hf_batches
     args.hf_output_len = args.hf_output_len or args.output_len
     return args
+
+
+@contextlib.contextmanager
+def alternative(engine: LLMEngine, name: str):
+    """The engine under `--compare`'s alternative, its step graphs captured afresh on the way in
+    and out."""
+    launches, blas = moe_launch.LAUNCHES, torch.backends.cuda.preferred_blas_library()
+    if name == "moe-table":
+        moe_launch.LAUNCHES = BEFORE_MOE_LAUNCHES
+    else:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    recapture(engine)
+    try:
+        yield
+    finally:
+        moe_launch.LAUNCHES = launches
+        torch.backends.cuda.preferred_blas_library(blas)
+        recapture(engine)
+
+
+def recapture(engine: LLMEngine) -> None:
+    if engine.graphs is not None:
+        engine.graphs = engine.make_step_graphs(capture=True)
 
 
 def build_hf(shape: dict, device: str):
@@ -227,6 +266,12 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: d
             row.update(no_overlap_tokens_per_s=sync_loop["decode"], no_overlap_e2e_tokens_per_s=sync_loop["e2e"],
                        overlap_speedup=ours["decode"] / sync_loop["decode"],
                        overlap_identical=ours["tokens"] == sync_loop["tokens"])  # greedy: the same tokens
+        if args.compare != "none":  # the same overlap setting as `ours`
+            with alternative(engine, args.compare):
+                other = engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
+            row.update(compare=args.compare, compare_tokens_per_s=other["decode"],
+                       default_over_compare=ours["decode"] / other["decode"],
+                       compare_identical=ours["tokens"] == other["tokens"])
         row["fraction_of_read_floor"] = ours["decode"] / row["read_floor_tokens_per_s"]
         if batch == 1 and not moe:
             row["floor_tokens_per_s"] = bandwidth / nbytes
@@ -253,7 +298,8 @@ def main() -> None:
     for name in args.shapes:
         bench_shape(name, args, bandwidth, result)
     columns = ["shape", "batch", "engine_tokens_per_s", "no_overlap_tokens_per_s", "overlap_speedup",
-               "overlap_identical", "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
+               "overlap_identical", "compare_tokens_per_s", "default_over_compare", "compare_identical",
+               "hf_tokens_per_s", "engine_over_hf", "floor_tokens_per_s",
                "fraction_of_floor", "experts_touched", "read_floor_tokens_per_s", "fraction_of_read_floor",
                "engine_e2e_tokens_per_s", "hf_e2e_tokens_per_s"]  # fmt: skip
     print_table(

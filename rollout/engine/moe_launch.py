@@ -80,6 +80,8 @@ class MoeLaunch:
         return f"{self.path}{rows}{router} gate_up {self.gate_up} down {self.down}"
 
 
+# The 1-token entry's tl.dot tiles and router_in_norm are a first guess (from the sorted kernels'
+# n32/k128 at 1 token, 0.71 of copy), not yet measured: bench_moe.py sweeps them.
 # (largest token count of the bucket, launch), by increasing token count; the last entry takes
 # every larger step too. Measured on the H200 (2026-12-01, bench_moe.py at 03e6cc7, whole layer
 # with the router GEMM, BENCHMARKS.md issue 21): 1 token gemv 40.9 us vs sorted 40.9 (a tie: the
@@ -87,7 +89,8 @@ class MoeLaunch:
 # 64 tokens 357 us, 512 tokens (64-row blocks) 517 us. The sorted entries' tiles are the sweep's
 # fastest per phase (8 and 16 tokens share one entry: its gate/up tiles cost 8 tokens 1.5%).
 LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = (
-    (1, MoeLaunch("gemv", gate_up=Tiles(8, 256, 4, 3), down=Tiles(16, 128, 8, 3), router_in_norm=True)),
+    (1, MoeLaunch("gemv", gate_up=Tiles(32, 128, 4, 3, dot=True), down=Tiles(16, 256, 4, 3, dot=True),
+                  router_in_norm=True)),
     (16, MoeLaunch("sorted", gate_up=Tiles(32, 128, 4, 3), down=Tiles(64, 128, 4, 3), block_m=16)),
     (256, MoeLaunch("sorted", gate_up=Tiles(128, 128, 8, 2), down=Tiles(64, 128, 4, 3), block_m=16)),
     (1024, MoeLaunch("sorted", gate_up=Tiles(64, 64, 4, 3), down=Tiles(128, 64, 4, 3), block_m=64)),
