@@ -2,7 +2,7 @@
 
 A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same function:
 
-* "gemv" (a decode step of one token): no sort. gate/up runs a program per (pair, column tile)
+* "gemv" (steps of up to 8 tokens): no sort. gate/up runs a program per (pair, column tile)
   that routes its own token from the router logits (top-k in the program: no routing launch)
   and streams its expert's rows; down runs a program per (token, column tile) that reads the
   token's k experts at once and sums them weighted (no separate sum). Three launches per layer
@@ -18,7 +18,8 @@ A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same
 reduction elements per iteration, `warps`, and `stages` of Triton's software pipeline; for the
 gemv kernels `dot` picks how a program multiplies: an elementwise product summed over the
 reduction tile, or `tl.dot` on the token padded to 16 rows (Triton pipelines the weight loads
-that feed a dot over `stages`; the sorted kernels always multiply by tl.dot). The
+that feed a dot over `stages`; the sorted kernels always multiply by tl.dot). The elementwise
+down kernel reads `stages` > 1 as: load the next tile before using this one. The
 table's values were picked for Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, width 768) on an
 H200 with `benchmarks/bench_moe.py`, which times variants of every entry; any valid `Tiles`
 computes the same result (tests/test_triton_moe.py runs every entry of the table).
@@ -80,17 +81,18 @@ class MoeLaunch:
         return f"{self.path}{rows}{router} gate_up {self.gate_up} down {self.down}"
 
 
-# The 1-token entry's tl.dot tiles and router_in_norm are a first guess (from the sorted kernels'
-# n32/k128 at 1 token, 0.71 of copy), not yet measured: bench_moe.py sweeps them.
 # (largest token count of the bucket, launch), by increasing token count; the last entry takes
-# every larger step too. Measured on the H200 (2026-12-01, bench_moe.py at 03e6cc7, whole layer
-# with the router GEMM, BENCHMARKS.md issue 21): 1 token gemv 40.9 us vs sorted 40.9 (a tie: the
-# gemv path is kept only there); 8 tokens sorted 139 vs gemv 156; 16 sorted 215 vs gemv >= 291;
-# 64 tokens 357 us, 512 tokens (64-row blocks) 517 us. The sorted entries' tiles are the sweep's
-# fastest per phase (8 and 16 tokens share one entry: its gate/up tiles cost 8 tokens 1.5%).
+# every larger step too. Measured on the H200 (bench_moe.py, whole layer with the router GEMM,
+# BENCHMARKS.md issue 21). 2026-12-02 (`bench_moe_dot_h200.json`): 1 token gemv with tl.dot gate/up
+# and the elementwise down 35.0 us against 40.9 for the elementwise pair before (the tl.dot down
+# lost: 16.8 against 11.0 us; the elementwise down measured as n16/k128/w8/s3, which then meant no
+# prefetch, as s1 does now); 8 tokens the same kinds 135.1 against sorted 139.6; the router in
+# the norm's launch 4.3 us against 7.5 for the norm and the router's GEMM (8 tokens: 4.9 vs 8.6).
+# 2026-12-01: 16 tokens sorted 215 vs gemv >= 291; 64 tokens 357 us, 512 tokens (64-row blocks)
+# 517 us; the sorted entries' tiles are the sweep's fastest per phase.
 LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = (
-    (1, MoeLaunch("gemv", gate_up=Tiles(32, 128, 4, 3, dot=True), down=Tiles(16, 256, 4, 3, dot=True),
-                  router_in_norm=True)),
+    (1, MoeLaunch("gemv", gate_up=Tiles(32, 256, 4, 3, dot=True), down=Tiles(16, 128, 8, 1), router_in_norm=True)),
+    (8, MoeLaunch("gemv", gate_up=Tiles(64, 128, 4, 3, dot=True), down=Tiles(16, 128, 8, 1), router_in_norm=True)),
     (16, MoeLaunch("sorted", gate_up=Tiles(32, 128, 4, 3), down=Tiles(64, 128, 4, 3), block_m=16)),
     (256, MoeLaunch("sorted", gate_up=Tiles(128, 128, 8, 2), down=Tiles(64, 128, 4, 3), block_m=16)),
     (1024, MoeLaunch("sorted", gate_up=Tiles(64, 64, 4, 3), down=Tiles(128, 64, 4, 3), block_m=64)),

@@ -6,7 +6,7 @@ Routing is in rollout.engine.triton_moe_route (`_top_k`: softmax of the router l
 the k largest by repeated arg-max, ties to the lowest id, renormalised when asked, as `moe.route`
 computes it; the routing and align kernels of the sorted path).
 
-gemv path (1-token steps in the table; nothing sorted, three launches a layer with the router's
+gemv path (steps of up to 8 tokens in the table; nothing sorted, three launches a layer with the router's
 GEMM, two when the router runs in the norm's launch: `MoeLaunch.router_in_norm`):
 1. `_gate_up_gemv_kernel`, a program per (pair, column tile): routes its token, streams its
    expert's gate and up rows against the token's x, silu(gate) * up -> `hidden` [M, I]; the first
@@ -18,7 +18,9 @@ GEMM, two when the router runs in the norm's launch: `MoeLaunch.router_in_norm`)
    -> [T, H].
 Both multiply either as an elementwise product summed over the reduction tile, or (`Tiles.dot`)
 by tl.dot with the token in one row of 16, whose weight loads Triton pipelines; down then walks
-(expert, reduction tile) in one loop with pair j in row j.
+(expert, reduction tile) in one loop with pair j in row j. Triton does not pipeline the
+elementwise loads, so down's elementwise loop with `stages` > 1 issues the next tile's load
+before it uses the current one (two tiles in flight).
 
 sorted path (bigger steps: each touched expert's weights are read once per block, not per pair):
 1. `_route_kernel` (triton_moe_route), a program per tile of BLOCK_T tokens -> weights, ids [T, k],
@@ -187,7 +189,7 @@ if triton is not None:
     def _down_gemv_kernel(hidden_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, stride_ht, stride_we, stride_wn,
                           stride_ot, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
                           TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < HIDDEN
@@ -215,12 +217,21 @@ if triton is not None:
             w = w_ptr + experts[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn
             h = hidden_ptr + pairs[:, None, None] * stride_ht  # [KP2, 1, 1]
             acc = tl.zeros([TOP_K_P2, BLOCK_N], tl.float32)
+            w_ok = used[:, None, None] & col_ok[None, :, None]
+            ks = tl.arange(0, BLOCK_K)[None, None, :]
+            b = tl.load(w + ks, mask=w_ok & (ks < INTER), other=0.0)  # [KP2, BN, BK]: the first tile
             for k0 in range(0, INTER, BLOCK_K):
                 ks = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
                 k_ok = ks < INTER
+                if PREFETCH:  # the next tile's load is issued before this one is used: two in flight
+                    b_next = tl.load(w + ks + BLOCK_K, mask=w_ok & (ks + BLOCK_K < INTER), other=0.0)
+                else:
+                    b_next = b
                 a = tl.load(h + ks, mask=used[:, None, None] & k_ok, other=0.0).to(tl.float32)  # [KP2, 1, BK]
-                b = tl.load(w + ks, mask=used[:, None, None] & col_ok[None, :, None] & k_ok, other=0.0)  # [KP2, BN, BK]
+                if not PREFETCH:
+                    b = tl.load(w + ks, mask=w_ok & k_ok, other=0.0)
                 acc += tl.sum(b.to(tl.float32) * a, 2)
+                b = b_next
         dtype = out_ptr.dtype.element_ty
         weight = tl.load(weights_ptr + pairs, mask=used, other=0.0).to(tl.float32)  # a weight per row of acc
         per_pair = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # as pair_out rounds
@@ -313,7 +324,7 @@ def gemv_down(hidden: Tensor, down: Tensor, weights: Tensor, ids: Tensor, top_k:
         hidden, down, out, weights, ids, hidden.stride(0), down.stride(0), down.stride(1), out.stride(0),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=tiles.dot, DOT_PRECISION=_precision(hidden),
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        PREFETCH=not tiles.dot and tiles.stages > 1, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 
 
