@@ -3,8 +3,11 @@
 sequence) and verify (9 tokens per sequence) at batch 1 to 64 and contexts 1k and 4k. For each
 shape: the largest absolute difference between the two outputs (the fast path checked against
 the simple one) and the time of each, from CUDA graphs of 20 calls. Prints a table, writes JSON.
+`--kv-heads 4` gives Qwen3-30B-A3B's heads; `--target-programs` times the kernel at other values
+of `triton_attention.TARGET_PROGRAMS` (how far the keys are split; 1: never split, no merge).
 
     python benchmarks/bench_attention.py
+    python benchmarks/bench_attention.py --batches 1 --contexts 192 1024 --queries 1 --target-programs 1 64 512
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import argparse
 import torch
 from common import environment, print_table, write_json
 
+from rollout.engine import triton_attention
 from rollout.engine.attention import AttentionMetadata, paged_attention
 from rollout.engine.triton_attention import paged_attention_triton, plan_grid
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+HEADS, HEAD_DIM, BLOCK = 32, 128, 16
 
 
 def parse_args() -> argparse.Namespace:
@@ -25,11 +29,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     p.add_argument("--queries", nargs="+", type=int, default=[1, 9])
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads of the 32 query heads (8B: 8, 30B-A3B: 4)")
+    p.add_argument("--target-programs", nargs="+", type=int, default=[triton_attention.TARGET_PROGRAMS])
     p.add_argument("--out", default="benchmarks/results/bench_attention.json")
     return p.parse_args()
 
 
-def case(batch: int, q_len: int, ctx: int, dtype=torch.bfloat16):
+def case(batch: int, q_len: int, ctx: int, kv_heads: int, dtype=torch.bfloat16):
     """Contexts spread over [ctx/2, ctx], blocks handed out in a scrambled order."""
     gen = torch.Generator().manual_seed(batch * 7919 + ctx + q_len)
     ctx_lens = [ctx // 2 + (ctx // 2) * (i + 1) // batch for i in range(batch)]
@@ -45,13 +51,13 @@ def case(batch: int, q_len: int, ctx: int, dtype=torch.bfloat16):
                              cu_seqlens_q=torch.arange(0, batch * q_len + 1, q_len, device=dev),
                              context_lens=torch.tensor(ctx_lens, device=dev), block_tables=tables.to(dev),
                              max_query_len=q_len, max_context_len=ctx, block_size=BLOCK)
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK, kv_heads, HEAD_DIM)
     k_cache = torch.randn(shape, device=dev, dtype=dtype)
     v_cache = torch.randn(shape, device=dev, dtype=dtype)
     t = batch * q_len
     q = torch.randn(t, HEADS, HEAD_DIM, device=dev, dtype=dtype)
-    k = torch.randn(t, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype)
-    v = torch.randn(t, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype)
+    k = torch.randn(t, kv_heads, HEAD_DIM, device=dev, dtype=dtype)
+    v = torch.randn(t, kv_heads, HEAD_DIM, device=dev, dtype=dtype)
     return q, k, v, k_cache, v_cache, meta
 
 
@@ -72,8 +78,8 @@ def graph_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def measure(batch: int, q_len: int, ctx: int, scale: float) -> dict:
-    q, k, v, k_cache, v_cache, meta = case(batch, q_len, ctx)
+def measure(batch: int, q_len: int, ctx: int, kv_heads: int, scale: float) -> dict:
+    q, k, v, k_cache, v_cache, meta = case(batch, q_len, ctx, kv_heads)
     ref32 = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale)
     want = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # also writes k/v into the caches
 
@@ -85,8 +91,9 @@ def measure(batch: int, q_len: int, ctx: int, scale: float) -> dict:
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
     got = triton_fn()
-    row = dict(context=ctx, q_len=q_len, batch=batch,
-               plan=str(plan_grid(batch, KV_HEADS, HEADS // KV_HEADS, q_len, ctx)),
+    row = dict(context=ctx, q_len=q_len, batch=batch, kv_heads=kv_heads,
+               target_programs=triton_attention.TARGET_PROGRAMS,
+               plan=str(plan_grid(batch, kv_heads, HEADS // kv_heads, q_len, ctx)),
                torch_ms=graph_ms(torch_fn), triton_ms=graph_ms(triton_fn),
                max_diff_triton_fp32=(got.float() - ref32).abs().max().item(),
                max_diff_torch_fp32=(want.float() - ref32).abs().max().item())
@@ -100,13 +107,15 @@ def main() -> None:
     result = dict(args=vars(args), env=environment("cuda"), rows=[])
     for ctx in args.contexts:
         for q_len in args.queries:
-            for batch in args.batches:
-                row = measure(batch, q_len, ctx, scale)
+            for batch, programs in ((b, t) for b in args.batches for t in args.target_programs):
+                triton_attention.TARGET_PROGRAMS = programs  # plan_grid reads it at each call
+                row = measure(batch, q_len, ctx, args.kv_heads, scale)
                 result["rows"].append(row)
                 print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
                 torch.cuda.empty_cache()
     print_table("paged attention per layer call, ms (bf16; diffs against a float32 torch reference)",
-                result["rows"], ["context", "q_len", "batch", "plan", "torch_ms", "triton_ms", "speedup",
+                result["rows"], ["context", "q_len", "batch", "kv_heads", "target_programs", "plan",
+                                 "torch_ms", "triton_ms", "speedup",
                                  "max_diff_triton_fp32", "max_diff_torch_fp32"])
     write_json(args.out, result)
 

@@ -44,7 +44,11 @@ from rollout.engine.moe_launch import MoeLaunch, Tiles  # noqa: E402
 GEMV_GATE_UP = [Tiles(16, 256, 4, 3), Tiles(16, 256, 4, 1), Tiles(8, 256, 4, 3), Tiles(32, 128, 4, 3),
                 Tiles(16, 512, 8, 3), Tiles(4, 512, 4, 3),
                 Tiles(16, 256, 4, 3, True), Tiles(32, 128, 4, 3, True), Tiles(16, 128, 4, 4, True),
-                Tiles(32, 256, 4, 3, True), Tiles(16, 512, 4, 3, True), Tiles(64, 128, 4, 3, True)]
+                Tiles(32, 256, 4, 3, True), Tiles(16, 512, 4, 3, True), Tiles(64, 128, 4, 3, True),
+                Tiles(32, 256, 4, 2, True), Tiles(32, 256, 8, 3, True), Tiles(32, 256, 8, 2, True),
+                Tiles(32, 128, 4, 2, True), Tiles(32, 128, 8, 3, True), Tiles(64, 256, 8, 3, True),
+                Tiles(16, 256, 8, 3, True), Tiles(32, 512, 4, 2, True), Tiles(32, 256, 4, 4, True),
+                Tiles(32, 64, 4, 5, True)]
 GEMV_DOWN = [Tiles(16, 128, 8, 1), Tiles(16, 128, 8, 2), Tiles(8, 128, 4, 1), Tiles(8, 128, 4, 2),
              Tiles(4, 256, 4, 2), Tiles(16, 64, 4, 2), Tiles(8, 256, 8, 1), Tiles(8, 256, 8, 2), Tiles(16, 256, 8, 2),
              Tiles(32, 128, 8, 2), Tiles(16, 256, 4, 3, True), Tiles(32, 128, 4, 3, True)]  # s2: prefetch (no dot)
