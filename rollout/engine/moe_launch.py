@@ -88,10 +88,13 @@ class MoeLaunch:
 # lost: 16.8 against 11.0 us; the elementwise down measured as n16/k128/w8/s3, which then meant no
 # prefetch, as s1 does now); 8 tokens the same kinds 135.1 against sorted 139.6; the router in
 # the norm's launch 4.3 us against 7.5 for the norm and the router's GEMM (8 tokens: 4.9 vs 8.6).
+# Then (`bench_moe_gate_up_h200.json`, prefetching elementwise down and more gate/up tiles) 1 token
+# 33.3 us with gate/up n32/k64/s5 and the prefetching n8/k256/w8 down, against 34.4 for the entry
+# above; every tl.dot gate/up tile within 18.7-19.4 us (0.61-0.64 of copy).
 # 2026-12-01: 16 tokens sorted 215 vs gemv >= 291; 64 tokens 357 us, 512 tokens (64-row blocks)
 # 517 us; the sorted entries' tiles are the sweep's fastest per phase.
 LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = (
-    (1, MoeLaunch("gemv", gate_up=Tiles(32, 256, 4, 3, dot=True), down=Tiles(16, 128, 8, 1), router_in_norm=True)),
+    (1, MoeLaunch("gemv", gate_up=Tiles(32, 64, 4, 5, dot=True), down=Tiles(8, 256, 8, 2), router_in_norm=True)),
     (8, MoeLaunch("gemv", gate_up=Tiles(64, 128, 4, 3, dot=True), down=Tiles(16, 128, 8, 1), router_in_norm=True)),
     (16, MoeLaunch("sorted", gate_up=Tiles(32, 128, 4, 3), down=Tiles(64, 128, 4, 3), block_m=16)),
     (256, MoeLaunch("sorted", gate_up=Tiles(128, 128, 8, 2), down=Tiles(64, 128, 4, 3), block_m=16)),
