@@ -21,8 +21,7 @@ with its trained weights (no transformers arm, no floors: its steps are host tim
 recaptured between the arms (`compare_tokens_per_s`, `default_over_compare`, `compare_identical`):
 `moe-table`, the MoE launch table as it was before the seventh session's changes
 (`BEFORE_MOE_LAUNCHES`: the elementwise gemv kernels, the router's own GEMM); `cublaslt`, cuBLASLt
-as torch's preferred BLAS library; `attention-split`, paged attention splitting the keys of
-short contexts too (`triton_attention.UNSPLIT_CHUNKS` = 0, as before the eighth session).
+as torch's preferred BLAS library.
 
     python benchmarks/bench_engine.py --device cuda
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --hf-batches 64 --hf-output-len 32
@@ -59,7 +58,7 @@ from common import (
 )
 
 import rollout
-from rollout.engine import moe_launch, triton_attention
+from rollout.engine import moe_launch
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -95,7 +94,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
-    p.add_argument("--compare", default="none", choices=("none", "moe-table", "cublaslt", "attention-split"),
+    p.add_argument("--compare", default="none", choices=("none", "moe-table", "cublaslt"),
                    help="an alternative measured beside the default on the same engine (see the docstring)")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
@@ -111,11 +110,8 @@ def alternative(engine: LLMEngine, name: str):
     """The engine under `--compare`'s alternative, its step graphs captured afresh on the way in
     and out."""
     launches, blas = moe_launch.LAUNCHES, torch.backends.cuda.preferred_blas_library()
-    unsplit = triton_attention.UNSPLIT_CHUNKS
     if name == "moe-table":
         moe_launch.LAUNCHES = BEFORE_MOE_LAUNCHES
-    elif name == "attention-split":
-        triton_attention.UNSPLIT_CHUNKS = 0
     else:
         torch.backends.cuda.preferred_blas_library("cublaslt")
     recapture(engine)
@@ -123,7 +119,6 @@ def alternative(engine: LLMEngine, name: str):
         yield
     finally:
         moe_launch.LAUNCHES = launches
-        triton_attention.UNSPLIT_CHUNKS = unsplit
         torch.backends.cuda.preferred_blas_library(blas)
         recapture(engine)
 

@@ -100,15 +100,6 @@ def test_queries_that_see_no_key_give_zero_like_the_torch_path(longer):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_short_contexts_are_not_split():
-    """Up to UNSPLIT_CHUNKS key tiles one program walks the keys (no merge launch); beyond, a lone
-    decode row's keys are split over programs."""
-    from rollout.engine.triton_attention import BLOCK_N, UNSPLIT_CHUNKS
-
-    assert plan_grid(1, 8, 4, 1, UNSPLIT_CHUNKS * BLOCK_N)[2] == 1
-    assert plan_grid(1, 8, 4, 1, UNSPLIT_CHUNKS * BLOCK_N + 1)[2] > 1
-
-
 def test_the_cases_reach_every_kernel_path():
     """Guards the case table above: some case splits the keys (merge kernel), some tiles queries."""
     plans = [plan_grid(len(c[1]), c[3], c[2] // c[3], max(c[0]), max(c[1])) for c in CASES.values()]

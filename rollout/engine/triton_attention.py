@@ -17,8 +17,7 @@ compiled inside a step, which stalls it (BENCHMARKS.md, issue 5).
 
 Decode and verify steps have few query rows per sequence, so at small batch a (sequence, head)
 grid leaves most of the GPU idle; the key range is then split over several programs whose
-partial (max, sum, accumulator) are merged by a second small kernel (flash-decoding), unless it
-is short enough (UNSPLIT_CHUNKS key tiles) that one program walks it faster than a merge costs.
+partial (max, sum, accumulator) are merged by a second small kernel (flash-decoding).
 
 The same kernels run on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 is set
 before triton is imported (the test suite does, and compares them with the torch path); the
@@ -41,11 +40,9 @@ except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependen
     triton = None
 
 TARGET_PROGRAMS = 512  # split the keys until the grid has about this many programs
-# A program walks up to this many key tiles rather than split the keys and launch the merge. At
-# batch 1 on the H200 (bench_attention.py --batches 1 --target-programs ..., 2026-12-02, 8B and
-# 30B-A3B heads): 192 keys (3 tiles) took 6.1-6.3 us in one program against 7.5-7.6 split in two
-# and merged; 1024 keys (16 tiles) took 21-22 us in one against 6.8-6.9 in sixteen.
-UNSPLIT_CHUNKS = 4
+# Even short contexts are split: alone, with the cache in L2, a 192-key decode row took 6.1 us in one
+# program against 7.5 split in two and merged (H200), yet the engine at batch 1 decoded 1.2% (8B) and
+# 2.3% (30B-A3B) slower with contexts of up to 4 key tiles unsplit (BENCHMARKS.md, eighth session).
 BLOCK_N = 64  # keys per inner iteration
 MAX_BLOCK_M = 64  # query rows (token x group head) per program
 
@@ -142,7 +139,7 @@ def plan_grid(num_seqs: int, num_kv_heads: int, groups: int, max_query_len: int,
     tiles = -(-rows // block_m)
     chunks = -(-max_context_len // BLOCK_N)
     splits = 1
-    if tiles == 1 and chunks > UNSPLIT_CHUNKS:
+    if tiles == 1:
         splits = max(1, min(chunks, TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads), 32))
         splits = 1 << (splits.bit_length() - 1)  # a power of two: the merge kernel's arange
     keys_per_split = -(-chunks // splits) * BLOCK_N
