@@ -190,7 +190,7 @@ def test_fused_moe_equals_the_reference(case, launch, dtype):
     launch = LAUNCHES[launch]
     x, logits, gate_up, down, top_k = _case(case, dtype)
     if launch.path == "gemv" and DEVICE.type == "cpu":  # a program per pair: slow in the interpreter, so its
-        x, logits = x[:5], logits[:5]  # first 5 tokens (the table sends steps of at most 8 tokens to this path)
+        x, logits = x[:5], logits[:5]  # first 5 tokens (the table sends only 1-token steps to this path)
     weights, ids = moe.route(logits, top_k, renormalize=True)
     assert ids.unique().numel() < gate_up.shape[0] if case == "experts-without-tokens" else True
     want = moe.experts_reference(x.float(), gate_up.float(), down.float(), weights.float(), ids)
@@ -293,10 +293,14 @@ def test_the_router_in_the_norm_launch_equals_norm_then_gate(router_rows):
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU engine through the interpreter (bfloat16 on CUDA)")
-def test_moe_decode_on_the_gemv_path_with_the_router_in_the_norm(tiny_random_qwen3_moe, monkeypatch):
-    """One sequence decoding: its 1-token steps take the table's gemv entry, whose router logits
-    come from the norm's launch; tokens and log-probs are the torch engine's."""
-    assert moe_launch.launch_for(1).path == "gemv" and moe_launch.launch_for(1).router_in_norm
+@pytest.mark.parametrize("path", ["gemv", "sorted"])
+def test_moe_decode_with_the_router_in_the_norm(tiny_random_qwen3_moe, monkeypatch, path):
+    """One sequence decoding: its 1-token steps take the table's gemv entry (or, with that entry
+    dropped, the sorted entry that follows it), whose router logits come from the norm's launch;
+    tokens and log-probs are the torch engine's."""
+    if path == "sorted":
+        monkeypatch.setattr(moe_launch, "LAUNCHES", moe_launch.LAUNCHES[1:])
+    assert moe_launch.launch_for(1).path == path and moe_launch.launch_for(1).router_in_norm
     calls, fused = [], triton_ops.add_rms_norm_router
     monkeypatch.setattr(triton_ops, "add_rms_norm_router",
                         lambda *a, **k: calls.append(a[0].shape[0]) or fused(*a, **k))

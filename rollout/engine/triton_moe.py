@@ -6,7 +6,7 @@ Routing is in rollout.engine.triton_moe_route (`_top_k`: softmax of the router l
 the k largest by repeated arg-max, ties to the lowest id, renormalised when asked, as `moe.route`
 computes it; the routing and align kernels of the sorted path).
 
-gemv path (steps of up to 8 tokens in the table; nothing sorted, three launches a layer with the router's
+gemv path (1-token steps in the table; nothing sorted, three launches a layer with the router's
 GEMM, two when the router runs in the norm's launch: `MoeLaunch.router_in_norm`):
 1. `_gate_up_gemv_kernel`, a program per (pair, column tile): routes its token, streams its
    expert's gate and up rows against the token's x, silu(gate) * up -> `hidden` [M, I]; the first
