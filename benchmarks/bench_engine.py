@@ -20,8 +20,9 @@ with its trained weights (no transformers arm, no floors: its steps are host tim
 `--compare` measures one alternative beside the default on the same engine, step graphs
 recaptured between the arms (`compare_tokens_per_s`, `default_over_compare`, `compare_identical`):
 `moe-table`, the MoE launch table as it was before the seventh session's changes
-(`BEFORE_MOE_LAUNCHES`: the elementwise gemv kernels, the router's own GEMM); `cublaslt`, cuBLASLt
-as torch's preferred BLAS library.
+(`BEFORE_MOE_LAUNCHES`: the elementwise gemv kernels, the router's own GEMM); `router-gemm`, the
+table as it is but every step's router logits from the router's GEMM (no `router_in_norm`);
+`cublaslt`, cuBLASLt as torch's preferred BLAS library.
 
     python benchmarks/bench_engine.py --device cuda
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --hf-batches 64 --hf-output-len 32
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -94,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
-    p.add_argument("--compare", default="none", choices=("none", "moe-table", "cublaslt"),
+    p.add_argument("--compare", default="none", choices=("none", "moe-table", "router-gemm", "cublaslt"),
                    help="an alternative measured beside the default on the same engine (see the docstring)")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
@@ -112,6 +114,9 @@ def alternative(engine: LLMEngine, name: str):
     launches, blas = moe_launch.LAUNCHES, torch.backends.cuda.preferred_blas_library()
     if name == "moe-table":
         moe_launch.LAUNCHES = BEFORE_MOE_LAUNCHES
+    elif name == "router-gemm":
+        moe_launch.LAUNCHES = tuple((most, dataclasses.replace(launch, router_in_norm=False))
+                                    for most, launch in launches)
     else:
         torch.backends.cuda.preferred_blas_library("cublaslt")
     recapture(engine)

@@ -11,6 +11,8 @@ through the kernels, with a drafter, on the CUDA-graph static buffers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_spec_engine import PROMPTS, _generate
@@ -295,11 +297,11 @@ def test_the_router_in_the_norm_launch_equals_norm_then_gate(router_rows):
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU engine through the interpreter (bfloat16 on CUDA)")
 @pytest.mark.parametrize("path", ["gemv", "sorted"])
 def test_moe_decode_with_the_router_in_the_norm(tiny_random_qwen3_moe, monkeypatch, path):
-    """One sequence decoding: its 1-token steps take the table's gemv entry (or, with that entry
-    dropped, the sorted entry that follows it), whose router logits come from the norm's launch;
-    tokens and log-probs are the torch engine's."""
+    """One sequence decoding: its 1-token steps take the table's gemv entry (or a sorted one),
+    whose router logits come from the norm's launch; tokens and log-probs are the torch engine's."""
     if path == "sorted":
-        monkeypatch.setattr(moe_launch, "LAUNCHES", moe_launch.LAUNCHES[1:])
+        launch = dataclasses.replace(moe_launch.launch_for(1, "sorted"), router_in_norm=True)
+        monkeypatch.setattr(moe_launch, "LAUNCHES", ((1, launch), *moe_launch.LAUNCHES[1:]))
     assert moe_launch.launch_for(1).path == path and moe_launch.launch_for(1).router_in_norm
     calls, fused = [], triton_ops.add_rms_norm_router
     monkeypatch.setattr(triton_ops, "add_rms_norm_router",
