@@ -22,7 +22,8 @@ recaptured between the arms (`compare_tokens_per_s`, `default_over_compare`, `co
 `moe-table`, the MoE launch table as it was before the seventh session's changes
 (`BEFORE_MOE_LAUNCHES`: the elementwise gemv kernels, the router's own GEMM); `router-gemm`, the
 table as it is but every step's router logits from the router's GEMM (no `router_in_norm`);
-`cublaslt`, cuBLASLt as torch's preferred BLAS library.
+`cublaslt`, cuBLASLt as torch's preferred BLAS library; `no-pdl`, the Triton kernels launched
+without programmatic dependent launch (`triton_pdl.ENABLED` off).
 
     python benchmarks/bench_engine.py --device cuda
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --hf-batches 64 --hf-output-len 32
@@ -60,7 +61,7 @@ from common import (
 )
 
 import rollout
-from rollout.engine import moe_launch
+from rollout.engine import moe_launch, triton_pdl
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -96,7 +97,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
-    p.add_argument("--compare", default="none", choices=("none", "moe-table", "router-gemm", "cublaslt"),
+    p.add_argument("--compare", default="none", choices=("none", "moe-table", "router-gemm", "cublaslt", "no-pdl"),
                    help="an alternative measured beside the default on the same engine (see the docstring)")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
@@ -114,6 +115,8 @@ def alternative(engine: LLMEngine, name: str):
     launches, blas = moe_launch.LAUNCHES, torch.backends.cuda.preferred_blas_library()
     if name == "moe-table":
         moe_launch.LAUNCHES = BEFORE_MOE_LAUNCHES
+    elif name == "no-pdl":
+        triton_pdl.ENABLED = False
     elif name == "router-gemm":
         moe_launch.LAUNCHES = tuple((most, dataclasses.replace(launch, router_in_norm=False))
                                     for most, launch in launches)
@@ -124,6 +127,7 @@ def alternative(engine: LLMEngine, name: str):
         yield
     finally:
         moe_launch.LAUNCHES = launches
+        triton_pdl.ENABLED = True
         torch.backends.cuda.preferred_blas_library(blas)
         recapture(engine)
 

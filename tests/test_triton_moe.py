@@ -312,3 +312,13 @@ def test_moe_decode_with_the_router_in_the_norm(tiny_random_qwen3_moe, monkeypat
     assert calls and set(calls) == {1}  # the decode steps' sparse layers, never the prefill
     assert got[0].token_ids == want[0].token_ids
     assert got[0].token_logprobs == pytest.approx(want[0].token_logprobs, abs=1e-4)
+
+
+def test_pdl_is_off_without_cuda_and_when_disabled(monkeypatch):
+    """Programmatic dependent launch is a CUDA (Hopper+) launch option: CPU tensors (the interpreter)
+    get the kernels' PDL constexpr off and no `launch_pdl`, whatever ENABLED says."""
+    from rollout.engine import triton_pdl
+
+    assert triton_pdl.launch(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setattr(triton_pdl, "ENABLED", False)
+    assert triton_pdl.launch(torch.zeros(1, device=DEVICE)) == {"PDL": False}

@@ -31,6 +31,7 @@ import os
 import torch
 from torch import Tensor
 
+from rollout.engine import triton_pdl
 from rollout.engine.triton_prefix_tiles import LOG2E
 
 try:
@@ -57,6 +58,7 @@ def supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 if triton is not None:
+    from rollout.engine.triton_pdl import start as pdl_start
     from rollout.engine.triton_prefix_tiles import _key_tile, _rows_start
 
     @triton.jit(do_not_specialize=["num_tokens", "stride_bt"])
@@ -68,7 +70,9 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         # 64-bit offsets: a row or block index times its stride can pass 2**31 in a large step / pool
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
@@ -113,8 +117,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_tokens"])
     def _merge_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, num_tokens, stride_ot, stride_oh,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         splits = tl.arange(0, NUM_SPLITS)
@@ -176,11 +181,12 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
+        **triton_pdl.launch(q),
     )
     if splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, num_tokens, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits, **triton_pdl.launch(q),
         )
     return out
 

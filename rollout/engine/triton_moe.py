@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollout.engine import triton_pdl
 from rollout.engine.moe_launch import MoeLaunch, Tiles, launch_for
 from rollout.engine.triton_attention import triton
 from rollout.engine.triton_moe_route import KERNELS as ROUTE_KERNELS
@@ -62,6 +63,7 @@ if triton is not None:
     import triton.language as tl
 
     from rollout.engine.triton_moe_route import _top_k  # (the gemv gate/up kernel routes inside)
+    from rollout.engine.triton_pdl import start as pdl_start
 
     @triton.jit
     def _swiglu(gate, up, dtype: tl.constexpr):
@@ -141,7 +143,9 @@ if triton is not None:
                              HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                              EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
                              RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_start(PDL)
         pair = tl.program_id(0)
         token = pair // TOP_K
         if ROUTE:  # the token's routing, here: no routing launch
@@ -189,7 +193,8 @@ if triton is not None:
     def _down_gemv_kernel(hidden_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, stride_ht, stride_we, stride_wn,
                           stride_ot, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
                           TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < HIDDEN
@@ -312,7 +317,7 @@ def gemv_gate_up(x: Tensor, router_logits: Tensor, gate_up: Tensor, top_k: int, 
         x.stride(0), router_logits.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
         HIDDEN=hidden_size, INTER=inter2 // 2, **routing_args(num_experts, top_k), RENORMALIZE=renormalize,
         ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=tiles.dot, DOT_PRECISION=_precision(x),
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        num_warps=tiles.warps, num_stages=tiles.stages, **triton_pdl.launch(x))
     return hidden, weights, ids
 
 
@@ -324,7 +329,8 @@ def gemv_down(hidden: Tensor, down: Tensor, weights: Tensor, ids: Tensor, top_k:
         hidden, down, out, weights, ids, hidden.stride(0), down.stride(0), down.stride(1), out.stride(0),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=tiles.dot, DOT_PRECISION=_precision(hidden),
-        PREFETCH=not tiles.dot and tiles.stages > 1, num_warps=tiles.warps, num_stages=tiles.stages)
+        PREFETCH=not tiles.dot and tiles.stages > 1, num_warps=tiles.warps, num_stages=tiles.stages,
+        **triton_pdl.launch(hidden))
     return out
 
 

@@ -21,20 +21,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollout.engine import triton_attention, triton_moe
+from rollout.engine import triton_attention, triton_moe, triton_pdl
 from rollout.engine.triton_attention import triton
 from rollout.errors import InvalidArgument
 
 if triton is not None:
     import triton.language as tl
 
+    from rollout.engine.triton_pdl import start as pdl_start
+
     @triton.jit
     def _qk_norm_rope_store_kernel(
         qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, table_ptr, q_w_ptr, k_w_ptr,
         eps, stride_qkv, stride_table, stride_kc, stride_vc,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEAD_BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
+        HEAD_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         heads = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)  # q heads, then k heads, then v heads
         dims = tl.arange(0, HEAD_DIM)
@@ -75,10 +78,11 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, router_ptr, logits_ptr, eps, stride_x,
                              stride_res, SIZE: tl.constexpr, BLOCK: tl.constexpr, ROUTER_ROWS: tl.constexpr,
-                             NUM_EXPERTS: tl.constexpr):
+                             NUM_EXPERTS: tl.constexpr, PDL: tl.constexpr):
         """A program per (token, router tile). Every program computes its token's sum and norm;
         tile 0 stores them. With ROUTER_ROWS > 0, each also multiplies the normed row by its
         ROUTER_ROWS rows of the router ([E, SIZE]) -> logits [T, E]."""
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         cols = tl.arange(0, BLOCK)
         ok = cols < SIZE
@@ -131,7 +135,7 @@ def qk_norm_rope_store(qkv: Tensor, positions: Tensor, table: Tensor, q_weight: 
         q_weight if qk_norm else qkv, k_weight if qk_norm else qkv, eps,
         qkv.stride(0), table.stride(0), k_cache.stride(1), v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_BLOCK=head_block, QK_NORM=qk_norm,
+        HEAD_BLOCK=head_block, QK_NORM=qk_norm, **triton_pdl.launch(qkv),
     )
     return q
 
@@ -171,7 +175,7 @@ def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, route
         _add_rms_norm_kernel[(num_tokens, tiles)](
             x, residual, weight, out, total, out if router is None else router, out if logits is None else logits,
             eps, x.stride(0), residual.stride(0), SIZE=size, BLOCK=triton.next_power_of_2(size),
-            ROUTER_ROWS=0 if router is None else router_rows, NUM_EXPERTS=experts)
+            ROUTER_ROWS=0 if router is None else router_rows, NUM_EXPERTS=experts, **triton_pdl.launch(residual))
     return out, total, logits
 
 
