@@ -76,7 +76,9 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, hidden_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                         stride_xt, stride_we, stride_wn, stride_ht,
                         HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        PDL: tl.constexpr):
+        pdl_start(PDL)
         block = tl.program_id(0)
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         if expert >= 0:
@@ -106,7 +108,8 @@ if triton is not None:
     def _down_kernel(hidden_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weights_ptr, num_pairs,
                      stride_ht, stride_we, stride_wn, stride_ot,
                      HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         block = tl.program_id(0)
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         if expert >= 0:
@@ -351,7 +354,7 @@ def sorted_gate_up(x: Tensor, gate_up: Tensor, sorted_pairs: Tensor, block_exper
         x, gate_up, hidden, sorted_pairs, block_expert, num_tokens * top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=_precision(x), num_warps=tiles.warps, num_stages=tiles.stages)
+        DOT_PRECISION=_precision(x), num_warps=tiles.warps, num_stages=tiles.stages, **triton_pdl.launch(x))
     return hidden
 
 
@@ -364,5 +367,6 @@ def sorted_down(hidden: Tensor, down: Tensor, weights: Tensor, sorted_pairs: Ten
         hidden, down, pair_out, sorted_pairs, block_expert, weights, num_pairs,
         hidden.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=_precision(hidden), num_warps=tiles.warps, num_stages=tiles.stages)
+        DOT_PRECISION=_precision(hidden), num_warps=tiles.warps, num_stages=tiles.stages,
+        **triton_pdl.launch(hidden))
     return pair_out

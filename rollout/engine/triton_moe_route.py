@@ -20,10 +20,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollout.engine import triton_pdl
 from rollout.engine.triton_attention import triton
 
 if triton is not None:
     import triton.language as tl
+
+    from rollout.engine.triton_pdl import start as pdl_start
 
     @triton.jit
     def _top_k(logits_ptr, tokens, num_tokens, stride_lt, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
@@ -53,9 +56,10 @@ if triton is not None:
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, stride_lt,
                       NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr,
                       TOP_K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, COUNT: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
+                      BLOCK_T: tl.constexpr, PDL: tl.constexpr):
         """A program per tile of BLOCK_T tokens: with ROUTE their top-k -> weights, ids [T, k] (else
         the ids are read); with COUNT the tile's pairs per expert -> counts[tile] [EXPERTS_P2]."""
+        pdl_start(PDL)
         tile = tl.program_id(0)
         tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         slots = tl.arange(0, TOP_K_P2)
@@ -77,8 +81,9 @@ if triton is not None:
     def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_tiles, num_blocks,
                       blocks_per_program, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
                       TILE_PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      TILE_CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+                      TILE_CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, PDL: tl.constexpr):
         """A program per routing tile: places the tile's pairs, and writes its share of the blocks."""
+        pdl_start(PDL)
         tile = tl.program_id(0)
         experts = tl.arange(0, EXPERTS_P2)
         total = tl.zeros([EXPERTS_P2], tl.int32)  # pairs per expert, all tiles
@@ -143,7 +148,7 @@ def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     if num_tokens:
         _route_kernel[(counts.shape[0],)](
             ids, ids, ids, counts, num_tokens, 0, **routing_args(num_experts, top_k), RENORMALIZE=False,
-            ROUTE=False, COUNT=True, BLOCK_T=ROUTE_BLOCK_T)
+            ROUTE=False, COUNT=True, BLOCK_T=ROUTE_BLOCK_T, **triton_pdl.launch(ids))
     return align_launch(ids, counts, num_experts, block_m)
 
 
@@ -157,7 +162,7 @@ def route_launch(router_logits: Tensor, top_k: int, renormalize: bool, count: bo
         _route_kernel[(triton.cdiv(num_tokens, ROUTE_BLOCK_T),)](
             router_logits, weights, ids, ids if counts is None else counts, num_tokens, router_logits.stride(0),
             **routing_args(num_experts, top_k), RENORMALIZE=renormalize, ROUTE=True, COUNT=count,
-            BLOCK_T=ROUTE_BLOCK_T)
+            BLOCK_T=ROUTE_BLOCK_T, **triton_pdl.launch(router_logits))
     return weights, ids, counts
 
 
@@ -190,5 +195,5 @@ def align_launch(ids: Tensor, counts: Tensor, num_experts: int, block_m: int) ->
             ids, counts, sorted_pairs, block_expert, num_pairs, num_tiles, num_blocks,
             triton.cdiv(num_blocks, num_tiles), NUM_EXPERTS=num_experts, EXPERTS_P2=counts.shape[1],
             TILE_PAIRS=ROUTE_BLOCK_T * top_k, PAIRS_P2=triton.next_power_of_2(ROUTE_BLOCK_T * top_k),
-            BLOCK_M=block_m, TILE_CHUNK=ALIGN_TILE_CHUNK, BLOCK_CHUNK=ALIGN_BLOCK_CHUNK)
+            BLOCK_M=block_m, TILE_CHUNK=ALIGN_TILE_CHUNK, BLOCK_CHUNK=ALIGN_BLOCK_CHUNK, **triton_pdl.launch(ids))
     return sorted_pairs, block_expert

@@ -81,31 +81,35 @@ if triton is not None:
                              NUM_EXPERTS: tl.constexpr, PDL: tl.constexpr):
         """A program per (token, router tile). Every program computes its token's sum and norm;
         tile 0 stores them. With ROUTER_ROWS > 0, each also multiplies the normed row by its
-        ROUTER_ROWS rows of the router ([E, SIZE]) -> logits [T, E]."""
-        pdl_start(PDL)
-        t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
+        ROUTER_ROWS rows of the router ([E, SIZE]) -> logits [T, E]. Weights are read before the
+        PDL wait (no kernel of a step writes them), so that read overlaps the previous kernel."""
         cols = tl.arange(0, BLOCK)
         ok = cols < SIZE
-        s = (tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-             + tl.load(res_ptr + t * stride_res + cols, mask=ok, other=0.0).to(tl.float32))
-        s = s.to(sum_ptr.dtype.element_ty)  # the residual stream keeps the model's dtype
-        s32 = s.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / SIZE + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        normed = (s32 * inv * w).to(out_ptr.dtype.element_ty)
-        if tl.program_id(1) == 0:
-            tl.store(sum_ptr + t * SIZE + cols, s, mask=ok)
-            tl.store(out_ptr + t * SIZE + cols, normed, mask=ok)
         if ROUTER_ROWS > 0:
             experts = tl.program_id(1) * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
             e_ok = experts < NUM_EXPERTS
             r = tl.load(router_ptr + experts[:, None] * SIZE + cols[None, :], mask=e_ok[:, None] & ok[None, :],
                         other=0.0)  # [RR, BLOCK]
+        pdl_start(PDL)
+        t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
+        s = (tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+             + tl.load(res_ptr + t * stride_res + cols, mask=ok, other=0.0).to(tl.float32))
+        s = s.to(sum_ptr.dtype.element_ty)  # the residual stream keeps the model's dtype
+        s32 = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / SIZE + eps)
+        normed = (s32 * inv * w).to(out_ptr.dtype.element_ty)
+        if tl.program_id(1) == 0:
+            tl.store(sum_ptr + t * SIZE + cols, s, mask=ok)
+            tl.store(out_ptr + t * SIZE + cols, normed, mask=ok)
+        if ROUTER_ROWS > 0:
             logits = tl.sum(r.to(tl.float32) * normed.to(tl.float32)[None, :], 1)
             tl.store(logits_ptr + t * NUM_EXPERTS + experts, logits.to(logits_ptr.dtype.element_ty), mask=e_ok)
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)  # 262,144 tokens x 2 x 12,288 (8B's gate|up) passes 2**31
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < SIZE
@@ -186,7 +190,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if num_tokens:
         block = 1024
         _silu_mul_kernel[(num_tokens, triton.cdiv(size, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), SIZE=size, BLOCK=block)
+            gate_up, out, gate_up.stride(0), out.stride(0), SIZE=size, BLOCK=block, **triton_pdl.launch(gate_up))
     return out
 
 
