@@ -72,15 +72,15 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        pdl_start(PDL)
         # 64-bit offsets: a row or block index times its stride can pass 2**31 in a large step / pool
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         tile = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
-        q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
-        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-        ctx = tl.load(context_lens_ptr + seq)
+        q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)  # the step's metadata: read before the PDL
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start  # wait (the previous kernel, which writes q
+        ctx = tl.load(context_lens_ptr + seq)  # and the new keys, does not write it)
+        pdl_start(PDL)
         if tile * BLOCK_M < q_len * GROUPS:
             rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]: row = token * GROUPS + group
             tok = rows // GROUPS

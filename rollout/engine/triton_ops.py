@@ -37,37 +37,40 @@ if triton is not None:
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
     ):
-        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)  # token x row width passes 2**31 in large steps
         heads = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)  # q heads, then k heads, then v heads
         dims = tl.arange(0, HEAD_DIM)
         total = NUM_HEADS + 2 * NUM_KV_HEADS
         ok = heads < total
-        base = qkv_ptr + t * stride_qkv + heads[:, None] * HEAD_DIM
-        x = tl.load(base + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # [P, D]
         half = HEAD_DIM // 2
-        rolled = tl.load(base + ((dims + half) % HEAD_DIM)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         is_q = heads < NUM_HEADS
         is_k = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS)
+        # before the PDL wait: the step's metadata and the weights, which the previous kernel (the qkv
+        # projection) does not write
+        pos = tl.load(pos_ptr + t)
+        slot = tl.load(slot_ptr + t)
+        cos = tl.load(table_ptr + pos * stride_table + dims).to(tl.float32)  # [D]
+        sin = tl.load(table_ptr + pos * stride_table + HEAD_DIM + dims).to(tl.float32)
         if QK_NORM:
             w = tl.where(is_q[:, None], tl.load(q_w_ptr + dims)[None, :].to(tl.float32),
                          tl.load(k_w_ptr + dims)[None, :].to(tl.float32))
             w_rolled = tl.where(is_q[:, None], tl.load(q_w_ptr + (dims + half) % HEAD_DIM)[None, :].to(tl.float32),
                                 tl.load(k_w_ptr + (dims + half) % HEAD_DIM)[None, :].to(tl.float32))
+        pdl_start(PDL)
+        base = qkv_ptr + t * stride_qkv + heads[:, None] * HEAD_DIM
+        x = tl.load(base + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # [P, D]
+        rolled = tl.load(base + ((dims + half) % HEAD_DIM)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        if QK_NORM:
             inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)  # [P]
             normed = x * inv[:, None] * w
             normed_rolled = rolled * inv[:, None] * w_rolled
         else:
             normed = x
             normed_rolled = rolled
-        pos = tl.load(pos_ptr + t)
-        cos = tl.load(table_ptr + pos * stride_table + dims).to(tl.float32)  # [D]
-        sin = tl.load(table_ptr + pos * stride_table + HEAD_DIM + dims).to(tl.float32)
         rotated = normed * cos[None, :] + normed_rolled * sin[None, :]
         out = tl.where((is_q | is_k)[:, None], rotated, x)  # v heads pass through
         tl.store(q_out_ptr + t * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + dims[None, :],
                  out.to(q_out_ptr.dtype.element_ty), mask=is_q[:, None])
-        slot = tl.load(slot_ptr + t)
         kv_head = tl.where(is_k, heads - NUM_HEADS, heads - NUM_HEADS - NUM_KV_HEADS)
         tl.store(k_cache_ptr + slot * stride_kc + kv_head[:, None] * HEAD_DIM + dims[None, :],
                  out.to(k_cache_ptr.dtype.element_ty), mask=is_k[:, None])
