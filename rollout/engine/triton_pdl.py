@@ -3,11 +3,17 @@
 A small decode step is a chain of short kernels, and each one's launch and start-up sit between
 the previous one's last program and its own first load. With PDL (Hopper and later), a kernel
 launched with `launch_pdl` may be scheduled while the kernel before it still runs: each kernel
-that opts in calls `start(PDL)` first, which waits (griddepcontrol.wait) until the previous
-kernel has completed and its writes are visible, then lets the next kernel be launched
-(griddepcontrol.launch_dependents). Nothing is read or written before the wait, so the order of
-memory operations is the same as without PDL; only the launch latency overlaps. A kernel launched
-without the attribute (cuBLAS, torch) waits for its predecessor as usual.
+that opts in calls `start(PDL)`, which waits (griddepcontrol.wait) until the previous kernel has
+completed and its writes are visible, then lets the next kernel be launched
+(griddepcontrol.launch_dependents). A kernel launched without the attribute (cuBLAS, torch)
+waits for its predecessor as usual.
+
+The rule for a kernel that opts in: before `start` it may only read what the kernel launched just
+before it does not write (every earlier kernel has completed by then: that one waited for them
+before it let this one launch), and it writes nothing. The kernels here read parameters (norm and
+router weights, the RoPE table) and the step's metadata (positions, slots, sequence lengths) there;
+everything else comes after the wait, so the values every kernel computes are those of launches
+without PDL (bench_engine.py --compare no-pdl checks the tokens are identical).
 
 `ENABLED` (read at each launch, so a benchmark can flip it; CUDA graphs record what was launched)
 turns it on for CUDA tensors; the interpreter never sees it.
