@@ -51,8 +51,8 @@ if triton is not None:
 
     @triton.jit
     def start(PDL: tl.constexpr):
-        """The first statement of a kernel in the chain: wait for the previous kernel, then let
-        the next one launch."""
+        """Wait for the previous kernel, then let the next one launch (what a kernel may do
+        before this: the module's rule)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
