@@ -322,3 +322,24 @@ def test_pdl_is_off_without_cuda_and_when_disabled(monkeypatch):
     assert triton_pdl.launch(torch.zeros(1)) == {"PDL": False}
     monkeypatch.setattr(triton_pdl, "ENABLED", False)
     assert triton_pdl.launch(torch.zeros(1, device=DEVICE)) == {"PDL": False}
+
+
+def test_every_pdl_kernel_waits_before_it_writes():
+    """triton_pdl's rule, the part a reading of the source can check: a kernel launched with PDL
+    calls `pdl_start(PDL)` once, before any store (it may read before it, only what the kernel
+    launched before it does not write). Covers every Triton kernel of the engine with a PDL flag."""
+    import inspect
+
+    import triton
+
+    from rollout.engine import triton_attention, triton_moe_route, triton_pdl
+
+    kernels = {f"{m.__name__}.{name}": k for m in (triton_ops, triton_attention, triton_moe, triton_moe_route)
+               for name, k in vars(m).items()
+               if isinstance(k, triton.runtime.jit.KernelInterface) and "PDL" in getattr(k, "arg_names", ())
+               and k.fn is not triton_pdl.start.fn}
+    assert len(kernels) >= 10, sorted(kernels)  # norms, RoPE, attention + merge, silu, MoE route/align/4 GEMMs
+    for name, kernel in kernels.items():
+        source = inspect.getsource(kernel.fn)
+        assert source.count("pdl_start(PDL)") == 1, name
+        assert "tl.store(" not in source.split("pdl_start(PDL)")[0], name
