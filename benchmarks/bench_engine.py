@@ -19,16 +19,14 @@ with its trained weights (no transformers arm, no floors: its steps are host tim
 
 `--compare` measures one alternative beside the default on the same engine, step graphs
 recaptured between the arms (`compare_tokens_per_s`, `default_over_compare`, `compare_identical`):
-`moe-table`, the MoE launch table as it was before the seventh session's changes
-(`BEFORE_MOE_LAUNCHES`: the elementwise gemv kernels, the router's own GEMM); `router-gemm`, the
-table as it is but every step's router logits from the router's GEMM (no `router_in_norm`);
-`cublaslt`, cuBLASLt as torch's preferred BLAS library; `no-pdl`, the Triton kernels launched
-without programmatic dependent launch (`triton_pdl.ENABLED` off).
+`router-gemm`, the MoE launch table as it is but every step's router logits from the router's
+GEMM (no `router_in_norm`); `cublaslt`, cuBLASLt as torch's preferred BLAS library; `no-pdl`, the
+Triton kernels launched without programmatic dependent launch (`triton_pdl.ENABLED` off).
 
     python benchmarks/bench_engine.py --device cuda
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --hf-batches 64 --hf-output-len 32
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-8b embedded --batches 1 256 --no-hf --overlap both
-    python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --batches 1 --no-hf --compare moe-table
+    python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --batches 1 --no-hf --compare no-pdl
     python benchmarks/bench_engine.py --device cpu --quick     # checks the script itself
 """
 
@@ -77,11 +75,6 @@ EMBEDDED = "embedded"  # the embedded tiny Qwen3, its own weights
 # built inside the first timed run, always the overlapped one with --overlap both);
 # `built_while_timed` counts what was built while timing all the same.
 LENGTHS = (1, 1)
-# moe_launch.LAUNCHES at 850e6e9 (before Tiles.dot and MoeLaunch.router_in_norm), for --compare moe-table
-BEFORE_MOE_LAUNCHES = (
-    (1, moe_launch.MoeLaunch("gemv", moe_launch.Tiles(8, 256, 4, 3), moe_launch.Tiles(16, 128, 8, 3))),
-    *moe_launch.LAUNCHES[1:],
-)
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,7 +90,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
-    p.add_argument("--compare", default="none", choices=("none", "moe-table", "router-gemm", "cublaslt", "no-pdl"),
+    p.add_argument("--compare", default="none", choices=("none", "router-gemm", "cublaslt", "no-pdl"),
                    help="an alternative measured beside the default on the same engine (see the docstring)")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
@@ -113,9 +106,7 @@ def alternative(engine: LLMEngine, name: str):
     """The engine under `--compare`'s alternative, its step graphs captured afresh on the way in
     and out."""
     launches, blas = moe_launch.LAUNCHES, torch.backends.cuda.preferred_blas_library()
-    if name == "moe-table":
-        moe_launch.LAUNCHES = BEFORE_MOE_LAUNCHES
-    elif name == "no-pdl":
+    if name == "no-pdl":
         triton_pdl.ENABLED = False
     elif name == "router-gemm":
         moe_launch.LAUNCHES = tuple((most, dataclasses.replace(launch, router_in_norm=False))

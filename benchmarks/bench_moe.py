@@ -41,17 +41,11 @@ from rollout.engine.moe_launch import MoeLaunch, Tiles  # noqa: E402
 # Variants per kernel (block_n, block_k, warps, stages); each list's first entry leads, the table's
 # choice is among them. Sorted: some from vLLM's tuned H200 configs for this shape (its BLOCK_N
 # counts gate and up columns together: half of ours).
-GEMV_GATE_UP = [Tiles(16, 256, 4, 3), Tiles(16, 256, 4, 1), Tiles(8, 256, 4, 3), Tiles(32, 128, 4, 3),
-                Tiles(16, 512, 8, 3), Tiles(4, 512, 4, 3),
-                Tiles(16, 256, 4, 3, True), Tiles(32, 128, 4, 3, True), Tiles(16, 128, 4, 4, True),
-                Tiles(32, 256, 4, 3, True), Tiles(16, 512, 4, 3, True), Tiles(64, 128, 4, 3, True),
-                Tiles(32, 256, 4, 2, True), Tiles(32, 256, 8, 3, True), Tiles(32, 256, 8, 2, True),
-                Tiles(32, 128, 4, 2, True), Tiles(32, 128, 8, 3, True), Tiles(64, 256, 8, 3, True),
-                Tiles(16, 256, 8, 3, True), Tiles(32, 512, 4, 2, True), Tiles(32, 256, 4, 4, True),
-                Tiles(32, 64, 4, 5, True)]
-GEMV_DOWN = [Tiles(16, 128, 8, 1), Tiles(16, 128, 8, 2), Tiles(8, 128, 4, 1), Tiles(8, 128, 4, 2),
-             Tiles(4, 256, 4, 2), Tiles(16, 64, 4, 2), Tiles(8, 256, 8, 1), Tiles(8, 256, 8, 2), Tiles(16, 256, 8, 2),
-             Tiles(32, 128, 8, 2), Tiles(16, 256, 4, 3, True), Tiles(32, 128, 4, 3, True)]  # s2: prefetch (no dot)
+GEMV_GATE_UP = [Tiles(32, 64, 4, 5), Tiles(32, 256, 4, 3), Tiles(32, 128, 4, 3), Tiles(16, 256, 4, 3),
+                Tiles(16, 128, 4, 4), Tiles(64, 128, 4, 3), Tiles(32, 256, 4, 2), Tiles(32, 256, 8, 3),
+                Tiles(64, 256, 8, 3), Tiles(32, 512, 4, 2)]
+GEMV_DOWN = [Tiles(8, 256, 8, 2), Tiles(16, 128, 8, 2), Tiles(8, 128, 4, 2), Tiles(4, 256, 4, 2),
+             Tiles(16, 64, 4, 2), Tiles(16, 256, 8, 2), Tiles(32, 128, 8, 2)]  # no tl.dot: stages do nothing
 SORTED_GATE_UP = {16: [Tiles(64, 128, 4, 3), Tiles(32, 128, 4, 3), Tiles(32, 64, 4, 5), Tiles(128, 128, 8, 2),
                        Tiles(64, 64, 4, 4)],
                   64: [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 4)]}
@@ -192,8 +186,7 @@ def sweep_gemv(layer: Layer, x, logits, args, add) -> None:
     base = next((e for _, e in moe_launch.LAUNCHES if e.path == "gemv"), MoeLaunch("gemv", GEMV_GATE_UP[0],
                                                                                  GEMV_DOWN[0]))
     hidden, weights, ids = triton_moe.gemv_gate_up(x, logits, layer.copies[0][0], k, True, base.gate_up)
-    dot = next(t for t in GEMV_GATE_UP if t.dot)
-    for tiles, inside in [(t, True) for t in variants(GEMV_GATE_UP, args)] + [(base.gate_up, False), (dot, False)]:
+    for tiles, inside in [(t, True) for t in variants(GEMV_GATE_UP, args)] + [(base.gate_up, False)]:
         us = layer.time(args, lambda c, t=tiles, r=inside: triton_moe.gemv_gate_up(x, logits, c[0], k, True, t, r))
         launch = replace(base, gate_up=tiles, route_inside=inside)
         add("gemv", "gate_up", f"{tiles}{'' if inside else ' +route'}", us, launch)
@@ -242,7 +235,7 @@ def sweep_sorted(layer: Layer, x, logits, block_m: int, args, add) -> None:
 
 
 def variants(tiles: list[Tiles], args) -> list[Tiles]:
-    return [*tiles[:2], *[t for t in tiles if t.dot][:1]] if args.quick else tiles  # quick: a tl.dot one too
+    return tiles[:2] if args.quick else tiles
 
 
 def candidates(rows: list[dict], num_tokens: int) -> list[tuple[str, MoeLaunch]]:
@@ -264,9 +257,8 @@ def candidates(rows: list[dict], num_tokens: int) -> list[tuple[str, MoeLaunch]]
 
 
 def parse_tiles(text: str) -> Tiles:
-    parts = text.split("/")
-    n, k, w, s = (int(part[1:]) for part in parts[:4])
-    return Tiles(n, k, w, s, parts[4:] == ["dot"])
+    n, k, w, s = (int(part[1:]) for part in text.split("/"))
+    return Tiles(n, k, w, s)
 
 
 def parse_launch(text: str) -> MoeLaunch:

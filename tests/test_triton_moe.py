@@ -165,9 +165,7 @@ TABLE = {f"table-{i}": launch for i, (_, launch) in enumerate(moe_launch.LAUNCHE
 VARIANTS = {
     "gemv-narrow": MoeLaunch("gemv", gate_up=Tiles(16, 16, 2, 1), down=Tiles(16, 16, 4, 2)),
     "gemv-routed": MoeLaunch("gemv", gate_up=Tiles(16, 32), down=Tiles(8, 32), route_inside=False),
-    "gemv-dot": MoeLaunch("gemv", gate_up=Tiles(16, 16, 4, 2, dot=True), down=Tiles(16, 16, 4, 3, dot=True)),
-    "gemv-dot-routed": MoeLaunch("gemv", gate_up=Tiles(32, 32, 4, 1, dot=True), down=Tiles(32, 32, 2, 2, dot=True),
-                                 route_inside=False),
+    "gemv-wide": MoeLaunch("gemv", gate_up=Tiles(32, 32, 4, 1), down=Tiles(32, 32, 2, 2), route_inside=False),
     "sorted-m16": MoeLaunch("sorted", gate_up=Tiles(16, 16, 4, 1), down=Tiles(32, 16, 4, 2), block_m=16),
     "sorted-m64": MoeLaunch("sorted", gate_up=Tiles(32, 32, 4, 2), down=Tiles(16, 32, 4, 3), block_m=64),
 }
@@ -215,7 +213,7 @@ def test_the_table_picks_by_token_count():
     assert paths == sorted(paths) and paths[0] == "gemv" and paths[-1] == "sorted"  # gemv for the small steps only
 
 
-@pytest.mark.parametrize("bad", [dict(block_n=24), dict(warps=3), dict(stages=0), dict(block_n=8, dot=True)])
+@pytest.mark.parametrize("bad", [dict(block_n=24), dict(warps=3), dict(stages=0)])
 def test_bad_tiles_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Tiles(**{**dict(block_n=16, block_k=32, warps=4, stages=2), **bad})
@@ -223,6 +221,9 @@ def test_bad_tiles_are_refused(bad):
         MoeLaunch("sorted", Tiles(16, 16), Tiles(16, 16), block_m=8)
     with pytest.raises(ValueError, match="path"):
         MoeLaunch("dense", Tiles(16, 16), Tiles(16, 16))
+    with pytest.raises(ValueError, match="gemv path's tl.dot tiles"):  # its gate/up multiplies by tl.dot
+        MoeLaunch("gemv", Tiles(8, 16), Tiles(16, 16))
+    assert MoeLaunch("gemv", Tiles(16, 16), Tiles(8, 16)).down.block_n == 8  # its down does not
 
 
 @pytest.mark.parametrize("num_tokens", [9, 2 * triton_moe_route.ROUTE_BLOCK_T + 6])  # one / three routing tiles
@@ -243,7 +244,7 @@ def test_fused_moe_equals_the_sparse_block(num_tokens):
     assert not torch.allclose(got, torch.zeros_like(got))
 
 
-@pytest.mark.parametrize("launch", ["table-0", "sorted-m16", "gemv-dot"])
+@pytest.mark.parametrize("launch", ["table-0", "sorted-m16", "gemv-wide"])
 def test_a_wrong_expert_breaks_the_comparison(launch):
     x, logits, gate_up, down, top_k = _case("experts-without-tokens", torch.float32)
     weights, ids = moe.route(logits, top_k, True)

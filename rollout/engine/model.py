@@ -267,11 +267,8 @@ class Attention(nn.Module):
     ) -> Tensor:
         # hidden: [T, H] -> [T, H]; cos_sin: the torch path's shared RoPE lookup (the kernel reads the table)
         if self.backend == "triton":  # norms, RoPE and the cache write in one kernel, then paged attention
-            # the table first (built by torch on first use): the kernel reads it before its PDL wait,
-            # which only the qkv projection launched just before it may then precede (triton_pdl)
-            table = self.rotary.table(hidden.device, hidden.dtype)
             q = triton_ops.qk_norm_rope_store(
-                self.qkv_proj(hidden), meta.positions, table,
+                self.qkv_proj(hidden), meta.positions, self.rotary.table(hidden.device, hidden.dtype),
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None, self.rotary_eps,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)

@@ -15,12 +15,9 @@ A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same
   each token's k rows.
 
 `Tiles` are one kernel's launch parameters: `block_n` output columns per program, `block_k`
-reduction elements per iteration, `warps`, and `stages` of Triton's software pipeline; for the
-gemv kernels `dot` picks how a program multiplies: an elementwise product summed over the
-reduction tile, or `tl.dot` on the token padded to 16 rows (Triton pipelines the weight loads
-that feed a dot over `stages`; the sorted kernels always multiply by tl.dot). The elementwise
-down kernel reads `stages` > 1 as: load the next tile before using this one. The
-table's values were picked for Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, width 768) on an
+reduction elements per iteration, `warps`, and `stages` of Triton's software pipeline (which
+pipelines the loads that feed tl.dot: every kernel's but the gemv down's, which loads its next
+tile ahead itself). The table's values were picked for Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, width 768) on an
 H200 with `benchmarks/bench_moe.py`, which times variants of every entry; any valid `Tiles`
 computes the same result (tests/test_triton_moe.py runs every entry of the table).
 """
@@ -42,7 +39,6 @@ class Tiles:
     block_k: int
     warps: int = 4
     stages: int = 3
-    dot: bool = False  # gemv kernels: tl.dot on 16 padded rows (else an elementwise product summed)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "warps"):
@@ -50,11 +46,9 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be a power of two, got {getattr(self, name)}")
         if self.stages < 1:
             raise ValueError(f"Tiles.stages must be >= 1, got {self.stages}")
-        if self.dot and min(self.block_n, self.block_k) < 16:
-            raise ValueError(f"Tiles.dot needs block_n and block_k >= 16 (tl.dot), got {self}")
 
     def __str__(self) -> str:
-        return f"n{self.block_n}/k{self.block_k}/w{self.warps}/s{self.stages}" + ("/dot" if self.dot else "")
+        return f"n{self.block_n}/k{self.block_k}/w{self.warps}/s{self.stages}"
 
 
 @dataclass(frozen=True)
@@ -71,9 +65,9 @@ class MoeLaunch:
             raise ValueError(f"MoeLaunch.path must be one of {PATHS}, got {self.path!r}")
         if self.path == "sorted" and (self.block_m < 16 or not _power_of_two(self.block_m)):
             raise ValueError(f"MoeLaunch.block_m must be a power of two >= 16, got {self.block_m}")
-        if self.path == "sorted" and min(self.gate_up.block_n, self.gate_up.block_k, self.down.block_n,
-                                         self.down.block_k) < 16:
-            raise ValueError("the sorted path's tiles must be >= 16 (tl.dot)")
+        dots = (self.gate_up, self.down) if self.path == "sorted" else (self.gate_up,)  # kernels with tl.dot
+        if min(n for tiles in dots for n in (tiles.block_n, tiles.block_k)) < 16:
+            raise ValueError(f"the {self.path} path's tl.dot tiles must be >= 16, got {self}")
 
     def __str__(self) -> str:
         rows = f" m{self.block_m}" if self.path == "sorted" else ("" if self.route_inside else " routed")
@@ -82,22 +76,17 @@ class MoeLaunch:
 
 
 # (largest token count of the bucket, launch), by increasing token count; the last entry takes
-# every larger step too. Measured on the H200 (bench_moe.py, whole layer with the router GEMM,
-# BENCHMARKS.md issue 21). 2026-12-02 (`bench_moe_dot_h200.json`): 1 token gemv with tl.dot gate/up
-# and the elementwise down 35.0 us against 40.9 for the elementwise pair before (the tl.dot down
-# lost: 16.8 against 11.0 us; the elementwise down measured as n16/k128/w8/s3, which then meant no
-# prefetch, as s1 does now); 8 tokens the same kinds 135.1 against sorted 139.6; the router in
-# the norm's launch 4.3 us against 7.5 for the norm and the router's GEMM (8 tokens: 4.9 vs 8.6).
-# Then (`bench_moe_gate_up_h200.json`, prefetching elementwise down and more gate/up tiles) 1 token
-# 33.3 us with gate/up n32/k64/s5 and the prefetching n8/k256/w8 down, against 34.4 for the entry
-# above; every tl.dot gate/up tile within 18.7-19.4 us (0.61-0.64 of copy). Steps of 2-16 tokens stay
-# as they were: the gemv path's 3% at 8 tokens was on random routing, where few of the 64 pairs share
-# an expert, and the engine at batch 8 showed nothing (986.1 against 984.1 tokens/s); the sorted path
-# with the router in the norm's launch decoded batch 4 at 0.972x and batch 8 at 0.997x of without.
-# 2026-12-01: 16 tokens sorted 215 vs gemv >= 291; 64 tokens 357 us, 512 tokens (64-row blocks)
-# 517 us; the sorted entries' tiles are the sweep's fastest per phase.
+# every larger step too. Measured on the H200 (bench_moe.py, whole layer with the router GEMM;
+# BENCHMARKS.md issue 21). 1 token (2026-12-02, `bench_moe_gate_up_h200.json`): 33.3 us with the
+# gate/up tiles n32/k64/s5 (every tile within 18.7-19.4 us) and the n8/k256/w8 down, against 40.9
+# for the elementwise gate/up of 2026-12-01; the router in the norm's launch 4.3 us against 7.5 for
+# the norm and the router's GEMM. Steps of 2-16 tokens: the gemv path's 3% at 8 tokens was on random
+# routing, where few of the 64 pairs share an expert, and the engine at batch 8 showed nothing; the
+# router in the norm's launch there decoded batch 4 at 0.972x and batch 8 at 0.997x. 2026-12-01: 16
+# tokens sorted 215 vs gemv >= 291; 64 tokens 357 us, 512 tokens (64-row blocks) 517 us; the sorted
+# entries' tiles are the sweep's fastest per phase.
 LAUNCHES: tuple[tuple[int, MoeLaunch], ...] = (
-    (1, MoeLaunch("gemv", gate_up=Tiles(32, 64, 4, 5, dot=True), down=Tiles(8, 256, 8, 2), router_in_norm=True)),
+    (1, MoeLaunch("gemv", gate_up=Tiles(32, 64, 4, 5), down=Tiles(8, 256, 8, 2), router_in_norm=True)),
     (16, MoeLaunch("sorted", gate_up=Tiles(32, 128, 4, 3), down=Tiles(64, 128, 4, 3), block_m=16)),
     (256, MoeLaunch("sorted", gate_up=Tiles(128, 128, 8, 2), down=Tiles(64, 128, 4, 3), block_m=16)),
     (1024, MoeLaunch("sorted", gate_up=Tiles(64, 64, 4, 3), down=Tiles(128, 64, 4, 3), block_m=64)),

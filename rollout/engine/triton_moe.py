@@ -12,15 +12,14 @@ GEMM, two when the router runs in the norm's launch: `MoeLaunch.router_in_norm`)
    expert's gate and up rows against the token's x, silu(gate) * up -> `hidden` [M, I]; the first
    column tile of each pair also writes the pair's weight and expert for step 2.
    (`route_inside=False`: `_route_kernel` routes first, one launch more, no top-k at the start of
-   every program.)
-2. `_down_gemv_kernel`, a program per (token, column tile): each of the token's k experts' down
-   rows against its hidden row, each expert's output times its weight, summed over the k experts
-   -> [T, H].
-Both multiply either as an elementwise product summed over the reduction tile, or (`Tiles.dot`)
-by tl.dot with the token in one row of 16, whose weight loads Triton pipelines; down then walks
-(expert, reduction tile) in one loop with pair j in row j. Triton does not pipeline the
-elementwise loads, so down's elementwise loop with `stages` > 1 issues the next tile's load
-before it uses the current one (two tiles in flight).
+   every program.) It multiplies by tl.dot with the token in one row of 16, so that Triton
+   pipelines the weight loads that feed the dot (an elementwise product summed over the tile got
+   no pipelining: 25.4 us a layer against 19.1 on the H200, BENCHMARKS.md issue 21).
+2. `_down_gemv_kernel`, a program per (token, column tile): the token's k experts' down rows read
+   as one [k, BLOCK_N, BLOCK_K] tile per iteration, the next tile's load issued before the current
+   one is used (Triton does not pipeline these), each expert's output times its weight, summed
+   over the k experts -> [T, H]. (A tl.dot down, one (expert, tile) loop with pair j in row j,
+   took 16.8 us against 11.0.)
 
 sorted path (bigger steps: each touched expert's weights are read once per block, not per pair):
 1. `_route_kernel` (triton_moe_route), a program per tile of BLOCK_T tokens -> weights, ids [T, k],
@@ -146,8 +145,7 @@ if triton is not None:
                              HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                              EXPERTS_P2: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
                              RENORMALIZE: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             PDL: tl.constexpr):
+                             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         pair = tl.program_id(0)
         token = pair // TOP_K
@@ -163,85 +161,51 @@ if triton is not None:
             expert = tl.load(ids_ptr + pair)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < INTER
+        # the token in row 0 of 16 rows; the weight tiles [BK, BN] feed tl.dot, so Triton pipelines their loads
         x_row = x_ptr + token.to(tl.int64) * stride_xt
-        if DOT:  # the token in row 0 of 16; the weight tiles [BK, BN] feed tl.dot (pipelined loads)
-            w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn  # [1, BN] gate rows
-            gate16 = tl.zeros([16, BLOCK_N], tl.float32)
-            up16 = tl.zeros([16, BLOCK_N], tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < HIDDEN
-                a = _padded_row(x_row, ks, k_ok, 0)
-                w_ok = k_ok[:, None] & col_ok[None, :]
-                gate16 = tl.dot(a, tl.load(w + ks[:, None], mask=w_ok, other=0.0), gate16,
-                                input_precision=DOT_PRECISION)
-                up16 = tl.dot(a, tl.load(w + INTER * stride_wn + ks[:, None], mask=w_ok, other=0.0), up16,
-                              input_precision=DOT_PRECISION)
-            gate, up = tl.sum(gate16, 0), tl.sum(up16, 0)  # rows 1-15 are zeros
-        else:
-            w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BN, 1] gate rows
-            gate = tl.zeros([BLOCK_N], tl.float32)
-            up = tl.zeros([BLOCK_N], tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < HIDDEN
-                a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                w_ok = col_ok[:, None] & k_ok[None, :]
-                gate += tl.sum(tl.load(w + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)  # [BN]
-                up += tl.sum(tl.load(w + INTER * stride_wn + ks[None, :], mask=w_ok, other=0.0).to(tl.float32) * a, 1)
+        w = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn  # [1, BN] gate rows
+        gate16 = tl.zeros([16, BLOCK_N], tl.float32)
+        up16 = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
+            a = _padded_row(x_row, ks, k_ok, 0)
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            gate16 = tl.dot(a, tl.load(w + ks[:, None], mask=w_ok, other=0.0), gate16, input_precision=DOT_PRECISION)
+            up16 = tl.dot(a, tl.load(w + INTER * stride_wn + ks[:, None], mask=w_ok, other=0.0), up16,
+                          input_precision=DOT_PRECISION)
+        gate, up = tl.sum(gate16, 0), tl.sum(up16, 0)  # rows 1-15 are zeros
         tl.store(hidden_ptr + pair.to(tl.int64) * stride_ht + cols, _swiglu(gate, up, hidden_ptr.dtype.element_ty),
                  mask=col_ok)
 
     @triton.jit
     def _down_gemv_kernel(hidden_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, stride_ht, stride_we, stride_wn,
                           stride_ot, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-                          TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                          TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < HIDDEN
-        if DOT:  # pair j's hidden row in row j of 16, one tl.dot per (expert, reduction tile): rows = pairs
-            slots = tl.arange(0, 16)
-            used = slots < TOP_K
-            pairs = token * TOP_K + slots  # [16]
-            experts = tl.load(ids_ptr + pairs, mask=used, other=0).to(tl.int64)
-            acc = tl.zeros([16, BLOCK_N], tl.float32)
-            k_iters: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
-            for it in range(0, TOP_K * k_iters):  # one loop over (expert, tile): one software pipeline
-                j = it // k_iters
-                ks = (it % k_iters) * BLOCK_K + tl.arange(0, BLOCK_K)
-                k_ok = ks < INTER
-                expert = tl.sum(tl.where(slots == j, experts, 0))
-                a = _padded_row(hidden_ptr + (token * TOP_K + j) * stride_ht, ks, k_ok, j)
-                b = tl.load(w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None],
-                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        else:  # the k experts' tiles as one [KP2, BN, BK] load, an elementwise product summed
-            slots = tl.arange(0, TOP_K_P2)
-            used = slots < TOP_K
-            pairs = token * TOP_K + slots  # [KP2]
-            experts = tl.load(ids_ptr + pairs, mask=used, other=0).to(tl.int64)
-            w = w_ptr + experts[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn
-            h = hidden_ptr + pairs[:, None, None] * stride_ht  # [KP2, 1, 1]
-            acc = tl.zeros([TOP_K_P2, BLOCK_N], tl.float32)
-            w_ok = used[:, None, None] & col_ok[None, :, None]
-            ks = tl.arange(0, BLOCK_K)[None, None, :]
-            b = tl.load(w + ks, mask=w_ok & (ks < INTER), other=0.0)  # [KP2, BN, BK]: the first tile
-            for k0 in range(0, INTER, BLOCK_K):
-                ks = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
-                k_ok = ks < INTER
-                if PREFETCH:  # the next tile's load is issued before this one is used: two in flight
-                    b_next = tl.load(w + ks + BLOCK_K, mask=w_ok & (ks + BLOCK_K < INTER), other=0.0)
-                else:
-                    b_next = b
-                a = tl.load(h + ks, mask=used[:, None, None] & k_ok, other=0.0).to(tl.float32)  # [KP2, 1, BK]
-                if not PREFETCH:
-                    b = tl.load(w + ks, mask=w_ok & k_ok, other=0.0)
-                acc += tl.sum(b.to(tl.float32) * a, 2)
-                b = b_next
+        # the k experts' tiles as one [KP2, BN, BK] load, an elementwise product summed; Triton does not
+        # pipeline these loads, so the next tile's load is issued before the current one is used
+        slots = tl.arange(0, TOP_K_P2)
+        used = slots < TOP_K
+        pairs = token * TOP_K + slots  # [KP2]
+        experts = tl.load(ids_ptr + pairs, mask=used, other=0).to(tl.int64)
+        w = w_ptr + experts[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn
+        h = hidden_ptr + pairs[:, None, None] * stride_ht  # [KP2, 1, 1]
+        w_ok = used[:, None, None] & col_ok[None, :, None]
+        acc = tl.zeros([TOP_K_P2, BLOCK_N], tl.float32)
+        ks = tl.arange(0, BLOCK_K)[None, None, :]
+        b = tl.load(w + ks, mask=w_ok & (ks < INTER), other=0.0)  # [KP2, BN, BK]: the first tile
+        for k0 in range(0, INTER, BLOCK_K):
+            ks = (k0 + tl.arange(0, BLOCK_K))[None, None, :]
+            b_next = tl.load(w + ks + BLOCK_K, mask=w_ok & (ks + BLOCK_K < INTER), other=0.0)
+            a = tl.load(h + ks, mask=used[:, None, None] & (ks < INTER), other=0.0).to(tl.float32)  # [KP2, 1, BK]
+            acc += tl.sum(b.to(tl.float32) * a, 2)
+            b = b_next
         dtype = out_ptr.dtype.element_ty
-        weight = tl.load(weights_ptr + pairs, mask=used, other=0.0).to(tl.float32)  # a weight per row of acc
+        weight = tl.load(weights_ptr + pairs, mask=used, other=0.0).to(tl.float32)  # [KP2]
         per_pair = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # as pair_out rounds
         tl.store(out_ptr + token * stride_ot + cols, tl.sum(per_pair, 0).to(dtype), mask=col_ok)
 
@@ -319,7 +283,7 @@ def gemv_gate_up(x: Tensor, router_logits: Tensor, gate_up: Tensor, top_k: int, 
         x, router_logits, gate_up, hidden, weights, ids, num_tokens,
         x.stride(0), router_logits.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
         HIDDEN=hidden_size, INTER=inter2 // 2, **routing_args(num_experts, top_k), RENORMALIZE=renormalize,
-        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=tiles.dot, DOT_PRECISION=_precision(x),
+        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
         num_warps=tiles.warps, num_stages=tiles.stages, **triton_pdl.launch(x))
     return hidden, weights, ids
 
@@ -331,8 +295,7 @@ def gemv_down(hidden: Tensor, down: Tensor, weights: Tensor, ids: Tensor, top_k:
     _down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, tiles.block_n))](
         hidden, down, out, weights, ids, hidden.stride(0), down.stride(0), down.stride(1), out.stride(0),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=tiles.dot, DOT_PRECISION=_precision(hidden),
-        PREFETCH=not tiles.dot and tiles.stages > 1, num_warps=tiles.warps, num_stages=tiles.stages,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages,
         **triton_pdl.launch(hidden))
     return out
 

@@ -45,18 +45,18 @@ if triton is not None:
         half = HEAD_DIM // 2
         is_q = heads < NUM_HEADS
         is_k = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS)
-        # before the PDL wait: the step's metadata and the weights, which the previous kernel (the qkv
-        # projection) does not write
+        # before the PDL wait: the step's metadata and the norm weights, which the previous kernel (the
+        # qkv projection) does not write
         pos = tl.load(pos_ptr + t)
         slot = tl.load(slot_ptr + t)
-        cos = tl.load(table_ptr + pos * stride_table + dims).to(tl.float32)  # [D]
-        sin = tl.load(table_ptr + pos * stride_table + HEAD_DIM + dims).to(tl.float32)
         if QK_NORM:
             w = tl.where(is_q[:, None], tl.load(q_w_ptr + dims)[None, :].to(tl.float32),
                          tl.load(k_w_ptr + dims)[None, :].to(tl.float32))
             w_rolled = tl.where(is_q[:, None], tl.load(q_w_ptr + (dims + half) % HEAD_DIM)[None, :].to(tl.float32),
                                 tl.load(k_w_ptr + (dims + half) % HEAD_DIM)[None, :].to(tl.float32))
         pdl_start(PDL)
+        cos = tl.load(table_ptr + pos * stride_table + dims).to(tl.float32)  # [D] (the table: after the wait,
+        sin = tl.load(table_ptr + pos * stride_table + HEAD_DIM + dims).to(tl.float32)  # torch builds it lazily)
         base = qkv_ptr + t * stride_qkv + heads[:, None] * HEAD_DIM
         x = tl.load(base + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # [P, D]
         rolled = tl.load(base + ((dims + half) % HEAD_DIM)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)

@@ -11,7 +11,8 @@ waits for its predecessor as usual.
 The rule for a kernel that opts in: before `start` it may only read what the kernel launched just
 before it does not write (every earlier kernel has completed by then: that one waited for them
 before it let this one launch), and it writes nothing. The kernels here read parameters (norm and
-router weights, the RoPE table) and the step's metadata (positions, slots, sequence lengths) there;
+router weights) and the step's metadata (positions, slots, sequence lengths) there, nothing built
+lazily (torch makes the RoPE table on first use, so RoPE reads it after its wait);
 everything else comes after the wait, so the values every kernel computes are those of launches
 without PDL (bench_engine.py --compare no-pdl checks the tokens are identical).
 
