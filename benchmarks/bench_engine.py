@@ -21,7 +21,9 @@ with its trained weights (no transformers arm, no floors: its steps are host tim
 recaptured between the arms (`compare_tokens_per_s`, `default_over_compare`, `compare_identical`):
 `router-gemm`, the MoE launch table as it is but every step's router logits from the router's
 GEMM (no `router_in_norm`); `cublaslt`, cuBLASLt as torch's preferred BLAS library; `no-pdl`, the
-Triton kernels launched without programmatic dependent launch (`triton_pdl.ENABLED` off).
+Triton kernels launched without programmatic dependent launch (`triton_pdl.ENABLED` off);
+`cublas-gemv`, 1-token projections by cuBLAS rather than triton_gemv's kernel (`triton_gemv.ENABLED` off).
+`--compare-first` measures the alternative before the default, to check the order does not favour one.
 
     python benchmarks/bench_engine.py --device cuda
     python benchmarks/bench_engine.py --device cuda --shapes qwen3-30b-a3b --hf-batches 64 --hf-output-len 32
@@ -59,7 +61,7 @@ from common import (
 )
 
 import rollout
-from rollout.engine import moe_launch, triton_pdl
+from rollout.engine import moe_launch, triton_gemv, triton_pdl
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -90,8 +92,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
-    p.add_argument("--compare", default="none", choices=("none", "router-gemm", "cublaslt", "no-pdl"),
+    p.add_argument("--compare", default="none", choices=("none", "router-gemm", "cublaslt", "no-pdl", "cublas-gemv"),
                    help="an alternative measured beside the default on the same engine (see the docstring)")
+    p.add_argument("--compare-first", action="store_true",
+                   help="measure --compare's alternative before the default (an order check)")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
     args = p.parse_args()
     if args.quick:
@@ -101,6 +105,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def compare_rates(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
+    """`engine_rates` under `--compare`'s alternative, with the same overlap setting as the default arm."""
+    with alternative(engine, args.compare):
+        return engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
+
+
 @contextlib.contextmanager
 def alternative(engine: LLMEngine, name: str):
     """The engine under `--compare`'s alternative, its step graphs captured afresh on the way in
@@ -108,6 +118,8 @@ def alternative(engine: LLMEngine, name: str):
     launches, blas = moe_launch.LAUNCHES, torch.backends.cuda.preferred_blas_library()
     if name == "no-pdl":
         triton_pdl.ENABLED = False
+    elif name == "cublas-gemv":
+        triton_gemv.ENABLED = False
     elif name == "router-gemm":
         moe_launch.LAUNCHES = tuple((most, dataclasses.replace(launch, router_in_norm=False))
                                     for most, launch in launches)
@@ -118,7 +130,7 @@ def alternative(engine: LLMEngine, name: str):
         yield
     finally:
         moe_launch.LAUNCHES = launches
-        triton_pdl.ENABLED = True
+        triton_pdl.ENABLED = triton_gemv.ENABLED = True
         torch.backends.cuda.preferred_blas_library(blas)
         recapture(engine)
 
@@ -258,6 +270,7 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: d
         read = step_read_bytes(engine.model, batch, context, touched)
         row = dict(shape=name, batch=batch, weight_gb=nbytes / 1e9, read_gb=read / 1e9, experts_touched=touched,
                    read_floor_tokens_per_s=batch * bandwidth / read)  # fmt: skip
+        other = compare_rates(engine, prompts, args) if args.compare_first else None
         ours = engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
         row.update(engine_tokens_per_s=ours["decode"], engine_e2e_tokens_per_s=ours["e2e"], overlap=args.overlap,
                    built_while_timed=ours["built_while_timed"])
@@ -266,10 +279,9 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float, result: d
             row.update(no_overlap_tokens_per_s=sync_loop["decode"], no_overlap_e2e_tokens_per_s=sync_loop["e2e"],
                        overlap_speedup=ours["decode"] / sync_loop["decode"],
                        overlap_identical=ours["tokens"] == sync_loop["tokens"])  # greedy: the same tokens
-        if args.compare != "none":  # the same overlap setting as `ours`
-            with alternative(engine, args.compare):
-                other = engine_rates(engine, prompts, args.output_len, args.device, args.overlap != "off")
-            row.update(compare=args.compare, compare_tokens_per_s=other["decode"],
+        if args.compare != "none":
+            other = other or compare_rates(engine, prompts, args)
+            row.update(compare=args.compare, compare_first=args.compare_first, compare_tokens_per_s=other["decode"],
                        default_over_compare=ours["decode"] / other["decode"],
                        compare_identical=ours["tokens"] == other["tokens"])
         row["fraction_of_read_floor"] = ours["decode"] / row["read_floor_tokens_per_s"]

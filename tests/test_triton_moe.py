@@ -333,13 +333,14 @@ def test_every_pdl_kernel_waits_before_it_writes():
 
     import triton
 
-    from rollout.engine import triton_attention, triton_moe_route, triton_pdl
+    from rollout.engine import triton_attention, triton_gemv, triton_moe_route, triton_pdl
 
-    kernels = {f"{m.__name__}.{name}": k for m in (triton_ops, triton_attention, triton_moe, triton_moe_route)
+    kernels = {f"{m.__name__}.{name}": k
+               for m in (triton_ops, triton_attention, triton_moe, triton_moe_route, triton_gemv)
                for name, k in vars(m).items()
                if isinstance(k, triton.runtime.jit.KernelInterface) and "PDL" in getattr(k, "arg_names", ())
                and k.fn is not triton_pdl.start.fn}
-    assert len(kernels) >= 10, sorted(kernels)  # norms, RoPE, attention + merge, silu, MoE route/align/4 GEMMs
+    assert len(kernels) >= 11, sorted(kernels)  # norms, RoPE, attention + merge, silu, MoE route/align/4 GEMMs, gemv
     for name, kernel in kernels.items():
         source = inspect.getsource(kernel.fn)
         assert source.count("pdl_start(PDL)") == 1, name

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rollout.engine import triton_attention, triton_ops, triton_prefix_attention
+from rollout.engine import triton_attention, triton_gemv, triton_ops, triton_prefix_attention
 from rollout.engine.attention import AttentionMetadata, paged_attention
 from rollout.engine.moe import MoeConfig, SparseMoeBlock
 from rollout.engine.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
@@ -199,12 +199,13 @@ class MLP(nn.Module):
         self.gate_up_proj = PackedLinear(hidden_size, shards, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-        self.backend = "torch"  # "triton": fused silu * up (triton_ops.silu_mul)
+        self.backend = "torch"  # "triton": fused silu * up (triton_ops.silu_mul), 1-token projections by triton_gemv
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, H]
         if self.backend == "triton":
-            return self.down_proj(triton_ops.silu_mul(self.gate_up_proj(x)))
+            gate_up = triton_gemv.linear(x, self.gate_up_proj.weight)
+            return triton_gemv.linear(triton_ops.silu_mul(gate_up), self.down_proj.weight)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
@@ -267,8 +268,9 @@ class Attention(nn.Module):
     ) -> Tensor:
         # hidden: [T, H] -> [T, H]; cos_sin: the torch path's shared RoPE lookup (the kernel reads the table)
         if self.backend == "triton":  # norms, RoPE and the cache write in one kernel, then paged attention
+            qkv = triton_gemv.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
             q = triton_ops.qk_norm_rope_store(
-                self.qkv_proj(hidden), meta.positions, self.rotary.table(hidden.device, hidden.dtype),
+                qkv, meta.positions, self.rotary.table(hidden.device, hidden.dtype),
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None, self.rotary_eps,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache[0], kv_cache[1], meta.slot_mapping)
@@ -279,7 +281,7 @@ class Attention(nn.Module):
                 out = triton_attention.paged_attention_triton(
                     q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
                     meta.max_query_len, meta.max_context_len, self.scale)
-            return self.o_proj(out.view(-1, self.q_size))
+            return triton_gemv.linear(out.view(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
         q, k, v = self.project_qkv(hidden, meta.positions, cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.view(-1, self.q_size))
@@ -411,4 +413,6 @@ class TransformerLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, H] -> logits [N, V] in float32."""
+        if self.backend == "triton":
+            return triton_gemv.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(hidden).float()

@@ -17,7 +17,8 @@ A step of T tokens makes T * k (token, expert) pairs. Two paths compute the same
 `Tiles` are one kernel's launch parameters: `block_n` output columns per program, `block_k`
 reduction elements per iteration, `warps`, and `stages` of Triton's software pipeline (which
 pipelines the loads that feed tl.dot: every kernel's but the gemv down's, which loads its next
-tile ahead itself). The table's values were picked for Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, width 768) on an
+tile ahead itself). The dense 1-token projection kernel (triton_gemv.py) takes them too. The
+table's values were picked for Qwen3-30B-A3B (hidden 2048, 128 experts, top 8, width 768) on an
 H200 with `benchmarks/bench_moe.py`, which times variants of every entry; any valid `Tiles`
 computes the same result (tests/test_triton_moe.py runs every entry of the table).
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollout.engine import triton_attention, triton_moe, triton_pdl
+from rollout.engine import triton_attention, triton_gemv, triton_moe, triton_pdl
 from rollout.engine.triton_attention import triton
 from rollout.errors import InvalidArgument
 
@@ -217,5 +217,6 @@ def compiled_variants() -> int:
     if triton is None:
         return 0
     kernels = (_qk_norm_rope_store_kernel, _add_rms_norm_kernel, _silu_mul_kernel,
-               triton_attention._attn_kernel, triton_attention._merge_kernel, *triton_moe.KERNELS)
+               triton_attention._attn_kernel, triton_attention._merge_kernel, *triton_moe.KERNELS,
+               *triton_gemv.KERNELS)
     return sum(len(cache[0]) for k in kernels for cache in getattr(k, "device_caches", {}).values())
