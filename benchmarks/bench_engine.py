@@ -22,7 +22,9 @@ recaptured between the arms (`compare_tokens_per_s`, `default_over_compare`, `co
 `router-gemm`, the MoE launch table as it is but every step's router logits from the router's
 GEMM (no `router_in_norm`); `cublaslt`, cuBLASLt as torch's preferred BLAS library; `no-pdl`, the
 Triton kernels launched without programmatic dependent launch (`triton_pdl.ENABLED` off);
-`cublas-gemv`, 1-token projections by cuBLAS rather than triton_gemv's kernel (`triton_gemv.ENABLED` off).
+`cublas-gemv`, 1-token projections by cuBLAS rather than triton_gemv's kernel (`triton_gemv.ENABLED` off);
+`recapture`, nothing changed but the recapture (what the arm measured second pays for it), and
+`recapture-fresh` the same with the old graphs dropped before the capture.
 `--compare-first` measures the alternative before the default, to check the order does not favour one.
 
     python benchmarks/bench_engine.py --device cuda
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import random
 import statistics
 import tempfile
@@ -77,6 +80,7 @@ EMBEDDED = "embedded"  # the embedded tiny Qwen3, its own weights
 # built inside the first timed run, always the overlapped one with --overlap both);
 # `built_while_timed` counts what was built while timing all the same.
 LENGTHS = (1, 1)
+COMPARES = ("none", "router-gemm", "cublaslt", "no-pdl", "cublas-gemv", "recapture", "recapture-fresh")  # --compare
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-output-len", type=int, default=None, help="transformers' N (default --output-len)")
     p.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                    help="overlapped scheduling; both: measure with and without it on the same engine")
-    p.add_argument("--compare", default="none", choices=("none", "router-gemm", "cublaslt", "no-pdl", "cublas-gemv"),
+    p.add_argument("--compare", default="none", choices=COMPARES,
                    help="an alternative measured beside the default on the same engine (see the docstring)")
     p.add_argument("--compare-first", action="store_true",
                    help="measure --compare's alternative before the default (an order check)")
@@ -123,9 +127,9 @@ def alternative(engine: LLMEngine, name: str):
     elif name == "router-gemm":
         moe_launch.LAUNCHES = tuple((most, dataclasses.replace(launch, router_in_norm=False))
                                     for most, launch in launches)
-    else:
+    elif name == "cublaslt":
         torch.backends.cuda.preferred_blas_library("cublaslt")
-    recapture(engine)
+    recapture(engine, fresh=name == "recapture-fresh")
     try:
         yield
     finally:
@@ -135,8 +139,14 @@ def alternative(engine: LLMEngine, name: str):
         recapture(engine)
 
 
-def recapture(engine: LLMEngine) -> None:
+def recapture(engine: LLMEngine, fresh: bool = False) -> None:
+    """New step graphs; `fresh`: the old ones dropped and the allocator's cache emptied first (as
+    `resume_memory` captures), else captured while the old ones are alive."""
     if engine.graphs is not None:
+        if fresh:
+            engine.graphs = None
+            gc.collect()
+            torch.cuda.empty_cache()
         engine.graphs = engine.make_step_graphs(capture=True)
 
 
