@@ -29,7 +29,9 @@ prefill step of each sample left out (1.0 for steps that verified nothing); `dra
 the adaptive budget verified per decode row, `probes` its full-block probe steps; `steps` each arm's
 engine steps, `draft_steps` / `draft_seconds` the adaptive arm's steps that verified drafts and their
 wall time, `eager_draft_steps` / `eager_draft_seconds` those of them whose target forward ran eagerly
-(no CUDA graph), `eager_proposals` the drafter forwards that ran eagerly (of the adaptive arm's).
+(no CUDA graph), `eager_proposals` the drafter forwards that ran eagerly (of the adaptive arm's). `--host-profile` adds
+one more run of full and adaptive under cProfile (`host_ms_per_step`: the host's milliseconds a step in
+rollout's own functions; cProfile slows Python code, so compare the arms, not the totals with a step).
 
     python benchmarks/bench_spec.py --device cuda
     python benchmarks/bench_spec.py --device cuda --cases 8b long-tail
@@ -39,6 +41,9 @@ wall time, `eager_draft_steps` / `eager_draft_seconds` those of them whose targe
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
+import pstats
 import random
 import statistics
 import tempfile
@@ -69,6 +74,7 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.params import SamplingParams
 
+HOST_TOP = 15  # functions listed by --host-profile
 CASES = ("embedded-t1", "embedded-greedy", "8b", "long-tail", "verify-cost")
 ARMS = ("none", "full", "adaptive")
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0, top_k=64)}
@@ -92,6 +98,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="verify-cost")
     p.add_argument("--fresh-start", action="store_true",
                    help="each timed adaptive run starts from the prior, as a new server's first batch")
+    p.add_argument("--host-profile", action="store_true",
+                   help="one more run of full and adaptive under cProfile: host ms a step by function")
     p.add_argument("--out", default="benchmarks/results/bench_spec.json")
     args = p.parse_args()
     if args.quick:
@@ -167,13 +175,42 @@ def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, ar
     for r in range(repeats or args.repeats):
         for arm in ARMS:
             runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device, args.fresh_start))
+    hosts = host_profiles(engines, groups, tag, args) if args.host_profile else {}
     for arm in ARMS:
         row = dict(setting, **nearest_median(runs[arm], "tokens_per_s"))
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs["none"])]
         row["vs_none"], row["vs_none_rounds"] = statistics.median(ratios), [round(x, 3) for x in ratios]
+        if arm in hosts:
+            row["host_ms_per_step"] = hosts[arm]
         result["rows"].append(row)
         write_json(args.out, result)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
+def host_profiles(engines: dict[str, LLMEngine], groups: list[list], tag: str, args) -> dict[str, dict]:
+    """One more run of the full and adaptive arms under cProfile: per arm, the host milliseconds a step
+    in every function and in rollout's own (self time, the top HOST_TOP of them), and the functions
+    where adaptive spends the most more than full a step, printed."""
+    per_step, totals = {}, {}
+    for arm in ("full", "adaptive"):
+        profile = cProfile.Profile()
+        profile.enable()
+        row = run_arm(engines, arm, groups, f"{tag}-host", args.device)
+        profile.disable()
+        own, every = collections.Counter(), 0.0
+        for (path, line, name), (_, _, self_time, _, _) in pstats.Stats(profile).stats.items():
+            every += self_time * 1e3 / row["steps"]
+            if "/rollout/" in path:
+                own[f"{path.split('/rollout/')[-1]}:{line}:{name}"] += self_time * 1e3 / row["steps"]
+        per_step[arm], totals[arm] = own, every
+    more = {k: per_step["adaptive"][k] - per_step["full"][k] for k in per_step["adaptive"]}
+    print(f"{tag}: host ms a step (every function / rollout's own): full {totals['full']:.3f} / "
+          f"{sum(per_step['full'].values()):.3f}, adaptive {totals['adaptive']:.3f} / "
+          f"{sum(per_step['adaptive'].values()):.3f}; adaptive's most over full:", flush=True)
+    for name, ms in sorted(more.items(), key=lambda kv: -kv[1])[:HOST_TOP]:
+        print(f"  {ms:+.4f}  {name}", flush=True)
+    return {arm: dict(every=round(totals[arm], 4), own=round(sum(own.values()), 4),
+                      top={k: round(v, 4) for k, v in own.most_common(HOST_TOP)}) for arm, own in per_step.items()}
 
 
 def requests(prompts: list[list[int]], sampling: dict, max_tokens) -> list:
