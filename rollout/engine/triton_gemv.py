@@ -43,23 +43,36 @@ MIN_WEIGHT_ELEMENTS = 1 << 24  # H200, bench_gemv: the 8B's 4096 x 4096 and up g
 # us against cuBLAS: 8B qkv 16.7 / 18.1, gate|up 52.7 / 56.9, LM head 283 / 302 with 4 stages; o 12.1 / 14.1 and
 # down 29.7 / 33.1 with 5 (4 stages: 12.6 and 31.4; 5 lost on the wider weights)
 WIDE = Tiles(block_n=32, block_k=256, warps=2, stages=4)
-NARROW = Tiles(block_n=32, block_k=256, warps=2, stages=5)  # at most NARROW_ROWS rows
-NARROW_ROWS = 4096
+NARROW = Tiles(block_n=32, block_k=256, warps=2, stages=5)  # weights of MIN_ROWS rows
+MIN_ROWS = 4096  # >= 128 programs of WIDE's 32 rows: one per SM of a 132-SM part
 
 
 def launch_for(n: int, k: int) -> Tiles | None:
     """The launch for a 1-token product with a [n, k] weight, or None (F.linear): weights of at
-    least MIN_WEIGHT_ELEMENTS with 4096 rows or more (>= 128 programs: one per SM of a 132-SM part)
-    whose K is a multiple of block_k (no masked loads in the loop)."""
-    if k % WIDE.block_k or n < 4096 or n * k < MIN_WEIGHT_ELEMENTS:
+    least MIN_WEIGHT_ELEMENTS with MIN_ROWS rows or more whose K is a multiple of block_k (no
+    masked loads in the loop)."""
+    if k % WIDE.block_k or n < MIN_ROWS or n * k < MIN_WEIGHT_ELEMENTS:
         return None
-    return NARROW if n <= NARROW_ROWS else WIDE
+    return NARROW if n == MIN_ROWS else WIDE
+
+
+def dot_precision(x: Tensor) -> str:
+    """tl.dot's input precision for x's dtype: float32 stays float32 (the interpreter's tests)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 if triton is not None:
     import triton.language as tl
 
     from rollout.engine.triton_pdl import start as pdl_start
+
+    @triton.jit
+    def padded_row(row_ptr, ks, k_ok, ROW):
+        """The row's elements `ks` as row ROW of a [16, BK] tile of zeros (tl.dot needs 16 rows: the
+        one-token products here and triton_moe's gemv path put their token in one of them)."""
+        rows = tl.arange(0, 16)
+        return tl.load(row_ptr + rows[:, None] * 0 + ks[None, :], mask=(rows == ROW)[:, None] & k_ok[None, :],
+                       other=0.0)
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_w, K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -71,10 +84,9 @@ if triton is not None:
         row_ok = rows < N
         w = w_ptr + rows.to(tl.int64)[None, :] * stride_w  # [1, BN]: the tiles are [BK, BN]
         acc = tl.zeros([16, BLOCK_N], tl.float32)
-        sixteen = tl.arange(0, 16)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + sixteen[:, None] * 0 + ks[None, :], mask=(sixteen == 0)[:, None], other=0.0)
+            a = padded_row(x_ptr, ks, ks < K, 0)
             acc = tl.dot(a, tl.load(w + ks[:, None], mask=row_ok[None, :], other=0.0), acc,
                          input_precision=DOT_PRECISION)
         y = tl.sum(acc, 0)  # rows 1-15 are zeros
@@ -99,7 +111,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: Tiles) -> Tenso
     out = torch.empty(1, n, dtype=dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         x, weight, bias if bias is not None else weight, out, n, weight.stride(0), K=k, HAS_BIAS=bias is not None,
-        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DOT_PRECISION=dot_precision(x),
         num_warps=launch.warps, num_stages=launch.stages, **triton_pdl.launch(x))
     return out
 

@@ -55,12 +55,14 @@ from torch import Tensor
 from rollout.engine import triton_pdl
 from rollout.engine.moe_launch import MoeLaunch, Tiles, launch_for
 from rollout.engine.triton_attention import triton
+from rollout.engine.triton_gemv import dot_precision
 from rollout.engine.triton_moe_route import KERNELS as ROUTE_KERNELS
 from rollout.engine.triton_moe_route import align, align_launch, route, route_launch, routing_args, routing_buffers
 
 if triton is not None:
     import triton.language as tl
 
+    from rollout.engine.triton_gemv import padded_row
     from rollout.engine.triton_moe_route import _top_k  # (the gemv gate/up kernel routes inside)
     from rollout.engine.triton_pdl import start as pdl_start
 
@@ -132,13 +134,6 @@ if triton is not None:
             tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + cols[None, :], out.to(dtype),
                      mask=valid[:, None] & col_ok[None, :])
 
-    @triton.jit
-    def _padded_row(row_ptr, ks, k_ok, ROW):
-        """The row's elements `ks` as row ROW of a [16, BK] tile of zeros (tl.dot needs 16 rows)."""
-        rows = tl.arange(0, 16)
-        return tl.load(row_ptr + rows[:, None] * 0 + ks[None, :], mask=(rows == ROW)[:, None] & k_ok[None, :],
-                       other=0.0)
-
     @triton.jit(do_not_specialize=["num_tokens"])
     def _gate_up_gemv_kernel(x_ptr, logits_ptr, w_ptr, hidden_ptr, weights_ptr, ids_ptr, num_tokens,
                              stride_xt, stride_lt, stride_we, stride_wn, stride_ht,
@@ -169,7 +164,7 @@ if triton is not None:
         for k0 in range(0, HIDDEN, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < HIDDEN
-            a = _padded_row(x_row, ks, k_ok, 0)
+            a = padded_row(x_row, ks, k_ok, 0)
             w_ok = k_ok[:, None] & col_ok[None, :]
             gate16 = tl.dot(a, tl.load(w + ks[:, None], mask=w_ok, other=0.0), gate16, input_precision=DOT_PRECISION)
             up16 = tl.dot(a, tl.load(w + INTER * stride_wn + ks[:, None], mask=w_ok, other=0.0), up16,
@@ -253,10 +248,6 @@ def _check_layout(x: Tensor, gate_up: Tensor, down: Tensor) -> None:
         raise ValueError("fused MoE needs x and the expert weights contiguous in their last dimension")
 
 
-def _precision(x: Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # float32 stays float32
-
-
 def _sorted_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, sorted_pairs: Tensor,
                     block_expert: Tensor, top_k: int, launch: MoeLaunch) -> Tensor:
     hidden = sorted_gate_up(x, gate_up, sorted_pairs, block_expert, top_k, launch.block_m, launch.gate_up)
@@ -283,7 +274,7 @@ def gemv_gate_up(x: Tensor, router_logits: Tensor, gate_up: Tensor, top_k: int, 
         x, router_logits, gate_up, hidden, weights, ids, num_tokens,
         x.stride(0), router_logits.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
         HIDDEN=hidden_size, INTER=inter2 // 2, **routing_args(num_experts, top_k), RENORMALIZE=renormalize,
-        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
+        ROUTE=route_inside, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=dot_precision(x),
         num_warps=tiles.warps, num_stages=tiles.stages, **triton_pdl.launch(x))
     return hidden, weights, ids
 
@@ -317,7 +308,7 @@ def sorted_gate_up(x: Tensor, gate_up: Tensor, sorted_pairs: Tensor, block_exper
         x, gate_up, hidden, sorted_pairs, block_expert, num_tokens * top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=_precision(x), num_warps=tiles.warps, num_stages=tiles.stages, **triton_pdl.launch(x))
+        DOT_PRECISION=dot_precision(x), num_warps=tiles.warps, num_stages=tiles.stages, **triton_pdl.launch(x))
     return hidden
 
 
@@ -330,6 +321,6 @@ def sorted_down(hidden: Tensor, down: Tensor, weights: Tensor, sorted_pairs: Ten
         hidden, down, pair_out, sorted_pairs, block_expert, weights, num_pairs,
         hidden.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
         HIDDEN=hidden_size, INTER=inter, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=_precision(hidden), num_warps=tiles.warps, num_stages=tiles.stages,
+        DOT_PRECISION=dot_precision(hidden), num_warps=tiles.warps, num_stages=tiles.stages,
         **triton_pdl.launch(hidden))
     return pair_out
