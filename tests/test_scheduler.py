@@ -166,7 +166,8 @@ def test_a_draft_budget_caps_each_decode_item_and_leaves_the_token_budget_to_pre
         def __init__(self):
             self.calls = []
 
-        def caps(self, running, budget, waiting_tokens=0):
+        def caps(self, running, budget, waiting_tokens=0, states=None):
+            assert states == [s.behind_and_remaining() for s in running]
             self.calls.append((len(running), waiting_tokens > 0, budget, waiting_tokens))  # (admits prefill)
             return {running[0]: 2, running[1]: 9}  # the third: not in the dict
 

@@ -49,9 +49,10 @@ def _record_caps(eng: LLMEngine) -> list[list[int]]:
     """Every step's chosen drafts per decode sample (wraps the budget's hook)."""
     chosen, caps = [], eng.spec_budget.caps
 
-    def recording(running, budget, waiting_tokens=0):
-        out = caps(running, budget, waiting_tokens)
-        chosen.append([out.get(s, 0) for s in running if s.num_tokens - s.num_computed_tokens <= 1])
+    def recording(running, budget, waiting_tokens=0, states=None):
+        out = caps(running, budget, waiting_tokens, states)
+        chosen.append([min(out.get(s, 0), s.remaining_tokens - 1) for s in running
+                       if s.num_tokens - s.num_computed_tokens <= 1])  # (the scheduler's limit applied)
         return out
 
     eng.spec_budget.caps = recording

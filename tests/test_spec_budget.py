@@ -202,6 +202,46 @@ def test_a_batch_of_steps_counts_a_sample_that_comes_twice_once_per_result():
     np.testing.assert_allclose(est.server_tried, server_before * SERVER_DECAY ** 2 + server_tried)
 
 
+def test_observe_equals_counting_each_result_on_its_own():
+    """The vectorised counts (histograms per sample) against a loop over the results: random batches
+    of several steps, samples repeated, some finished, blocks cut short, rejections at every position."""
+    rng = np.random.default_rng(3)
+    seqs = [_seq(i) for i in range(12)]
+    fast = AcceptanceEstimates(K, capacity=4)
+    rows, tried_rows, accepted_rows = {}, {}, {}  # the reference's own per-sample counts
+    server_tried, server_accepted = np.zeros(K), np.zeros(K)
+    for call in range(30):
+        steps = int(rng.integers(1, 5))
+        entries = [seqs[i] for i in rng.integers(0, len(seqs), size=int(rng.integers(1, 40)))]
+        num_draft = rng.integers(1, K + 1, size=len(entries))
+        num_accepted = np.minimum(rng.integers(0, K + 1, size=len(entries)), num_draft)
+        if call == 20:
+            seqs[0].status = SeqStatus.FINISHED
+        fast.observe(entries, num_draft, num_accepted, steps)
+        n_tried, n_accepted = {}, {}
+        server_tried *= SERVER_DECAY ** steps
+        server_accepted *= SERVER_DECAY ** steps
+        for seq, d, a in zip(entries, num_draft.tolist(), num_accepted.tolist()):
+            t = np.arange(K) < min(a + 1, d)
+            acc = np.arange(K) < a
+            server_tried += t
+            server_accepted += acc
+            if not seq.is_finished:
+                n_tried[seq] = n_tried.get(seq, 0) + t
+                n_accepted[seq] = n_accepted.get(seq, 0) + acc
+        for seq in n_tried:
+            decay = SAMPLE_DECAY ** n_tried[seq]
+            tried_rows[seq] = tried_rows.get(seq, np.zeros(K)) * decay + n_tried[seq]
+            accepted_rows[seq] = accepted_rows.get(seq, np.zeros(K)) * decay + n_accepted[seq]
+            rows[seq] = True
+    np.testing.assert_allclose(fast.server_tried, server_tried)
+    np.testing.assert_allclose(fast.server_accepted, server_accepted)
+    for seq in rows:
+        if not seq.is_finished:
+            np.testing.assert_allclose(fast.tried[fast.rows[seq]], tried_rows[seq])
+            np.testing.assert_allclose(fast.accepted[fast.rows[seq]], accepted_rows[seq])
+
+
 # -- probes -------------------------------------------------------------------------------------------
 
 
@@ -243,19 +283,26 @@ def _run_steps(budget: SpecBudget, seqs, steps: int, accept) -> list:
     return chosen
 
 
-def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(monkeypatch):
-    """Full choices: every RECHOOSE_STEPS steps, at once when the batch's shape changes, every
-    REUSE_STEPS while nothing is verified; each full choice first learns every step recorded since
-    the last (each sample's results from several steps at once); in between, the last rule. (MEASURED
-    0: no start-up exploration, whose steps choose every step; tested below.)"""
+def _counted_budget(monkeypatch, num: int) -> tuple[SpecBudget, list, list[int]]:
+    """A budget on a cheap-verify table (MEASURED 0: no start-up exploration, whose steps choose every
+    step), `num` caught-up samples, and the list its full choices append their sample counts to."""
     monkeypatch.setattr(spec_budget, "MEASURED", 0.0)
     full = []
     monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(len(a[1])) or choose_drafts(*a))
     budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5), graphs=False,
                         max_graph_rows=0)
-    seqs = [_seq(i) for i in range(8)]
+    seqs = [_seq(i) for i in range(num)]
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
+    return budget, seqs, full
+
+
+def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(monkeypatch):
+    """Full choices: every RECHOOSE_STEPS steps, at once when the batch's shape changes, every
+    REUSE_STEPS while nothing is verified; each full choice first learns every step recorded since
+    the last (each sample's results from several steps at once); in between, the last rule. (MEASURED
+    0: no start-up exploration, whose steps choose every step; tested below.)"""
+    budget, seqs, full = _counted_budget(monkeypatch, 8)
     n = 4 * RECHOOSE_STEPS
     caps = _run_steps(budget, seqs, n, accept=lambda j: j < 2)  # 2 of every block accepted
     assert len(full) == 4 and all(c == caps[0] for c in caps[:RECHOOSE_STEPS]) and all(caps)
@@ -277,6 +324,23 @@ def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(mo
     gaps = [b - a for a, b in zip(chosen_at, chosen_at[1:])]
     assert chosen_at[0] == 0 and gaps == [REUSE_STEPS << min(i, MAX_DOUBLINGS) for i in range(len(gaps))]
     assert gaps[-1] == REUSE_STEPS << MAX_DOUBLINGS and budget.totals["probes"] == probes
+
+
+def test_a_batch_draining_under_full_blocks_keeps_them_and_one_that_grows_chooses_anew(monkeypatch):
+    """A batch whose rows fall to smaller buckets while its rule is full blocks keeps the rule (no
+    full choice at each bucket of a draining tail) until the rule's age runs out; a batch that grows
+    back chooses in full at once."""
+    budget, seqs, full = _counted_budget(monkeypatch, 32)
+    _run_steps(budget, seqs, 2, accept=lambda j: True)  # every draft accepted: full blocks
+    assert full == [32] and budget._last[0].k == K
+    for rows in (16, 8, 4, 2, 1):  # draining: every step another bucket
+        caps = _run_steps(budget, seqs[:rows], 1, accept=lambda j: True)[0]
+        assert list(caps.values()) == [K] * rows
+    assert full == [32]
+    _run_steps(budget, seqs[:1], RECHOOSE_STEPS, accept=lambda j: True)  # the rule's age runs out
+    assert full == [32, 1]
+    _run_steps(budget, seqs[:8], 1, accept=lambda j: True)  # grows: a full choice at once
+    assert full == [32, 1, 8]
 
 
 def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):

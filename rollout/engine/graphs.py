@@ -33,6 +33,7 @@ many keys get captured, which is what the engine's memory plan reserves
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -58,10 +59,14 @@ def context_bucket(length: int, minimum: int) -> int:
     return max(minimum, 1 << max(length - 1, 0).bit_length())
 
 
+@functools.lru_cache(maxsize=256)
 def token_marks(batch: int, q: int) -> np.ndarray:
     """[M] the token counts a ragged step of batch bucket `batch` and query length q pads to:
-    ceil(batch x step) for the TOKEN_STEPS below q, then batch x q."""
-    return np.ceil(batch * np.asarray([m for m in TOKEN_STEPS if m < q] + [q], dtype=np.float64)).astype(np.int64)
+    ceil(batch x step) for the TOKEN_STEPS below q, then batch x q. Read-only (kept per (batch, q):
+    every ragged step and every budget choice asks)."""
+    marks = np.ceil(batch * np.asarray([m for m in TOKEN_STEPS if m < q] + [q], dtype=np.float64)).astype(np.int64)
+    marks.setflags(write=False)
+    return marks
 
 
 def padded_shape(rows: int, tokens: int, q: int, buckets) -> tuple[int, int] | None:

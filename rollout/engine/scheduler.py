@@ -78,11 +78,12 @@ class Scheduler:
         batch: list[ScheduledSeq] = []
         self._fork_blocks = 0
         self._forking = False  # some item forks samples this step (their rows are capped)
-        self._draft_caps = self._budget_caps(budget)
+        states = [seq.behind_and_remaining() for seq in self.running]  # [R] read once a step (preemption
+        self._draft_caps = self._budget_caps(budget, states)  # pops from the end: indices hold)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            item = self._plan(seq, budget)
+            item = self._plan(seq, budget, states[i])
             if self._reserve(item):
                 batch.append(item)
                 budget -= item.num_new_tokens + item.num_draft
@@ -152,11 +153,12 @@ class Scheduler:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _budget_caps(self, budget: int) -> dict[Sequence, int] | None:
-        """This step's most drafts per running sample, from the draft budget (None: full blocks)."""
+    def _budget_caps(self, budget: int, states: list[tuple[int, int]]) -> dict[Sequence, int] | None:
+        """This step's most drafts per running sample, from the draft budget (None: full blocks);
+        states: the running samples' behind_and_remaining()."""
         if self.draft_budget is None or not self.num_spec:
             return None
-        return self.draft_budget.caps(self.running, budget, self._admissible_prompt_tokens(budget))
+        return self.draft_budget.caps(self.running, budget, self._admissible_prompt_tokens(budget), states)
 
     def _admissible_prompt_tokens(self, budget: int) -> int:
         """Prompt tokens of the waiting samples this step may admit (by count: max_num_seqs), at most
@@ -169,15 +171,15 @@ class Scheduler:
             slots -= 1
         return min(total, budget)
 
-    def _plan(self, seq: Sequence, budget: int) -> ScheduledSeq:
-        behind = seq.num_tokens - seq.num_computed_tokens
+    def _plan(self, seq: Sequence, budget: int, state: tuple[int, int]) -> ScheduledSeq:
+        """seq's item within `budget` tokens; state: its behind_and_remaining()."""
+        behind, remaining = state
         if behind > 1:
             return ScheduledSeq(seq, min(behind, budget))
         if not self.num_spec:
             return ScheduledSeq(seq, 1)
         cap = self.num_spec if self._draft_caps is None else min(self.num_spec, self._draft_caps.get(seq, 0))
-        num_draft = max(0, min(cap, seq.remaining_tokens - 1, budget - 1))
-        return ScheduledSeq(seq, 1, num_draft)
+        return ScheduledSeq(seq, 1, max(0, min(cap, remaining - 1, budget - 1)))
 
     def _reserve(self, item: ScheduledSeq) -> bool:
         seq = item.seq
@@ -198,7 +200,7 @@ class Scheduler:
                 break
             if not seq.block_table:
                 seq.num_computed_tokens = self.bm.allocate_prompt(seq)
-            item = self._plan(seq, budget)
+            item = self._plan(seq, budget, seq.behind_and_remaining())
             if not self._reserve(item):
                 self.bm.free(seq)
                 if not self.running:

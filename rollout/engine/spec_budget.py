@@ -17,16 +17,23 @@ committed tokens (DESIGN.md).
 Acceptance (`AcceptanceEstimates`): per sample and draft position, decayed counts of the drafts tried
 and accepted there (an EMA over the sample's verify steps) shrunk towards the server-wide estimate of
 that position (decayed counts over all samples, from an optimistic prior so that the first steps
-measure), updated from the steps' num_accepted in their one host copy. The engine records each step
-(`SpecBudget.record`: a few list appends); the estimates and the cost model learn from the recorded
-steps when the budget next chooses in full, which it does every RECHOOSE_STEPS steps (REUSE_STEPS
-while no draft has been verified since), twice as long after each full choice that chose the rule it
-already had (up to 2^MAX_DOUBLINGS times: a steady batch re-decides every 64 steps), at once when the
-batch's shape changes (CUDA graphs or not, the rows' buckets, whether the step's token room binds
-the drafts), and soon after a probe (whose results should steer); in between, the last choice's rule
-(k drafts each, or the slots whose expected gain clears its threshold) is applied to the step's
-samples: a full choice costs the host ~0.3-0.7 ms at batch 1-32 on this machine's CPU, a reused
-rule ~0.1 ms.
+measure), updated from the steps' num_accepted in their one host copy.
+
+Cadence. On a host-bound engine the budget's own host time is on the critical path of every drafted
+step (those run synchronously: rollout.engine.overlap), so it chooses in full rarely and reuses
+cheaply. The engine records each step (`SpecBudget.record`: a few list appends); the estimates and
+the cost model learn from the recorded steps when the budget next chooses in full, which it does
+every RECHOOSE_STEPS steps (REUSE_STEPS while no draft has been verified since), twice as long after
+each full choice that chose the rule it already had (up to 2^MAX_DOUBLINGS times: a steady batch
+re-decides every 64 steps), soon after a probe (whose results should steer), and at once when the
+batch's shape changes: CUDA graphs or not, the rows' buckets, whether the step's token room binds the
+drafts. One change does not count: a batch draining to fewer rows under full blocks keeps them until
+the rule's age runs out (fewer rows leave the target further below its compute bound, so drafts cost
+no more against the plain step; a draining tail would otherwise choose anew at every bucket it
+passes). In between, the last choice's rule (k drafts each, or the slots whose expected gain clears
+its threshold) is applied to the step's samples. On this machine's CPU a full choice costs the host
+~0.1 ms at batch 1 and ~0.3 ms at batch 32 (learning included), a reused uniform rule ~3 and ~20 us
+(the scheduler reads each sample's state once for itself and the budget, and applies the limits).
 
 Room: drafts get the step's token budget that the running samples' prefill and the prompts it may
 admit leave (`caps`' waiting_tokens). A draft in a budget-bound step displaces a prompt token,
@@ -104,19 +111,21 @@ class AcceptanceEstimates:
         num_draft[i] > 0 drafts and accepted num_accepted[i]. Within one call, a sample's results count
         alike, as if its counts decayed once per draft tried over the lot. A finished sample's count
         server-wide only (its row may already serve another sample)."""
-        j = np.arange(self.num_spec)
-        tried = (j < np.minimum(num_accepted + 1, num_draft)[:, None]).astype(np.float64)  # [E, K] judged
-        accepted = (j < num_accepted[:, None]).astype(np.float64)  # [E, K]
+        k = self.num_spec
+        judged = np.minimum(num_accepted + 1, num_draft)  # [E] positions judged: 0 .. judged - 1
+        unique = list(dict.fromkeys(seqs))  # [U] the samples, in order of first entry
+        index = {s: u for u, s in enumerate(unique)}
+        entry = np.fromiter(map(index.__getitem__, seqs), np.int64, len(seqs))  # [E] -> [U]
+        # per sample u and position j: entries that judged (accepted) position j = those whose count > j
+        tried = _counts_above(entry, judged, len(unique), k)  # [U, K]
+        accepted = _counts_above(entry, num_accepted, len(unique), k)  # [U, K]
         self.server_tried = self.server_tried * SERVER_DECAY ** steps + tried.sum(axis=0)
         self.server_accepted = self.server_accepted * SERVER_DECAY ** steps + accepted.sum(axis=0)
-        live = [i for i, s in enumerate(seqs) if not s.is_finished]
-        rows, inverse = np.unique(self._rows([seqs[i] for i in live]), return_inverse=True)
-        n_tried, n_accepted = np.zeros((len(rows), self.num_spec)), np.zeros((len(rows), self.num_spec))
-        np.add.at(n_tried, inverse, tried[live])
-        np.add.at(n_accepted, inverse, accepted[live])
-        decay = SAMPLE_DECAY ** n_tried
-        self.tried[rows] = self.tried[rows] * decay + n_tried
-        self.accepted[rows] = self.accepted[rows] * decay + n_accepted
+        live = [u for u, s in enumerate(unique) if not s.is_finished]
+        rows = self._rows([unique[u] for u in live])  # [L] (distinct samples: distinct rows)
+        decay = SAMPLE_DECAY ** tried[live]
+        self.tried[rows] = self.tried[rows] * decay + tried[live]
+        self.accepted[rows] = self.accepted[rows] * decay + accepted[live]
 
     def _rows(self, seqs: list[Sequence]) -> np.ndarray:
         rows = [self.rows.get(s, -1) for s in seqs]
@@ -169,9 +178,10 @@ def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int
     fitting = []
     for k in uniform_sizes(acc.shape[1]):
         drafts = np.minimum(limits, k)
-        seconds = cost.seconds(rows, base_tokens, graphs, drafting if k else 0, int(drafts.sum()))
+        total = int(drafts.sum())
+        seconds = cost.seconds(rows, base_tokens, graphs, drafting if k else 0, total)
         full = Budget(drafts, float(committed[k]), seconds, k)
-        if int(drafts.sum()) <= room:
+        if total <= room:
             fitting.append(full)
     best = max(fitting, key=lambda b: b.rate)  # k = 0 always fits; the first of equals
     if len(limits) > 1:  # (one sample: ragged blocks are uniform ones)
@@ -222,6 +232,13 @@ def slot_gains(acc: np.ndarray, limits: np.ndarray) -> np.ndarray:
     return np.cumprod(acc, axis=1) * (np.arange(acc.shape[1]) < limits[:, None])
 
 
+def _counts_above(group: np.ndarray, count: np.ndarray, groups: int, k: int) -> np.ndarray:
+    """[groups, k]: entry (group[e], j) counts the entries e of that group with count[e] > j (count in
+    0..k): a histogram of the counts per group, summed from the top."""
+    hist = np.bincount(group * (k + 1) + count, minlength=groups * (k + 1)).reshape(groups, k + 1)
+    return np.cumsum(hist[:, :0:-1], axis=1)[:, ::-1].astype(np.float64)
+
+
 def _ragged(gain: np.ndarray, cost: StepCost, rows: int, base_tokens: int, room: int, graphs: bool) -> Budget:
     """The best count n of draft slots taken best gain first (a sample's slots in position order),
     priced as a ragged step (graphs: replaying a CUDA graph)."""
@@ -261,14 +278,17 @@ class SpecBudget:
         self._streak = 0  # full choices in a row that chose the rule they had (_serves)
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
 
-    def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0) -> dict[Sequence, int]:
-        """The most drafts each caught-up running sample verifies this step. token_budget: the step's
-        token budget; waiting_tokens: the prompt tokens of the waiting samples it may admit (their
-        prefill makes the step eager, and drafts get the room left after them: see the module
-        docstring)."""
+    def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0,
+             states: list[tuple[int, int]] | None = None) -> dict[Sequence, int]:
+        """The most drafts each caught-up running sample verifies this step (the scheduler takes each
+        one's min with its own limit: output left, token budget). token_budget: the step's token
+        budget; waiting_tokens: the prompt tokens of the waiting samples it may admit (their prefill
+        makes the step eager, and drafts get the room left after them: see the module docstring);
+        states: the running samples' behind_and_remaining(), when the caller has them."""
         decode, limits, prefill, num_spec = [], [], 0, self.num_spec
-        for seq in running:
-            behind, remaining = seq.behind_and_remaining()
+        if states is None:
+            states = [seq.behind_and_remaining() for seq in running]
+        for seq, (behind, remaining) in zip(running, states):
             if behind > 1:
                 prefill += behind
             else:
@@ -277,36 +297,39 @@ class SpecBudget:
         if not decode:
             return {}
         base = min(token_budget, len(decode) + prefill + waiting_tokens)
+        room = token_budget - base
         graphs = self.graphs and not prefill and not waiting_tokens and len(decode) <= self.max_graph_rows
-        budget, full_seconds = self._choose(decode, limits, len(running), base, token_budget - base, graphs)
-        drafts = None if budget.k == 0 else budget.drafts  # [S]; None: a plain decode step
-        if self._probe(0 if drafts is None else int(drafts.sum()), sum(limits), budget.seconds, full_seconds,
-                       token_budget - base):
-            drafts = np.asarray(limits, dtype=np.int64)
+        drafts, seconds, full_seconds = self._choose(decode, limits, len(running), base, room, graphs)
+        full = sum(limits)
+        if type(drafts) is int:  # k drafts for each sample, as far as its limit goes
+            chosen = full if drafts >= num_spec else sum(min(k, drafts) for k in limits)
+        else:
+            chosen = sum(drafts)
+        if self._probe(chosen, full, seconds, full_seconds, room):
+            drafts = num_spec
         self.totals["steps"] += 1
         self.totals["decode_rows"] += len(decode)
-        if drafts is None:
-            return {}
-        return dict(zip(decode, drafts.tolist()))
+        if type(drafts) is int:
+            return dict.fromkeys(decode, drafts) if drafts else {}
+        return dict(zip(decode, drafts))
 
     def _choose(self, decode: list[Sequence], limits: list[int], rows: int, base: int, room: int,
-                graphs: bool) -> tuple[Budget, float]:
+                graphs: bool) -> tuple[int | list[int], float, float]:
         """choose_drafts in full, or the last full choice's rule applied to this step's samples (see
-        the module docstring): the budget (k = 0: no drafts, its `drafts` not read) and the seconds of
-        full blocks."""
+        the module docstring): the drafts (an int k: k for every sample, within its limit; or [S] per
+        sample), the step's predicted seconds and those of full blocks. A reused uniform rule costs
+        no per-sample work here (the scheduler applies the limits)."""
         key = (graphs, rows_bucket(len(decode)), rows_bucket(rows), room < sum(limits))  # (room binds: prompts wait)
+        if key != self._key and self._shrunk_under_full_blocks(key):
+            self._key = key
         if key == self._key and self._age < self._serves():
             self._age += 1
             last, full_seconds = self._last
-            if last.k == 0:
-                return last, full_seconds
-            limits = np.asarray(limits, dtype=np.int64)  # [S]
-            if last.k > 0:
-                drafts = np.minimum(limits, last.k)
-            else:
-                drafts = np.minimum(limits, self._rule_counts(decode, last.threshold))
-            return dataclasses.replace(last, drafts=drafts), full_seconds
-        self._learn()
+            if last.k >= 0:
+                return last.k, last.seconds, full_seconds
+            counts = self._rule_counts(decode, last.threshold)
+            return list(map(min, limits, counts)), last.seconds, full_seconds
+        self.learn()
         self._counts = {}
         acc = self.acceptance.of(decode)
         budget, full = choose_drafts(acc, np.asarray(limits, dtype=np.int64), self.cost, rows, base, room, graphs)
@@ -317,7 +340,15 @@ class SpecBudget:
         same = key == self._key and self._last is not None and _same_rule(self._last[0], budget)
         self._streak = self._streak + 1 if same else 0
         self._key, self._last, self._age = key, (budget, full.seconds), 1
-        return budget, full.seconds
+        drafts = budget.k if budget.k >= 0 else budget.drafts.tolist()
+        return drafts, budget.seconds, full.seconds
+
+    def _shrunk_under_full_blocks(self, key: tuple) -> bool:
+        """Whether the last full choice verifies full blocks and the step differs from its key only in
+        fewer rows (a draining batch: the rule serves on, see the module docstring)."""
+        last = self._key
+        return (last is not None and self._last[0].k == self.num_spec and not self._tentative
+                and key[0] == last[0] and key[3] == last[3] and key[1] <= last[1] and key[2] <= last[2])
 
     def _rule_counts(self, decode: list[Sequence], threshold: float) -> list[int]:
         """[S] the drafts the last full choice's threshold rule gives each sample without its limit:
@@ -370,7 +401,7 @@ class SpecBudget:
         if num_accepted is not None and drafting:
             self._verified.append((rows.entries, rows.num_draft, num_accepted))
 
-    def _learn(self) -> None:
+    def learn(self) -> None:
         """The recorded steps into the cost model and the acceptance estimates."""
         for timing in self._timings:
             self.cost.observe(*timing)
@@ -387,7 +418,7 @@ class SpecBudget:
 
     def forget_acceptance(self) -> None:
         """Back to the prior, as at a server's start (its cost model kept): bench_spec's fresh starts."""
-        self._learn()
+        self.learn()
         self.acceptance = AcceptanceEstimates(self.num_spec)
         self.credit, self._key = 0.0, None
 
@@ -395,7 +426,7 @@ class SpecBudget:
         """Since the last summary: steps, decode rows, drafts verified per decode row, probes, accepted
         drafts per verifying row; now: the server-wide acceptance by position, the expected committed
         tokens of a full block for (up to 16) running requests, the cost model."""
-        self._learn()
+        self.learn()
         t, self.totals = self.totals, dict.fromkeys(self.totals, 0)
         now = self.counts.total()
         drafts, accepted = (a - b for a, b in zip(now, self._summarised))

@@ -43,6 +43,8 @@ PROFILE_ROWS = (1, 4, 16, 64, 256)  # target and drafter forward points
 PROFILE_CONTEXT = 256
 LEARN_RATE = 0.1  # the correction's EMA weight of a new step (its n-th: max(1 / n, LEARN_RATE))
 MAX_STEP_RATIO = 3.0  # a step counts as at most this factor off the prediction (a capture is slow once)
+_BUCKETS = np.asarray(BATCH_BUCKETS, dtype=np.float64)  # (read-only)
+_BUCKETS.setflags(write=False)
 
 
 class Curve:
@@ -205,9 +207,8 @@ class StepCost:
             return self.drafter.at((bucket(draft_rows, BATCH_BUCKETS) or draft_rows) if graphed else draft_rows)
         rows = np.asarray(draft_rows, dtype=np.float64)
         if self.graph is not None:
-            buckets = np.asarray(BATCH_BUCKETS, dtype=np.float64)
-            i = np.searchsorted(buckets, rows)
-            rows = np.where(i < len(buckets), buckets[np.minimum(i, len(buckets) - 1)], rows)
+            i = np.searchsorted(_BUCKETS, rows)
+            rows = np.where(i < len(_BUCKETS), _BUCKETS[np.minimum(i, len(_BUCKETS) - 1)], rows)
         return self.drafter(rows)
 
     def _scale(self, rows: int, graphed: bool, drafts: bool) -> float:
