@@ -8,11 +8,12 @@ warm-up; `none` is an engine of its own. Each arm runs the workload once untimed
 kernel builds, the budget's first estimates), then `--repeats` timed runs, alternating between arms;
 the table shows each arm's median tokens/s and its ratio to `none` in the same case (`vs_none`: the
 median over rounds of the ratio within a round; adaptive's `vs_full` likewise, and the share of full's
-speedup that adaptive keeps is computed from full's vs_none times vs_full). With `--interleave` full and adaptive run
-on engines of their own, stepped in turn within each round (each step settled on the device before
-the other's), so a host whose speed moves within a run (the embedded models' runs move by 20% from one
-round to the next) slows both alike; it costs a second drafter engine's memory and the adaptive arm
-the overlap of its plain steps. With
+speedup that adaptive keeps is computed from full's vs_none times vs_full: full and adaptive run next
+to each other in every round, so a host whose speed moves between rounds, as it does by 20% for the
+embedded models' runs, moves both). Rounds alternate the arms' order (none, full, adaptive, then the
+reverse), and each run starts after a garbage collection. (Stepping full and adaptive in turn on
+engines of their own was tried and dropped: the adaptive engine's cost model then learns step times
+that the other engine's steps distort, and its budget chose other steps.) With
 `--fresh-start` each timed adaptive run starts from the budget's prior instead (what a new server's
 first batch pays; the warm-up's graphs and cost model kept).
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import pstats
 import random
 import statistics
@@ -71,7 +73,6 @@ from common import (
     random_model,
     random_target_and_drafter,
     run_engine,
-    run_interleaved,
     time_ms,
     write_json,
 )
@@ -105,9 +106,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="verify-cost")
     p.add_argument("--fresh-start", action="store_true",
                    help="each timed adaptive run starts from the prior, as a new server's first batch")
-    p.add_argument("--interleave", action="store_true",
-                   help="full and adaptive on engines of their own, stepped in turn within each round (each step "
-                        "settled on the device): a host whose speed moves within a run slows both alike")
     p.add_argument("--host-profile", action="store_true",
                    help="one more run of full and adaptive under cProfile: host ms a step by function")
     p.add_argument("--out", default="benchmarks/results/bench_spec.json")
@@ -124,25 +122,20 @@ def parse_args() -> argparse.Namespace:
 
 
 def engine_pair(args: argparse.Namespace, spec: str, max_batch: int, max_len: int, **model) -> dict[str, LLMEngine]:
-    """The `none` engine and the drafter's engine (`full` and `adaptive`; with --interleave, `full` only
-    and an `adaptive` engine of its own), sized for max_batch samples of up to max_len tokens each.
-    `model`: EngineConfig fields of the target and drafter."""
+    """The `none` engine and the drafter's engine (`full` and `adaptive`), sized for max_batch samples
+    of up to max_len tokens each. `model`: EngineConfig fields of the target and drafter."""
     kw = dict(device=args.device, num_kv_blocks=max_batch * (-(-(max_len + 2 * args.block) // 16) + 1) + 8,
               max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (args.block + 1)),
               enable_prefix_caching=False)
     draft = model.pop("draft", None) or embedded_draft(spec)
     spec_config = EngineConfig(spec=spec, draft=draft, spec_block_size=args.block, **model, **kw)
-    engines = {"none": rollout.build_engine(EngineConfig(spec="none", **model, **kw)),
-               "spec": rollout.build_engine(spec_config)}
-    if args.interleave:
-        engines["adaptive"] = rollout.build_engine(spec_config)
-    return engines
+    return {"none": rollout.build_engine(EngineConfig(spec="none", **model, **kw)),
+            "spec": rollout.build_engine(spec_config)}
 
 
 def arm_engine(engines: dict[str, LLMEngine], arm: str) -> LLMEngine:
     """The engine `arm` runs on, its draft budget switched on (adaptive) or off (full)."""
-    engine = engines["adaptive"] if arm == "adaptive" and "adaptive" in engines else engines[
-        "none" if arm == "none" else "spec"]
+    engine = engines["none" if arm == "none" else "spec"]
     if arm != "none":
         engine.scheduler.draft_budget = engine.spec_budget if arm == "adaptive" else None
     return engine
@@ -156,23 +149,9 @@ def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: st
     if arm == "adaptive" and fresh:
         engine.spec_budget.forget_acceptance()
     mark = _mark(engine)
+    gc.collect()  # (untimed: no run inherits a collection of the garbage the runs before it left)
     runs = [run_engine(engine, g, f"{tag}-{arm}-{i}", device) for i, g in enumerate(groups)]
     return arm_row(engine, arm, runs, mark)
-
-
-def run_pair(engines: dict[str, LLMEngine], groups: list[list], tag: str, device: str, fresh: bool = False
-             ) -> dict[str, dict]:
-    """--interleave: the full and adaptive arms on their own engines, stepped in turn (each step settled
-    on the device before the other engine's: common.run_interleaved), group after group; their rows."""
-    pair = {arm: arm_engine(engines, arm) for arm in ("full", "adaptive")}
-    if fresh:
-        pair["adaptive"].spec_budget.forget_acceptance()
-    marks = {arm: _mark(engine) for arm, engine in pair.items()}
-    runs: dict[str, list] = {arm: [] for arm in pair}
-    for i, group in enumerate(groups):
-        for arm, run in run_interleaved(pair, dict.fromkeys(pair, group), f"{tag}-{i}", device, settle=True).items():
-            runs[arm].append(run)
-    return {arm: arm_row(pair[arm], arm, runs[arm], marks[arm]) for arm in pair}
 
 
 def _mark(engine: LLMEngine) -> tuple[dict, int, int]:
@@ -223,19 +202,14 @@ def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, ar
         run_arm(engines, arm, groups, f"{tag}-warm", args.device)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for r in range(repeats or args.repeats):
-        if args.interleave:
-            runs["none"].append(run_arm(engines, "none", groups, f"{tag}-{r}", args.device))
-            for arm, row in run_pair(engines, groups, f"{tag}-{r}", args.device, args.fresh_start).items():
-                runs[arm].append(row)
-            continue
-        for arm in ARMS:
+        for arm in ARMS if r % 2 == 0 else ARMS[::-1]:  # (no arm always runs right after the same one)
             runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device, args.fresh_start))
     hosts = host_profiles(engines, groups, tag, args) if args.host_profile else {}
     for arm in ARMS:
         row = dict(setting, **nearest_median(runs[arm], "tokens_per_s"))
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs["none"])]
         row["vs_none"], row["vs_none_rounds"] = statistics.median(ratios), [round(x, 3) for x in ratios]
-        if arm == "adaptive":  # the pair measured nearest in time: with --interleave, within each step
+        if arm == "adaptive":  # the pair measured next to each other in every round
             paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs["full"])]
             row["vs_full"], row["vs_full_rounds"] = statistics.median(paired), [round(x, 3) for x in paired]
         if arm in hosts:

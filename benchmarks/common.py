@@ -230,13 +230,12 @@ def run_engine(engine: LLMEngine, requests: list[tuple[list[int], object, dict]]
 
 
 def run_interleaved(engines: dict[str, LLMEngine], requests: dict[str, list[tuple[list[int], object, dict]]],
-                    tag: str, device: str, settle: bool = False) -> dict[str, Run]:
+                    tag: str, device: str) -> dict[str, Run]:
     """Two (or more) engines stepped in turn, one step each, until all are done: each engine's
     `Run.seconds` is the time inside its own add_request and step calls. A machine whose speed
     drifts (a shared host) then slows every arm alike, which back-to-back runs cannot promise.
-    Each step ends with the engine's host copy (a device synchronisation); an overlapped step may
-    still leave its next step in flight, which `settle` waits for inside the engine's own time (so
-    no engine's device work delays the next one's step; it costs that engine its overlap)."""
+    Each step ends with the engine's host copy (a device synchronisation), so arms do not overlap
+    on the device either."""
     outputs = {name: [] for name in engines}
     steps = dict.fromkeys(engines, 0)
     seconds = dict.fromkeys(engines, 0.0)
@@ -251,8 +250,6 @@ def run_interleaved(engines: dict[str, LLMEngine], requests: dict[str, list[tupl
             if engine.has_unfinished():
                 start = time.perf_counter()
                 outputs[name] += engine.step()
-                if settle:
-                    sync(device)
                 seconds[name] += time.perf_counter() - start
                 steps[name] += 1
     runs = {name: Run(outputs[name], steps[name], seconds[name]) for name in engines}
