@@ -33,7 +33,9 @@ Cases (`--cases`; the default is all but verify-cost, ~5 minutes on one H200):
 Prompts are the first 256 bytes of held-out stdlib files (scripts/corpus.py) on the embedded models,
 random token ids on the 8B shape; EOS is ignored. Acceptance = committed tokens per verify step, the
 prefill step of each sample left out (1.0 for steps that verified nothing); `drafts_per_row`: drafts
-the adaptive budget verified per decode row, `probes` its full-block probe steps; `steps` each arm's
+the adaptive budget verified per decode row, `probes` its full-block probe steps, `declined` its steps
+that verified no drafts where samples could have (`declined_eager`: of them, steps run eagerly, as
+while prompts prefill); `steps` each arm's
 engine steps, `draft_steps` / `draft_seconds` the adaptive arm's steps that verified drafts and their
 wall time, `eager_draft_steps` / `eager_draft_seconds` those of them whose target forward ran eagerly
 (no CUDA graph), `eager_proposals` the drafter forwards that ran eagerly (of the adaptive arm's). `--host-profile` adds
@@ -93,6 +95,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="tiny workloads and shapes (a CPU check of the script)")
     p.add_argument("--cases", nargs="+", default=[c for c in CASES if c != "verify-cost"], choices=CASES)
+    p.add_argument("--specs", nargs="+", default=["dflash", "dspark"], choices=["dflash", "dspark"],
+                   help="the embedded cases' drafters")
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--output-len", type=int, default=256, help="embedded cases (long tail: the short samples)")
     p.add_argument("--batch1-prompts", type=int, default=3, help="prompts run one at a time at batch 1")
@@ -175,6 +179,7 @@ def arm_row(engine: LLMEngine, arm: str, runs: list, mark: tuple[dict, int, int]
         spent = {k: budget.totals[k] - before.get(k, 0) for k in budget.totals}
         drafts = engine.draft_counts.total()[0] - drafts_before
         row.update(drafts_per_row=drafts / max(spent["decode_rows"], 1), probes=spent["probes"],
+                   declined=spent["declined"], declined_eager=spent["declined_eager"],
                    draft_steps=spent["draft_steps"], draft_seconds=spent["draft_seconds"],
                    eager_draft_steps=spent["eager_draft_steps"], eager_draft_seconds=spent["eager_draft_seconds"],
                    eager_proposals=_eager_proposals(engine) - proposals_before)
@@ -255,10 +260,9 @@ def requests(prompts: list[list[int]], sampling: dict, max_tokens) -> list:
 # -- cases --------------------------------------------------------------------------------------------
 
 
-def case_embedded(args: argparse.Namespace, result: dict, mode: str, batches: list[int],
-                  specs=("dflash", "dspark")) -> None:
+def case_embedded(args: argparse.Namespace, result: dict, mode: str, batches: list[int]) -> None:
     prompts = heldout_prompts(max(max(batches), args.batch1_prompts))
-    for spec in specs:
+    for spec in args.specs:
         engines = engine_pair(args, spec, max(batches), 256 + args.output_len)
         for batch in batches:
             chosen = prompts[: args.batch1_prompts] if batch == 1 else prompts[:batch]
@@ -378,8 +382,8 @@ def main() -> None:
     write_json(args.out, result)
     print_table(f"speculation: none / full blocks / adaptive budgets, block {args.block}", result["rows"],
                 ["case", "spec", "sampling", "batch", "arm", "tokens_per_s", "vs_none", "mean_acceptance",
-                 "drafts_per_row", "probes", "steps", "draft_steps", "draft_seconds", "eager_draft_steps",
-                 "eager_draft_seconds", "eager_proposals", "seconds"])
+                 "drafts_per_row", "probes", "declined", "declined_eager", "steps", "draft_steps", "draft_seconds",
+                 "eager_draft_steps", "eager_draft_seconds", "eager_proposals", "seconds"])
     print_table("goals (issue 19): adaptive >= 0.97 x none; >= 95% of full's speedup where it pays; the long "
                 "tail finishes first with adaptive", result["goals"],
                 ["case", "spec", "sampling", "batch", "full", "adaptive", "vs_full", "never_costs",

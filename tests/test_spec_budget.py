@@ -343,6 +343,22 @@ def test_a_batch_draining_under_full_blocks_keeps_them_and_one_that_grows_choose
     assert full == [32, 1, 8]
 
 
+def test_declined_counts_plain_steps_where_samples_could_have_drafted():
+    """The summary's `declined`: steps that verified no drafts although some sample's limit allowed
+    them; a step whose samples have no drafts left to verify (one output token to go) is not one."""
+    budget = SpecBudget(K, cost_table(decode_ms=1.0, token_ms=100.0, drafter_ms=100.0), graphs=False,
+                        max_graph_rows=0)
+    seqs = [_seq(i) for i in range(4)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    assert not any(any(c.values()) for c in _run_steps(budget, seqs, 5, accept=lambda j: True))
+    for s in seqs:  # one token left: nothing to verify
+        s.params = SamplingParams(max_tokens=s.num_output_tokens + 1)
+    _run_steps(budget, seqs, 3, accept=lambda j: True)
+    summary = budget.summary()
+    assert summary["steps"] == 8 and summary["declined"] == 5
+
+
 def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):
     """Between full choices a ragged rule (the slots whose gain reaches its threshold) is applied
     from per-sample counts kept since the full choice: a sample that joins later, and one whose

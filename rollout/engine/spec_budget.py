@@ -269,8 +269,8 @@ class SpecBudget:
         self._summarised = self.counts.total()  # ... at the last summary
         self.acceptance = AcceptanceEstimates(num_spec)
         self.credit = 0.0  # seconds of probing earned (see the module docstring)
-        self.totals = dict.fromkeys(("steps", "decode_rows", "probes", "verified_rows", "draft_steps",
-                                     "draft_seconds", "eager_draft_steps", "eager_draft_seconds"), 0)
+        self.totals = dict.fromkeys(("steps", "decode_rows", "probes", "declined", "declined_eager", "verified_rows",
+                                     "draft_steps", "draft_seconds", "eager_draft_steps", "eager_draft_seconds"), 0)
         self._timings: list[tuple] = []  # recorded steps' shapes and wall times, not learned from yet
         self._verified: list[tuple] = []  # recorded steps' (entries, num_draft, num_accepted), the same
         self._key, self._last, self._age = None, None, 0  # the last full choice, steps it served
@@ -306,9 +306,12 @@ class SpecBudget:
         else:
             chosen = sum(drafts)
         if self._probe(chosen, full, seconds, full_seconds, room):
-            drafts = num_spec
+            drafts = chosen = num_spec
         self.totals["steps"] += 1
         self.totals["decode_rows"] += len(decode)
+        declined = chosen == 0 and full > 0  # a plain step where drafts could have gone
+        self.totals["declined"] += declined
+        self.totals["declined_eager"] += declined and not graphs  # (bench_spec: ... an eager one)
         if type(drafts) is int:
             return dict.fromkeys(decode, drafts) if drafts else {}
         return dict(zip(decode, drafts))
@@ -423,9 +426,10 @@ class SpecBudget:
         self.credit, self._key = 0.0, None
 
     def summary(self) -> dict:
-        """Since the last summary: steps, decode rows, drafts verified per decode row, probes, accepted
-        drafts per verifying row; now: the server-wide acceptance by position, the expected committed
-        tokens of a full block for (up to 16) running requests, the cost model."""
+        """Since the last summary: steps, decode rows, drafts verified per decode row, probes, steps that
+        declined every draft their samples could verify, accepted drafts per verifying row; now: the
+        server-wide acceptance by position, the expected committed tokens of a full block for (up to
+        16) running requests, the cost model."""
         self.learn()
         t, self.totals = self.totals, dict.fromkeys(self.totals, 0)
         now = self.counts.total()
@@ -438,7 +442,7 @@ class SpecBudget:
             for seq, e in zip(live, expected.tolist()):
                 if len(requests) < 16 or seq.request_id in requests:
                     requests.setdefault(seq.request_id, []).append(e)
-        return dict(steps=t["steps"], decode_rows=t["decode_rows"], probes=t["probes"],
+        return dict(steps=t["steps"], decode_rows=t["decode_rows"], probes=t["probes"], declined=t["declined"],
                     drafts_per_row=round(drafts / max(t["decode_rows"], 1), 3),
                     accepted_per_verify=round(accepted / max(t["verified_rows"], 1), 3),
                     acceptance=[round(a, 3) for a in self.acceptance.server_wide().tolist()],
