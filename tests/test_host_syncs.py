@@ -166,7 +166,7 @@ def test_a_step_waits_for_the_device_once(request, target, spec, static, monkeyp
 class _NoDrafts:
     """A draft budget that verifies no drafts."""
 
-    def caps(self, running, token_budget, waiting_tokens=0, states=None, waiting_rows=0):
+    def caps(self, running, token_budget, waiting_tokens=0, states=None):
         return {}
 
 

@@ -269,7 +269,7 @@ class _EveryThird:
     def __init__(self, never: bool = False):
         self.never = never
 
-    def caps(self, running, token_budget, waiting_tokens=0, states=None, waiting_rows=0):
+    def caps(self, running, token_budget, waiting_tokens=0, states=None):
         return {} if self.never else {s: 8 for s in running if s.request_id in ("g", "late") and s.num_tokens % 3 == 0}
 
 

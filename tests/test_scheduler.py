@@ -166,9 +166,9 @@ def test_a_draft_budget_caps_each_decode_item_and_leaves_the_token_budget_to_pre
         def __init__(self):
             self.calls = []
 
-        def caps(self, running, budget, waiting_tokens=0, states=None, waiting_rows=0):
+        def caps(self, running, budget, waiting_tokens=0, states=None):
             assert states == [s.behind_and_remaining() for s in running]
-            self.calls.append((len(running), waiting_rows, budget, waiting_tokens))  # (admits prefill)
+            self.calls.append((len(running), waiting_tokens > 0, budget, waiting_tokens))  # (admits prefill)
             return {running[0]: 2, running[1]: 9}  # the third: not in the dict
 
     sched = make_scheduler(num_blocks=64, block_size=4, budget=12, num_spec=4)
@@ -183,23 +183,24 @@ def test_a_draft_budget_caps_each_decode_item_and_leaves_the_token_budget_to_pre
     batch = driver.step()
     assert [(it.seq, it.num_new_tokens, it.num_draft) for it in batch] == [
         (seqs[0], 1, 2), (seqs[1], 1, 4), (seqs[2], 1, 0), (late, 3, 0)]  # 9 capped at num_spec 4
-    assert sched.draft_budget.calls == [(3, 1, 12, 20)]  # the late prompt: one sample, 20 tokens
+    assert sched.draft_budget.calls == [(3, True, 12, 12)]  # the late prompt's 20 tokens, up to the budget
     sched.draft_budget = None
     assert [it.num_draft for it in driver.step()[:2]] == [4, 4]  # (the token budget leaves the third 1)
 
 
 def test_the_scheduler_counts_the_prompts_it_may_admit():
-    """What `Scheduler._admissible_prompts` hands the draft budget: the waiting prompts' tokens and
-    count, only as many samples as max_num_seqs leaves room for, none while a weight update pauses
-    admission."""
+    """What `Scheduler._admissible_prompt_tokens` hands the draft budget: the waiting prompts' tokens
+    up to the step's budget, only as many samples as max_num_seqs leaves room for, none while a
+    weight update pauses admission."""
     sched = make_scheduler(max_num_seqs=3, budget=64, num_spec=7)
     for n in (10, 20, 30, 40):
         sched.waiting.append(make_seq(n))
-    assert sched._admissible_prompts() == (60, 3)  # three samples fit max_num_seqs
+    assert sched._admissible_prompt_tokens(100) == 60  # three samples fit max_num_seqs
+    assert sched._admissible_prompt_tokens(25) == 25
     sched.running.append(make_seq(5))
-    assert sched._admissible_prompts() == (30, 2)
+    assert sched._admissible_prompt_tokens(100) == 30
     sched.admission_paused = True
-    assert sched._admissible_prompts() == (0, 0)
+    assert sched._admissible_prompt_tokens(100) == 0
 
 
 def test_admission_waits_for_free_blocks():

@@ -49,8 +49,8 @@ def _record_caps(eng: LLMEngine) -> list[list[int]]:
     """Every step's chosen drafts per decode sample (wraps the budget's hook)."""
     chosen, caps = [], eng.spec_budget.caps
 
-    def recording(running, budget, waiting_tokens=0, states=None, waiting_rows=0):
-        out = caps(running, budget, waiting_tokens, states, waiting_rows)
+    def recording(running, budget, waiting_tokens=0, states=None):
+        out = caps(running, budget, waiting_tokens, states)
         chosen.append([min(out.get(s, 0), s.remaining_tokens - 1) for s in running
                        if s.num_tokens - s.num_computed_tokens <= 1])  # (the scheduler's limit applied)
         return out
@@ -85,7 +85,7 @@ def test_greedy_outputs_equal_plain_decoding_under_random_budgets(spec, plain):
     """Each step, each sample a random number of drafts in [0, K] through the scheduler's hook."""
     eng = _engine(spec, cost=cost_table(q=BLOCK))
     rng = random.Random(0)
-    eng.spec_budget.caps = lambda running, *_: {s: rng.randint(0, K) for s in running}
+    eng.spec_budget.caps = lambda running, admits, budget, waiting=0: {s: rng.randint(0, K) for s in running}
     outs = _run(eng)
     assert [o.token_ids for o in outs] == plain
     steps = Counter(a for o in outs for a in o.accept_lengths[1:])

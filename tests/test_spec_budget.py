@@ -495,28 +495,15 @@ def test_a_profile_cut_short_still_measures_the_fewest_and_the_most_rows(monkeyp
     assert profile(60.0).eager.decode.xs == [1.0, 4.0, 16.0, 64.0, 256.0]
 
 
-def test_prompts_waiting_for_the_token_budget_leave_drafts_only_their_last_steps_slack():
-    """A good drafter and cheap drafts (full blocks otherwise): while the prompts that may be admitted
-    fill the token budget, drafts get only what the prefill's last step leaves unused (prefill_slack:
-    a draft beyond it would delay the last prompt's start); none when the prefill fills its steps
-    exactly; with room left over in this step, that room; with no prompt waiting, full blocks."""
+def test_prompts_waiting_for_the_token_budget_leave_drafts_no_room():
+    """A good drafter and cheap drafts (full blocks otherwise): while the prompts the step may admit
+    fill its token budget, nothing drafts (a draft would displace a prompt token); with room left
+    over, drafts take that room and no more; with no prompt waiting, full blocks."""
     cost = cost_table(decode_ms=4.0, token_ms=0.001, drafter_ms=0.1)
     budget = SpecBudget(K, cost, graphs=False, max_graph_rows=256)
     seqs = _decoding(8)
     budget.acceptance.observe(seqs * 4, np.full(32, K), np.full(32, K))  # measured: everything accepted
-    # 4 prompts wait: 12 rows once admitted, 52 prefill tokens a step of 64
-    assert budget.caps(seqs, 64, waiting_tokens=208, waiting_rows=4) == {}  # 4 full steps: no slack
-    assert 0 < sum(budget.caps(seqs, 64, waiting_tokens=200, waiting_rows=4).values()) <= 8  # 208 - 200
-    assert sum(budget.caps(seqs, 64, waiting_tokens=40, waiting_rows=1).values()) <= 64 - 8 - 40
+    assert budget.caps(seqs, 64, waiting_tokens=200) == {}
+    assert sum(budget.caps(seqs, 64, waiting_tokens=40).values()) <= 64 - 8 - 40
     assert sorted(budget.caps(seqs, 64).values()) == [K] * 8
-
-
-def test_prefill_slack():
-    assert spec_budget.prefill_slack(64, 8, 208, 12) == 0
-    assert spec_budget.prefill_slack(64, 8, 200, 12) == 8
-    assert spec_budget.prefill_slack(2048, 8, 6144, 32) == 4 * 2016 - 6144  # embedded batch 32's second step
-    assert spec_budget.prefill_slack(64, 60, 10, 12) == 4  # at most what the decode rows leave
-    assert spec_budget.prefill_slack(64, 8, 100, 64) == 0  # every row decoding fills the budget
-    assert spec_budget.prefill_slack(64, 8, 0, 12) == 0
-
 

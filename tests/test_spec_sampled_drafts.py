@@ -112,7 +112,7 @@ def test_sampled_drafts_follow_the_exact_law_under_a_varying_budget(spec, exact_
                        step_cost=cost_table(q=BLOCK))
     rng, chosen = random.Random(7), Counter()
 
-    def random_caps(running, *_):
+    def random_caps(running, admits, budget, waiting_tokens=0):
         caps = {s: rng.randint(0, BLOCK - 1) for s in running}
         chosen.update(caps.values())
         return caps

@@ -158,20 +158,18 @@ class Scheduler:
         states: the running samples' behind_and_remaining()."""
         if self.draft_budget is None or not self.num_spec:
             return None
-        tokens, rows = self._admissible_prompts()
-        return self.draft_budget.caps(self.running, budget, tokens, states, rows)
+        return self.draft_budget.caps(self.running, budget, self._admissible_prompt_tokens(budget), states)
 
-    def _admissible_prompts(self) -> tuple[int, int]:
-        """(prompt tokens, samples) of the waiting samples that may be admitted now or as running ones
-        finish their prefill (by count: max_num_seqs): the prefill that drafts compete with (`_admit`
-        takes what the running items leave of a step's budget)."""
-        total, rows, slots = 0, 0, self.max_num_seqs - len(self.running)
+    def _admissible_prompt_tokens(self, budget: int) -> int:
+        """Prompt tokens of the waiting samples this step may admit (by count: max_num_seqs), at most
+        `budget`: the prefill that drafts would displace (`_admit` takes what the running items leave)."""
+        total, slots = 0, self.max_num_seqs - len(self.running)
         for seq in self.waiting:
-            if rows >= slots or not self._admissible(seq):
+            if slots <= 0 or total >= budget or not self._admissible(seq):
                 break
             total += seq.num_tokens - seq.num_computed_tokens
-            rows += 1
-        return total, rows
+            slots -= 1
+        return min(total, budget)
 
     def _plan(self, seq: Sequence, budget: int, state: tuple[int, int]) -> ScheduledSeq:
         """seq's item within `budget` tokens; state: its behind_and_remaining()."""

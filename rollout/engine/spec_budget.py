@@ -26,27 +26,19 @@ the cost model learn from the recorded steps when the budget next chooses in ful
 every RECHOOSE_STEPS steps (REUSE_STEPS while no draft has been verified since), twice as long after
 each full choice that chose the rule it already had (up to 2^MAX_DOUBLINGS times: a steady batch
 re-decides every 64 steps), soon after a probe (whose results should steer), and at once when the
-batch's shape changes: CUDA graphs or not, the rows' buckets, whether the step's token room binds
-the drafts. While it binds (prompts wait: see Room below), a step with room chooses in full, since
-the room moves from step to step, and a step without room verifies nothing without choosing; these
-are eager prefill steps, where a full choice is a small share. One change does not count: a batch
-draining to fewer rows under full blocks keeps them until the rule's age runs out (fewer rows leave
-the target further below its compute bound, so drafts cost no more against the plain step; a
-draining tail would otherwise choose anew at every bucket it passes). In between, the last choice's
-rule (k drafts each, or the slots whose expected gain clears its threshold) is applied to the step's
-samples. On this machine's CPU a full choice costs the host ~0.1 ms at batch 1 and ~0.3 ms at batch
-32 (learning included), a reused uniform rule ~3 and ~20 us (the scheduler reads each sample's state
-once for itself and the budget, and applies the limits).
+batch's shape changes: CUDA graphs or not, the rows' buckets, whether the step's token room binds the
+drafts. One change does not count: a batch draining to fewer rows under full blocks keeps them until
+the rule's age runs out (fewer rows leave the target further below its compute bound, so drafts cost
+no more against the plain step; a draining tail would otherwise choose anew at every bucket it
+passes). In between, the last choice's rule (k drafts each, or the slots whose expected gain clears
+its threshold) is applied to the step's samples. On this machine's CPU a full choice costs the host
+~0.1 ms at batch 1 and ~0.3 ms at batch 32 (learning included), a reused uniform rule ~3 and ~20 us
+(the scheduler reads each sample's state once for itself and the budget, and applies the limits).
 
 Room: drafts get the step's token budget that the running samples' prefill and the prompts it may
-admit leave (`caps`' waiting_tokens), and while prefill fills the budget, the slack of the prefill's
-last step (`prefill_slack`). A draft in a budget-bound step displaces a prompt token, so the prompts
-waiting to be prefilled (an RL rollout's first steps, all samples arriving at once) start later,
-unless the displaced tokens fit in the budget that the prefill's last step leaves unused anyway: the
-outstanding prefill needs ceil(P / (B - R)) steps of B tokens with R rows decoding once all are
-admitted, and drafts taking up to the unused rest of those steps do not delay its end. (Refusing them
-outright, embedded DFlash at batch 32 sat out three prefill steps that full blocks drafted in, and
-ran 89 steps to their 84.)
+admit leave (`caps`' waiting_tokens). A draft in a budget-bound step displaces a prompt token,
+commits less than one token and delays that prompt, so while prompts wait for the budget (an RL
+rollout's first steps, all samples arriving at once) nothing drafts.
 
 Exploration: with no drafts verified nothing is learned, and the policy (so the drafter's acceptance)
 drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted time as credit;
@@ -230,18 +222,6 @@ def _same_rule(a: Budget, b: Budget) -> bool:
     return a.k != -1 or abs(a.threshold - b.threshold) <= 0.1 * max(a.threshold, b.threshold)
 
 
-def prefill_slack(token_budget: int, decode_rows: int, prefill: int, rows: int) -> int:
-    """Draft tokens a step may take from `prefill` outstanding prompt tokens without delaying the
-    step in which the last of them is computed: the budget its steps leave unused, counting each step
-    at token_budget less `rows` (every sample decoding: the fewest prefill tokens a step takes), at
-    most what the step's `decode_rows` leave of its budget."""
-    per_step = token_budget - rows
-    if per_step <= 0 or prefill <= 0:
-        return 0
-    steps = -(-prefill // per_step)
-    return max(0, min(steps * per_step - prefill, token_budget - decode_rows))
-
-
 def uniform_sizes(k_max: int) -> list[int]:
     """The uniform block sizes tried: 0, then 1, 3, 7, ... below k_max, and k_max."""
     return [0, *(k for k in (2 ** i - 1 for i in range(1, 7)) if k < k_max), k_max]
@@ -299,13 +279,12 @@ class SpecBudget:
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
 
     def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0,
-             states: list[tuple[int, int]] | None = None, waiting_rows: int = 0) -> dict[Sequence, int]:
+             states: list[tuple[int, int]] | None = None) -> dict[Sequence, int]:
         """The most drafts each caught-up running sample verifies this step (the scheduler takes each
         one's min with its own limit: output left, token budget). token_budget: the step's token
-        budget; waiting_tokens, waiting_rows: the prompt tokens and samples of the waiting samples that
-        may be admitted (their prefill makes the step eager, and drafts get the room left after them:
-        see the module docstring); states: the running samples' behind_and_remaining(), when the
-        caller has them."""
+        budget; waiting_tokens: the prompt tokens of the waiting samples it may admit (their prefill
+        makes the step eager, and drafts get the room left after them: see the module docstring);
+        states: the running samples' behind_and_remaining(), when the caller has them."""
         decode, limits, prefill, num_spec = [], [], 0, self.num_spec
         if states is None:
             states = [seq.behind_and_remaining() for seq in running]
@@ -319,9 +298,6 @@ class SpecBudget:
             return {}
         base = min(token_budget, len(decode) + prefill + waiting_tokens)
         room = token_budget - base
-        if room < len(decode) * num_spec and (prefill or waiting_tokens):
-            room = max(room, prefill_slack(token_budget, len(decode), prefill + waiting_tokens,
-                                           len(running) + waiting_rows))
         graphs = self.graphs and not prefill and not waiting_tokens and len(decode) <= self.max_graph_rows
         drafts, seconds, full_seconds = self._choose(decode, limits, len(running), base, room, graphs)
         full = sum(limits)
@@ -346,13 +322,10 @@ class SpecBudget:
         the module docstring): the drafts (an int k: k for every sample, within its limit; or [S] per
         sample), the step's predicted seconds and those of full blocks. A reused uniform rule costs
         no per-sample work here (the scheduler applies the limits)."""
-        binds = room < sum(limits)  # prompts wait for the budget: the room is the prefill's slack
-        if binds and room <= 0:
-            return 0, 0.0, 0.0
-        key = (graphs, rows_bucket(len(decode)), rows_bucket(rows), binds)
+        key = (graphs, rows_bucket(len(decode)), rows_bucket(rows), room < sum(limits))  # (room binds: prompts wait)
         if key != self._key and self._shrunk_under_full_blocks(key):
             self._key = key
-        if key == self._key and not binds and self._age < self._serves():
+        if key == self._key and self._age < self._serves():
             self._age += 1
             last, full_seconds = self._last
             if last.k >= 0:
