@@ -311,7 +311,7 @@ class SpecBudget:
         self.totals["decode_rows"] += len(decode)
         declined = chosen == 0 and full > 0  # a plain step where drafts could have gone
         self.totals["declined"] += declined
-        self.totals["declined_eager"] += declined and not graphs  # (bench_spec: ... an eager one)
+        self.totals["declined_eager"] += declined and not graphs  # of them, eager steps (bench_spec shows both)
         if type(drafts) is int:
             return dict.fromkeys(decode, drafts) if drafts else {}
         return dict(zip(decode, drafts))
