@@ -46,9 +46,12 @@ def test_cost_model_learns_a_kind_of_step_and_a_frozen_one_does_not():
     assert carried > 2.5 * (frozen.seconds(64, 64, False, 64, 448) - frozen.seconds(64, 64))
     assert learned.seconds(32, 32) == pytest.approx(plain)  # plain steps untouched
     assert frozen.seconds(32, 32, False, 32, 224) == pytest.approx(plain + extra)
-    for _ in range(60):  # plain steps take 2x the tables' prediction: the drafting steps' plain part too
-        learned.observe(32, 32, False, 0, 0, 2 * plain)
+    for _ in range(60):  # plain steps take 2x the tables' prediction: the drafting steps were seen whole,
+        learned.observe(32, 32, False, 0, 0, 2 * plain)  # so their price stays what they took (_rebase)
     assert learned.seconds(32, 32) == pytest.approx(2 * plain, rel=0.02)
+    assert learned.seconds(32, 32, False, 32, 224) == pytest.approx(truth, rel=0.02)
+    for _ in range(60):  # then drafting steps take longer too: their price follows
+        learned.observe(32, 32, False, 32, 224, 2 * plain + 3 * extra)
     assert learned.seconds(32, 32, False, 32, 224) == pytest.approx(2 * plain + 3 * extra, rel=0.02)
 
 
@@ -86,3 +89,25 @@ def test_drafting_is_never_priced_below_the_plain_step_whatever_was_learned(grap
     assert (cost.ragged_seconds(256, 256, np.arange(1, 65), graphed) > plain).all()
     budget = choose_drafts(np.full((256, K), 0.003), np.full(256, K), cost, 256, 256, 10_000, graphs=graphed)[0]
     assert budget.k == 0 or not budget.drafts.any(), budget
+
+
+def test_plain_steps_seen_late_give_back_what_drafting_absorbed():
+    """A bucket where only drafting steps ran borrows its kind's plain correction, taught by plain
+    steps at another bucket that cost less: its drafting correction absorbs the plain prediction's
+    error. Once plain steps at that bucket teach its true cost, drafting there is priced at its true
+    cost again (before the rebase it was priced high by the same error until probes unlearned it)."""
+    rows = [1, 16, 256]
+    target = TargetCost(rows, [0.30e-3, 0.32e-3, 0.38e-3], [0.30e-3, 0.35e-3, 0.57e-3], 8)
+    cost = StepCost(target, target, Curve(rows, [0.2e-3, 0.23e-3, 0.43e-3]))
+    plain_16, plain_256, drafting = 3.0e-3, 4.8e-3, 2.0e-3  # true seconds (a host-bound engine)
+    for _ in range(50):
+        cost.observe(16, 16, True, 0, 0, plain_16)
+    for _ in range(30):
+        cost.observe(256, 256, True, 256, 1792, plain_256 + drafting)
+    assert cost.seconds(256, 256, True) < 0.8 * plain_256  # borrowed: priced low
+    assert cost.seconds(256, 256, True, 256, 1792) == pytest.approx(plain_256 + drafting)
+    for _ in range(10):
+        cost.observe(256, 256, True, 0, 0, plain_256)
+    assert cost.seconds(256, 256, True) == pytest.approx(plain_256)
+    assert cost.seconds(256, 256, True, 256, 1792) == pytest.approx(plain_256 + drafting, rel=0.01)
+    assert cost.seconds(16, 16, True) == pytest.approx(plain_16, rel=0.01)  # the other bucket kept

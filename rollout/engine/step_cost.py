@@ -24,7 +24,9 @@ The model: measured tables times a learned correction.
   never looks cheaper than not drafting. (With one correction for a whole drafting step, learned
   on steps of one size, a step of a few drafts was priced below the plain step whenever the plain
   correction was the larger: on the H200 at 8B batch 256 an untrained drafter was then verified in
-  nearly every step, 0.37 of no speculation.)
+  nearly every step, 0.37 of no speculation.) What a drafting correction learned rests on the plain
+  prediction of its moment; when plain steps later move that prediction, the drafting correction
+  gives the move back (`_rebase`), so a drafting step stays priced at what drafting steps took.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class StepCost:
         self.learn = learn
         self.correction: dict[tuple, float] = {}  # (graphed, drafts) and (graphed, drafts, rows bucket)
         self.observed: dict[tuple, int] = {}  # steps seen, by the same keys
+        self._plain_per_draft: dict[tuple[bool, int], float] = {}  # (graphed, rows bucket): see _rebase
         self._tables: dict[tuple[int, int, bool], float] = {}  # `_target`'s seconds by shape
 
     def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0, drafts: int = 0) -> float:
@@ -163,11 +166,33 @@ class StepCost:
             seconds = max(seconds - plain, model / MAX_STEP_RATIO)
         if model <= 0:
             return
-        kind, ratio = (graphed, draft_rows > 0), seconds / model
-        for key in ((*kind, rows_bucket(rows)), kind):  # the bucket's starts from its kind's
+        kind, ratio, bucket_ = (graphed, draft_rows > 0), seconds / model, rows_bucket(rows)
+        before = {} if draft_rows else {b: self._bucket_scale(graphed, False, b)
+                                        for g, b in self._plain_per_draft if g == graphed}
+        for key in ((*kind, bucket_), kind):  # the bucket's starts from its kind's
             now = self.correction.get(key, self.correction.get(kind, 1.0))
             n = self.observed[key] = self.observed.get(key, 0) + 1
             self.correction[key] = now + max(1 / n, LEARN_RATE) * (ratio - now)
+        if draft_rows:
+            self._plain_per_draft[(graphed, bucket_)] = target / model
+        else:
+            self._rebase(graphed, before)
+
+    def _rebase(self, graphed: bool, before: dict[int, float]) -> None:
+        """After a plain step moved the plain corrections: a bucket's drafting correction learned the
+        time its steps took beyond the plain prediction of the moment, so it absorbed that prediction's
+        error (a bucket whose plain steps were never seen borrows its kind's plain correction, which
+        other buckets taught). Each gives back what its bucket's plain prediction moved, counted at
+        the plain tables' seconds per drafting second of its last drafting step. (Without this, a
+        batch that only drafted at a bucket whose plain steps cost more than the borrowed correction
+        said priced plain steps low there, and once plain steps taught the truth, priced drafting
+        high by the same amount until probes, a few in a hundred steps, unlearned it.)"""
+        for bucket_, old in before.items():
+            moved = self._bucket_scale(graphed, False, bucket_) - old
+            key = (graphed, True, bucket_)
+            if moved and key in self.correction:
+                share = self._plain_per_draft[(graphed, bucket_)]
+                self.correction[key] = max(self.correction[key] - moved * share, 1 / MAX_STEP_RATIO)
 
     def timed(self, rows: int, graphed: bool, drafting: bool) -> bool:
         """Whether a step of this kind and rows bucket has been observed (a frozen model: always)."""
@@ -212,8 +237,11 @@ class StepCost:
         return self.drafter(rows)
 
     def _scale(self, rows: int, graphed: bool, drafts: bool) -> float:
+        return self._bucket_scale(graphed, drafts, rows_bucket(rows))
+
+    def _bucket_scale(self, graphed: bool, drafts: bool, bucket_: int) -> float:
         c = self.correction
-        return c.get((graphed, drafts, rows_bucket(rows)), c.get((graphed, drafts), 1.0))
+        return c.get((graphed, drafts, bucket_), c.get((graphed, drafts), 1.0))
 
     def describe(self) -> dict:
         """The tables (milliseconds) and the learned corrections, for logs."""
