@@ -345,13 +345,13 @@ def case_verify_cost(args: argparse.Namespace, result: dict) -> None:
 
 def share_interval(full_rounds: list[float], paired_rounds: list[float], resamples: int = 2000) -> str:
     """The share of full's speedup (as goals computes it) over rounds drawn with replacement (fixed
-    seed): its 5th and 95th percentiles, "lo-hi" (how far one run's share can be trusted)."""
+    seed): its 5th and 95th percentiles, "lo to hi" (how far one run's share can be trusted)."""
     full, paired = np.asarray(full_rounds), np.asarray(paired_rounds)
     idx = np.random.default_rng(0).integers(0, len(full), size=(resamples, len(full)))
     f, p = np.median(full[idx], axis=1), np.median(paired[idx], axis=1)
     share = (f * p - 1) / np.maximum(f - 1, 1e-9)
     lo, hi = np.percentile(share, [5, 95])
-    return f"{lo:.3f}-{hi:.3f}"
+    return f"{lo:.3f} to {hi:.3f}"
 
 
 def goals(rows: list[dict]) -> list[dict]:
