@@ -95,7 +95,8 @@ def test_plain_steps_seen_late_give_back_what_drafting_absorbed():
     """A bucket where only drafting steps ran borrows its kind's plain correction, taught by plain
     steps at another bucket that cost less: its drafting correction absorbs the plain prediction's
     error. Once plain steps at that bucket teach its true cost, drafting there is priced at its true
-    cost again (before the rebase it was priced high by the same error until probes unlearned it)."""
+    cost again (before the rebase it was priced high by the same error until probes unlearned it).
+    Once the bucket's plain correction is its own, its later moves carry drafting steps along."""
     rows = [1, 16, 256]
     target = TargetCost(rows, [0.30e-3, 0.32e-3, 0.38e-3], [0.30e-3, 0.35e-3, 0.57e-3], 8)
     cost = StepCost(target, target, Curve(rows, [0.2e-3, 0.23e-3, 0.43e-3]))
@@ -111,3 +112,6 @@ def test_plain_steps_seen_late_give_back_what_drafting_absorbed():
     assert cost.seconds(256, 256, True) == pytest.approx(plain_256)
     assert cost.seconds(256, 256, True, 256, 1792) == pytest.approx(plain_256 + drafting, rel=0.01)
     assert cost.seconds(16, 16, True) == pytest.approx(plain_16, rel=0.01)  # the other bucket kept
+    for _ in range(60):  # now settled: plain steps that get slower are the engine's speed changing,
+        cost.observe(256, 256, True, 0, 0, 2 * plain_256)  # and drafting steps' plain part moves with them
+    assert cost.seconds(256, 256, True, 256, 1792) == pytest.approx(2 * plain_256 + drafting, rel=0.01)

@@ -25,8 +25,9 @@ The model: measured tables times a learned correction.
   on steps of one size, a step of a few drafts was priced below the plain step whenever the plain
   correction was the larger: on the H200 at 8B batch 256 an untrained drafter was then verified in
   nearly every step, 0.37 of no speculation.) What a drafting correction learned rests on the plain
-  prediction of its moment; when plain steps later move that prediction, the drafting correction
-  gives the move back (`_rebase`), so a drafting step stays priced at what drafting steps took.
+  prediction of its moment; where that was not yet its bucket's own, the drafting correction gives
+  back what the bucket's first plain steps move it (`_rebase`), so a drafting step stays priced at
+  what drafting steps took.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ PROFILE_ROWS = (1, 4, 16, 64, 256)  # target and drafter forward points
 PROFILE_CONTEXT = 256
 LEARN_RATE = 0.1  # the correction's EMA weight of a new step (its n-th: max(1 / n, LEARN_RATE))
 MAX_STEP_RATIO = 3.0  # a step counts as at most this factor off the prediction (a capture is slow once)
+SETTLED = round(1 / LEARN_RATE)  # plain steps of a bucket after which its correction counts as its own
 _BUCKETS = np.asarray(BATCH_BUCKETS, dtype=np.float64)  # (read-only)
 _BUCKETS.setflags(write=False)
 
@@ -174,25 +176,31 @@ class StepCost:
             n = self.observed[key] = self.observed.get(key, 0) + 1
             self.correction[key] = now + max(1 / n, LEARN_RATE) * (ratio - now)
         if draft_rows:
-            self._plain_per_draft[(graphed, bucket_)] = target / model
+            if self.observed.get((graphed, False, bucket_), 0) < SETTLED:  # its plain part still moving
+                self._plain_per_draft[(graphed, bucket_)] = target / model
         else:
             self._rebase(graphed, before)
 
     def _rebase(self, graphed: bool, before: dict[int, float]) -> None:
-        """After a plain step moved the plain corrections: a bucket's drafting correction learned the
-        time its steps took beyond the plain prediction of the moment, so it absorbed that prediction's
-        error (a bucket whose plain steps were never seen borrows its kind's plain correction, which
-        other buckets taught). Each gives back what its bucket's plain prediction moved, counted at
-        the plain tables' seconds per drafting second of its last drafting step. (Without this, a
-        batch that only drafted at a bucket whose plain steps cost more than the borrowed correction
-        said priced plain steps low there, and once plain steps taught the truth, priced drafting
-        high by the same amount until probes, a few in a hundred steps, unlearned it.)"""
+        """After a plain step moved the plain corrections: a drafting correction learned the time its
+        steps took beyond the plain prediction of the moment, so where that prediction was not yet its
+        bucket's own (borrowed from its kind, which other buckets taught, or still averaging its first
+        SETTLED steps) it absorbed the prediction's error. Such a bucket's drafting correction gives
+        back what its plain prediction moved, counted at the plain tables' seconds per drafting second
+        of its last drafting step, until SETTLED plain steps of its own have been seen. (Without this,
+        a batch that only drafted at a bucket whose plain steps cost more than the borrowed correction
+        said priced plain steps low there, and once plain steps taught the truth, priced drafting high
+        by the same amount until probes, a few in a hundred steps, unlearned it. Later moves of a
+        settled plain correction, the engine's speed changing, are not given back: drafting steps then
+        move their own correction.)"""
         for bucket_, old in before.items():
             moved = self._bucket_scale(graphed, False, bucket_) - old
             key = (graphed, True, bucket_)
             if moved and key in self.correction:
                 share = self._plain_per_draft[(graphed, bucket_)]
                 self.correction[key] = max(self.correction[key] - moved * share, 1 / MAX_STEP_RATIO)
+            if self.observed.get((graphed, False, bucket_), 0) >= SETTLED:
+                del self._plain_per_draft[(graphed, bucket_)]
 
     def timed(self, rows: int, graphed: bool, drafting: bool) -> bool:
         """Whether a step of this kind and rows bucket has been observed (a frozen model: always)."""
