@@ -138,38 +138,20 @@ def engine_pair(args: argparse.Namespace, spec: str, max_batch: int, max_len: in
             "spec": rollout.build_engine(spec_config)}
 
 
-def arm_engine(engines: dict[str, LLMEngine], arm: str) -> LLMEngine:
-    """The engine `arm` runs on, its draft budget switched on (adaptive) or off (full)."""
-    engine = engines["none" if arm == "none" else "spec"]
-    if arm != "none":
-        engine.scheduler.draft_budget = engine.spec_budget if arm == "adaptive" else None
-    return engine
-
-
 def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: str, device: str,
             fresh: bool = False) -> dict:
     """The workload (groups of requests run one group after another) on one arm; `fresh`: the adaptive
     budget starts from its prior (a new server's first batch, its cost model and graphs kept)."""
-    engine = arm_engine(engines, arm)
+    engine = engines["none" if arm == "none" else "spec"]
+    budget = engine.spec_budget
+    if arm != "none":
+        engine.scheduler.draft_budget = budget if arm == "adaptive" else None
     if arm == "adaptive" and fresh:
-        engine.spec_budget.forget_acceptance()
-    mark = _mark(engine)
+        budget.forget_acceptance()
+    before = dict(budget.totals) if budget is not None else {}
+    drafts_before, proposals_before = engine.draft_counts.total()[0], _eager_proposals(engine)
     gc.collect()  # (untimed: no run inherits a collection of the garbage the runs before it left)
     runs = [run_engine(engine, g, f"{tag}-{arm}-{i}", device) for i, g in enumerate(groups)]
-    return arm_row(engine, arm, runs, mark)
-
-
-def _mark(engine: LLMEngine) -> tuple[dict, int, int]:
-    """What arm_row counts from: the budget's totals, the drafts proposed, the eager proposals."""
-    budget = engine.spec_budget
-    return (dict(budget.totals) if budget is not None else {}, engine.draft_counts.total()[0],
-            _eager_proposals(engine))
-
-
-def arm_row(engine: LLMEngine, arm: str, runs: list, mark: tuple[dict, int, int]) -> dict:
-    """An arm's row from its runs (common.Run) on `engine`, counted since `mark` (_mark)."""
-    budget = engine.spec_budget
-    before, drafts_before, proposals_before = mark
     if arm == "full" and budget is not None:  # untimed: what full blocks' steps teach the budget (the engine
         budget.learn()  # records them) is learned here, not billed to the adaptive arm's first full choice
     tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from rollout.engine.drafter import Drafter, Drafts
+from rollout.engine.params import SamplingParams
+from rollout.engine.sequence import Sequence
 from rollout.engine.step_cost import Curve, StepCost, TargetCost
 from rollout.engine.verify import Proposal, verify
 
@@ -79,3 +81,8 @@ def proposal(q: torch.Tensor, drafts: torch.Tensor, one_hot: torch.Tensor | None
     z = q.log()
     one_hot = torch.zeros(len(drafts), dtype=torch.bool) if one_hot is None else one_hot
     return Proposal(z, torch.logsumexp(z, dim=1), one_hot, drafts)
+
+
+def budget_seq(i: int) -> Sequence:
+    """A sample of a two-token prompt and up to 64 output tokens, as the draft budget's tests use."""
+    return Sequence(i, f"r{i}", 0, 0, [1, 2], SamplingParams(max_tokens=64), seed=i)

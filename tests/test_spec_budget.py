@@ -3,11 +3,11 @@ synthetic acceptance and cost tables, no model: full blocks when drafts are near
 and verifying is cheap, none when they are rejected or verify rows are expensive, drafts for the
 good samples only in a mixed batch (also when steps replay CUDA graphs: ragged ones do too, priced
 at their graph's padded tokens), a budget monotone in acceptance, the limits and the token room
-kept; the acceptance estimates converge on a synthetic stream, follow a drift, and start a new
-sample at the server-wide estimate; probes stay within their share of the time; full choices come
-as often as the budget's cadence says (tests/test_step_cost.py: the cost model); at start-up the prior's choices verify
-drafts of a few samples only at a large batch, while a good drafter still reaches full blocks within
-a few steps; a choice of a kind of step not timed yet serves one step."""
+kept; probes stay within their share of the time; full choices come as often as the budget's
+cadence says; at start-up the prior's choices verify drafts of a few samples only at a large batch,
+while a good drafter still reaches full blocks within a few steps; a choice of a kind of step not
+timed yet serves one step. (tests/test_spec_acceptance.py: the acceptance estimates;
+tests/test_step_cost.py: the cost model.)"""
 
 from __future__ import annotations
 
@@ -17,20 +17,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from spec_helpers import cost_table, linear_target
+from spec_helpers import budget_seq, cost_table, linear_target
 
 from rollout.engine import spec_budget, step_cost
 from rollout.engine.params import SamplingParams
-from rollout.engine.sequence import SeqStatus, Sequence
+from rollout.engine.sequence import Sequence
 from rollout.engine.spec_budget import (
     EXPLORE_SHARE,
     MAX_DOUBLINGS,
     PROBE_SHARE,
     RECHOOSE_STEPS,
     REUSE_STEPS,
-    SAMPLE_DECAY,
-    SERVER_DECAY,
-    AcceptanceEstimates,
     SpecBudget,
     choose_drafts,
 )
@@ -131,117 +128,6 @@ def test_graphed_steps_are_priced_at_their_graphs_padded_tokens():
     assert no_graphs.seconds(256, 256, False, 20) - no_graphs.seconds(256, 256, False) == pytest.approx(19e-3)
 
 
-# -- acceptance estimates ----------------------------------------------------------------------------
-
-
-def _seq(i: int) -> Sequence:
-    return Sequence(i, f"r{i}", 0, 0, [1, 2], SamplingParams(max_tokens=64), seed=i)
-
-
-def _verify_stream(est: AcceptanceEstimates, seqs, truth: np.ndarray, steps: int, rng) -> None:
-    """Full blocks verified against a true conditional acceptance [K]: accepted = leading passes."""
-    for _ in range(steps):
-        passes = rng.random((len(seqs), K)) < truth
-        accepted = np.cumprod(passes, axis=1).sum(axis=1)
-        est.observe(seqs, np.full(len(seqs), K), accepted)
-
-
-def test_estimates_converge_on_a_synthetic_stream():
-    rng = np.random.default_rng(0)
-    truth = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
-    est = AcceptanceEstimates(K)
-    seqs = [_seq(i) for i in range(64)]
-    _verify_stream(est, seqs, truth, 200, rng)
-    error = np.abs(est.server_wide() - truth)
-    assert error[:5].max() < 0.05 and error.max() < 0.1  # deep positions are tried less often
-    per_sample = est.of(seqs)  # each an EMA over few drafts: noisy, centred on the truth
-    assert np.abs(per_sample.mean(axis=0)[:4] - truth[:4]).max() < 0.05
-
-
-def test_a_sample_whose_acceptance_drops_is_followed_and_a_new_one_starts_server_wide():
-    rng = np.random.default_rng(1)
-    est = AcceptanceEstimates(K)
-    good, drifting = [_seq(i) for i in range(32)], _seq(99)
-    _verify_stream(est, good + [drifting], np.full(K, 0.9), 50, rng)
-    assert est.of([drifting])[0, 0] > 0.8
-    for _ in range(10):
-        est.observe([drifting], np.array([K]), np.array([0]))
-        est.observe(good, np.full(32, K), np.full(32, K))
-    assert est.of([drifting])[0, 0] < 0.4  # followed within 10 verify steps (shrunk towards 0.9 server-wide)
-    newcomer = est.of([_seq(100)])[0]
-    np.testing.assert_allclose(newcomer, est.server_wide())
-
-
-def test_rows_of_finished_samples_are_reused():
-    est = AcceptanceEstimates(K, capacity=4)
-    first = [_seq(i) for i in range(4)]
-    est.of(first)
-    for s in first[:2]:
-        s.status = SeqStatus.FINISHED
-    est.of([_seq(10), _seq(11)])
-    assert len(est.tried) == 4 and len(est.rows) == 4
-    est.of([_seq(12)])  # full again: grows
-    assert len(est.tried) == 8
-
-
-def test_a_batch_of_steps_counts_a_sample_that_comes_twice_once_per_result():
-    """Several steps' results in one observe (the budget learns in batches): a sample verified in two
-    of them keeps one row, both results count (decayed once per draft tried over the two), the
-    server-wide counts decay once per step; a finished sample counts server-wide only."""
-    est = AcceptanceEstimates(K, capacity=4)
-    a, b, done = _seq(1), _seq(2), _seq(3)
-    est.observe([a], np.array([K]), np.array([K]))  # a: all K tried and accepted
-    before, server_before = est.tried[est.rows[a]].copy(), est.server_tried.copy()
-    done.status = SeqStatus.FINISHED
-    est.observe([a, b, a, done], np.array([K, K, 3, K]), np.array([1, K, 0, 2]), steps=2)
-    assert len(est.rows) == 2 and done not in est.rows
-    tried_a = np.array([2, 1, 0, 0, 0, 0, 0])  # positions judged: 0..1 (1 accepted), then 0 (rejected)
-    np.testing.assert_allclose(est.tried[est.rows[a]], before * SAMPLE_DECAY ** tried_a + tried_a)
-    np.testing.assert_allclose(est.accepted[est.rows[a]], before * SAMPLE_DECAY ** tried_a + [1, 0, 0, 0, 0, 0, 0])
-    server_tried = tried_a + np.ones(K) + [1, 1, 1, 0, 0, 0, 0]  # a twice, b all K, done 0..2
-    np.testing.assert_allclose(est.server_tried, server_before * SERVER_DECAY ** 2 + server_tried)
-
-
-def test_observe_equals_counting_each_result_on_its_own():
-    """The vectorised counts (histograms per sample) against a loop over the results: random batches
-    of several steps, samples repeated, some finished, blocks cut short, rejections at every position."""
-    rng = np.random.default_rng(3)
-    seqs = [_seq(i) for i in range(12)]
-    fast = AcceptanceEstimates(K, capacity=4)
-    rows, tried_rows, accepted_rows = {}, {}, {}  # the reference's own per-sample counts
-    server_tried, server_accepted = np.zeros(K), np.zeros(K)
-    for call in range(30):
-        steps = int(rng.integers(1, 5))
-        entries = [seqs[i] for i in rng.integers(0, len(seqs), size=int(rng.integers(1, 40)))]
-        num_draft = rng.integers(1, K + 1, size=len(entries))
-        num_accepted = np.minimum(rng.integers(0, K + 1, size=len(entries)), num_draft)
-        if call == 20:
-            seqs[0].status = SeqStatus.FINISHED
-        fast.observe(entries, num_draft, num_accepted, steps)
-        n_tried, n_accepted = {}, {}
-        server_tried *= SERVER_DECAY ** steps
-        server_accepted *= SERVER_DECAY ** steps
-        for seq, d, a in zip(entries, num_draft.tolist(), num_accepted.tolist()):
-            t = np.arange(K) < min(a + 1, d)
-            acc = np.arange(K) < a
-            server_tried += t
-            server_accepted += acc
-            if not seq.is_finished:
-                n_tried[seq] = n_tried.get(seq, 0) + t
-                n_accepted[seq] = n_accepted.get(seq, 0) + acc
-        for seq in n_tried:
-            decay = SAMPLE_DECAY ** n_tried[seq]
-            tried_rows[seq] = tried_rows.get(seq, np.zeros(K)) * decay + n_tried[seq]
-            accepted_rows[seq] = accepted_rows.get(seq, np.zeros(K)) * decay + n_accepted[seq]
-            rows[seq] = True
-    np.testing.assert_allclose(fast.server_tried, server_tried)
-    np.testing.assert_allclose(fast.server_accepted, server_accepted)
-    for seq in rows:
-        if not seq.is_finished:
-            np.testing.assert_allclose(fast.tried[fast.rows[seq]], tried_rows[seq])
-            np.testing.assert_allclose(fast.accepted[fast.rows[seq]], accepted_rows[seq])
-
-
 # -- probes -------------------------------------------------------------------------------------------
 
 
@@ -249,7 +135,7 @@ def test_probes_stay_within_their_share():
     """Drafts never pay here, so only probes verify: about PROBE_SHARE of the time goes to them."""
     cost = cost_table(decode_ms=10.0, token_ms=0.5, drafter_ms=2.0)
     budget = SpecBudget(K, cost, graphs=False, max_graph_rows=0)
-    seqs = [_seq(i) for i in range(8)]
+    seqs = [budget_seq(i) for i in range(8)]
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
     budget.acceptance.observe(seqs, np.full(8, K), np.zeros(8, dtype=np.int64))
@@ -291,7 +177,7 @@ def _counted_budget(monkeypatch, num: int) -> tuple[SpecBudget, list, list[int]]
     monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(len(a[1])) or choose_drafts(*a))
     budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5), graphs=False,
                         max_graph_rows=0)
-    seqs = [_seq(i) for i in range(num)]
+    seqs = [budget_seq(i) for i in range(num)]
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
     return budget, seqs, full
@@ -348,7 +234,7 @@ def test_declined_counts_plain_steps_where_samples_could_have_drafted():
     them; a step whose samples have no drafts left to verify (one output token to go) is not one."""
     budget = SpecBudget(K, cost_table(decode_ms=1.0, token_ms=100.0, drafter_ms=100.0), graphs=False,
                         max_graph_rows=0)
-    seqs = [_seq(i) for i in range(4)]
+    seqs = [budget_seq(i) for i in range(4)]
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
     assert not any(any(c.values()) for c in _run_steps(budget, seqs, 5, accept=lambda j: True))
@@ -365,7 +251,7 @@ def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):
     limit shrank (near its max_tokens), get what the rule recomputed from the estimates gives."""
     monkeypatch.setattr(spec_budget, "MEASURED", 0.0)
     budget = SpecBudget(K, cost_table(decode_ms=5.0, token_ms=0.4, drafter_ms=0.5), graphs=False, max_graph_rows=0)
-    seqs = [_seq(i) for i in range(10)]
+    seqs = [budget_seq(i) for i in range(10)]
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
     for i, s in enumerate(seqs[:9]):  # some samples' drafts pay far, others' hardly
@@ -389,7 +275,7 @@ def test_a_probe_is_learned_from_soon_whatever_the_doubling(monkeypatch):
     full = []
     monkeypatch.setattr(spec_budget, "choose_drafts", lambda *a: full.append(1) or choose_drafts(*a))
     budget = SpecBudget(K, cost_table(decode_ms=10.0, token_ms=0.5, drafter_ms=2.0), graphs=False, max_graph_rows=0)
-    seqs = [_seq(i) for i in range(8)]
+    seqs = [budget_seq(i) for i in range(8)]
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
     chosen_at, probed_at = [], []
@@ -407,7 +293,7 @@ def test_a_probe_is_learned_from_soon_whatever_the_doubling(monkeypatch):
 
 
 def _decoding(n: int) -> list[Sequence]:
-    seqs = [_seq(i) for i in range(n)]
+    seqs = [budget_seq(i) for i in range(n)]
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
     return seqs
