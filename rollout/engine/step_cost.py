@@ -118,7 +118,7 @@ class StepCost:
         self.learn = learn
         self.correction: dict[tuple, float] = {}  # (graphed, drafts) and (graphed, drafts, rows bucket)
         self.observed: dict[tuple, int] = {}  # steps seen, by the same keys
-        self._plain_per_draft: dict[tuple[bool, int], float] = {}  # (graphed, rows bucket): see _rebase
+        self._plain_per_draft: dict[tuple, float] = {}  # by plain correction key (kind, bucket): see _rebase
         self._tables: dict[tuple[int, int, bool], float] = {}  # `_target`'s seconds by shape
 
     def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0, drafts: int = 0) -> float:
@@ -169,38 +169,48 @@ class StepCost:
         if model <= 0:
             return
         kind, ratio, bucket_ = (graphed, draft_rows > 0), seconds / model, rows_bucket(rows)
-        before = {} if draft_rows else {b: self._bucket_scale(graphed, False, b)
-                                        for g, b in self._plain_per_draft if g == graphed}
+        plain_keys = ((graphed, False, bucket_), (graphed, False))  # the plain corrections this step's price used
+        before = {} if draft_rows else {key: self._plain_scale(key) for key in self._plain_per_draft
+                                        if key[0] == graphed}
         for key in ((*kind, bucket_), kind):  # the bucket's starts from its kind's
             now = self.correction.get(key, self.correction.get(kind, 1.0))
             n = self.observed[key] = self.observed.get(key, 0) + 1
             self.correction[key] = now + max(1 / n, LEARN_RATE) * (ratio - now)
         if draft_rows:
-            if self.observed.get((graphed, False, bucket_), 0) < SETTLED:  # its plain part still moving
-                self._plain_per_draft[(graphed, bucket_)] = target / model
+            for key in plain_keys:
+                if self.observed.get(key, 0) < SETTLED:  # its plain part still moving
+                    self._plain_per_draft[key] = target / model
         else:
-            self._rebase(graphed, before)
+            self._rebase(before)
 
-    def _rebase(self, graphed: bool, before: dict[int, float]) -> None:
+    def _rebase(self, before: dict[tuple, float]) -> None:
         """After a plain step moved the plain corrections: a drafting correction learned the time its
         steps took beyond the plain prediction of the moment, so where that prediction was not yet its
-        bucket's own (borrowed from its kind, which other buckets taught, or still averaging its first
-        SETTLED steps) it absorbed the prediction's error. Such a bucket's drafting correction gives
-        back what its plain prediction moved, counted at the plain tables' seconds per drafting second
-        of its last drafting step, until SETTLED plain steps of its own have been seen. (Without this,
-        a batch that only drafted at a bucket whose plain steps cost more than the borrowed correction
+        own (a bucket's borrowed from its kind, which other buckets taught, or either still averaging
+        its first SETTLED steps) it absorbed the prediction's error. Each such drafting correction, a
+        bucket's and its kind's, gives back what its plain counterpart (`before`: plain key -> its
+        scale before the step) moved, counted at the plain tables' seconds per drafting second of its
+        last drafting step, until SETTLED plain steps of its own have been seen. (Without this, a
+        batch that only drafted at a bucket whose plain steps cost more than the borrowed correction
         said priced plain steps low there, and once plain steps taught the truth, priced drafting high
-        by the same amount until probes, a few in a hundred steps, unlearned it. Later moves of a
-        settled plain correction, the engine's speed changing, are not given back: drafting steps then
-        move their own correction.)"""
-        for bucket_, old in before.items():
-            moved = self._bucket_scale(graphed, False, bucket_) - old
-            key = (graphed, True, bucket_)
+        by the same amount until probes, a few in a hundred steps, unlearned it. The kind's drafting
+        correction, where buckets not drafted yet start, kept that error: on the H200 a long tail
+        whose first graphed steps all drafted, at a plain price of the CUDA graph's table (a tenth of
+        the host-bound step), then declined drafts at each smaller bucket it drained to. Later moves
+        of a settled plain correction, the engine's speed changing, are not given back: drafting
+        steps then move their own correction.)"""
+        for plain, old in before.items():
+            moved = self._plain_scale(plain) - old
+            key = (plain[0], True, *plain[2:])
             if moved and key in self.correction:
-                share = self._plain_per_draft[(graphed, bucket_)]
+                share = self._plain_per_draft[plain]
                 self.correction[key] = max(self.correction[key] - moved * share, 1 / MAX_STEP_RATIO)
-            if self.observed.get((graphed, False, bucket_), 0) >= SETTLED:
-                del self._plain_per_draft[(graphed, bucket_)]
+            if self.observed.get(plain, 0) >= SETTLED:
+                del self._plain_per_draft[plain]
+
+    def _plain_scale(self, key: tuple) -> float:
+        """The plain correction a key names ((graphed, False, bucket) or (graphed, False)) now."""
+        return self._bucket_scale(key[0], False, key[2]) if len(key) == 3 else self.correction.get(key, 1.0)
 
     def timed(self, rows: int, graphed: bool, drafting: bool) -> bool:
         """Whether a step of this kind and rows bucket has been observed (a frozen model: always)."""
