@@ -154,7 +154,13 @@ class StepCost:
         1 / MAX_STEP_RATIO of that). Each an EMA of the ratio over the steps of its key (a running mean
         for the first 1 / LEARN_RATE): the mean, not the geometric mean, since throughput follows
         the mean step time (steps of one kind that vary by 2x in time, averaged in logs, were priced
-        ~6% below their mean; at 3x, ~13%)."""
+        ~6% below their mean; at 3x, ~13%). A step the bound cut moves the correction to the bound
+        without counting as a step of the mean: a kind's first steps, 10x its tables on a host-bound
+        engine (a CUDA graph's table times the device alone), would otherwise stay in its running
+        mean at the bound (3x) and price the kind low for good where few of its steps run (a
+        draining batch's first graphed plain steps: 5.6x against 7.2x on bench_spec's long tail
+        replayed on CPU with GPU-like step times), and what drafting adds was priced high by the
+        same error."""
         graphed = graphed and self.graph is not None
         if not self.learn or seconds <= 0:
             return
@@ -163,7 +169,8 @@ class StepCost:
         if draft_rows:
             model = self._drafting(rows, tokens, graphed, draft_rows, drafts)
             predicted = plain + model * self._scale(rows, graphed, True)
-        seconds = min(max(seconds, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
+        bounded = min(max(seconds, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
+        counted, seconds = bounded == seconds, bounded
         if draft_rows:
             seconds = max(seconds - plain, model / MAX_STEP_RATIO)
         if model <= 0:
@@ -174,7 +181,9 @@ class StepCost:
                                         if key[0] == graphed}
         for key in ((*kind, bucket_), kind):  # the bucket's starts from its kind's
             now = self.correction.get(key, self.correction.get(kind, 1.0))
-            n = self.observed[key] = self.observed.get(key, 0) + 1
+            n = self.observed.get(key, 0) + 1
+            if counted:
+                self.observed[key] = n
             self.correction[key] = now + max(1 / n, LEARN_RATE) * (ratio - now)
         if draft_rows:
             for key in plain_keys:
