@@ -327,13 +327,19 @@ def case_verify_cost(args: argparse.Namespace, result: dict) -> None:
 
 def share_interval(full_rounds: list[float], paired_rounds: list[float], resamples: int = 2000) -> str:
     """The share of full's speedup (as goals computes it) over rounds drawn with replacement (fixed
-    seed): its 5th and 95th percentiles, "lo to hi" (how far one run's share can be trusted)."""
+    seed): its 5th and 95th percentiles, "lo to hi" (how far one run's share can be trusted). The
+    share is undefined where full blocks do not pay (a ratio over a speedup near 0: call 3 of the
+    eleventh session printed -125,350,000), so resamples whose full speedup is below 1.01 are left
+    out, and their fraction is named."""
     full, paired = np.asarray(full_rounds), np.asarray(paired_rounds)
     idx = np.random.default_rng(0).integers(0, len(full), size=(resamples, len(full)))
     f, p = np.median(full[idx], axis=1), np.median(paired[idx], axis=1)
-    share = (f * p - 1) / np.maximum(f - 1, 1e-9)
-    lo, hi = np.percentile(share, [5, 95])
-    return f"{lo:.3f} to {hi:.3f}"
+    pays = f >= 1.01
+    if not pays.any():
+        return "full never pays"
+    lo, hi = np.percentile((f[pays] * p[pays] - 1) / (f[pays] - 1), [5, 95])
+    left_out = 1 - pays.mean()
+    return f"{lo:.3f} to {hi:.3f}" + (f" ({left_out:.0%} of resamples: full does not pay)" if left_out else "")
 
 
 def goals(rows: list[dict]) -> list[dict]:
