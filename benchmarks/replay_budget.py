@@ -1,14 +1,18 @@
 """The adaptive draft budget's learning replayed on CPU with GPU-like step times (issue 19): bench_spec's
-long tail (a quarter of the samples run 4x longer) on the embedded pair, full blocks then adaptive
-budgets, where each step's wall time given to the budget comes from a time model instead of the
-clock, and its cost model starts from the startup tables of a GPU run (a bench_spec JSON's adaptive
-row). The drafts and acceptance are the real models'; only the times are synthetic. For studying what
-the budget learns and declines without device time: a GPU run's pathology that this reproduces can
-be traced step by step here. (Its time model is a guess shaped on the H200's host-bound embedded steps
-in BENCHMARKS.md, eleventh session: a graphed step ~2.6-3.0 ms whatever it drafts, an eager step ~4.5 ms
-plus its tokens; it is not a measurement.)
+long tail (a quarter of the samples run 4x longer; `--uniform`: every sample as long, the embedded batch
+case) on the embedded pair, full blocks then adaptive budgets, where each step's wall time given to the
+budget comes from a time model instead of the clock, and its cost model starts from the startup tables
+of a GPU run (a bench_spec JSON's adaptive row). The drafts and acceptance are the real models'; only
+the times are synthetic. For studying what the budget learns and declines without device time: a GPU
+run's pathology that this reproduces can be traced step by step here. (Its time model is a guess shaped
+on the H200's host-bound embedded steps in BENCHMARKS.md, eleventh session: a graphed step ~2.6-3.0 ms
+whatever it drafts, an eager step ~4.5 ms plus its tokens; it is not a measurement.) Each arm's row
+names its critical sample, the one that finished last: its place in the order of admission, the step it
+first decoded in and its last step.
 
     python benchmarks/replay_budget.py --cost benchmarks/results/bench_spec_slack3_tail_h200.json
+    python benchmarks/replay_budget.py --cost benchmarks/results/bench_spec_room3_h200.json --samples 32 \
+        --short 256 --uniform
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cost", required=True, help="a bench_spec JSON: its first adaptive row's cost tables")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--short", type=int, default=64, help="the short samples' output tokens (long: 4x)")
+    p.add_argument("--uniform", action="store_true", help="every sample --short tokens (no long tail)")
     p.add_argument("--sampling", default="greedy", choices=list(bench_spec.SAMPLING))
     p.add_argument("--graph-ms", type=float, nargs=3, default=[2.6, 0.4, 0.15],
                    help="a graphed step: base ms, ms more at 256 rows, ms more when it drafts")
@@ -60,6 +65,7 @@ class SyntheticClock:
     def __init__(self, args: argparse.Namespace):
         self.graph, self.eager = args.graph_ms, args.eager_ms
         self.steps: list[tuple[int, int, int, bool]] = []  # (rows, tokens besides drafts, drafts, graphed)
+        self.items: list[list[tuple[int, int]]] = []  # per step, (sequence id, tokens besides drafts) per item
         self._record = SpecBudget.record
 
     def __enter__(self):
@@ -70,6 +76,7 @@ class SyntheticClock:
             tokens = step.tokens.meta.slot_mapping.shape[0] - drafts
             graphed = tokens <= rows <= 256
             clock.steps.append((rows, tokens, drafts, graphed))
+            clock.items.append([(id(item.seq), item.num_new_tokens) for item in step.tokens.items])
             return clock._record(budget, step, num_accepted, clock.seconds(rows, tokens, drafts, graphed), graphed)
 
         SpecBudget.record = record
@@ -86,11 +93,26 @@ class SyntheticClock:
         return (base + per_token * tokens + (drafting if drafts else 0.0)) / 1e3
 
 
+def critical_sample(steps: list[list[tuple[int, int]]]) -> dict:
+    """The sample that finished last (steps: per step, (sequence id, tokens besides drafts) per item):
+    its place in the order of admission, the step it first decoded in (one token besides drafts), its
+    last step."""
+    order, first, last = {}, {}, {}
+    for i, items in enumerate(steps):
+        for seq, tokens in items:
+            order.setdefault(seq, len(order))
+            if tokens == 1:
+                first.setdefault(seq, i)
+            last[seq] = i
+    seq = max(last, key=lambda s: (last[s], -order[s]))
+    return dict(critical=order[seq], critical_first_decode=first.get(seq), critical_last=last[seq])
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     n, short = args.samples, args.short
-    lengths = [4 * short if i % 4 == 0 else short for i in range(n)]
+    lengths = [short if args.uniform or i % 4 else 4 * short for i in range(n)]
     engine_args = argparse.Namespace(device="cpu", block=8)
     engines = bench_spec.engine_pair(engine_args, "dflash", n, 256 + 4 * short)
     requests = bench_spec.requests(bench_spec.heldout_prompts(n), bench_spec.SAMPLING[args.sampling], lengths)
@@ -100,6 +122,7 @@ def main() -> None:
     with SyntheticClock(args) as clock:
         for arm in ("full", "adaptive"):
             clock.steps.clear()
+            clock.items.clear()
             start = time.perf_counter()
             row = bench_spec.run_arm(engines, arm, [requests], arm, "cpu")
             graphed = [s for s in clock.steps if s[3]]
@@ -109,9 +132,10 @@ def main() -> None:
                              declined=row.get("declined"), probes=row.get("probes"),
                              drafts_per_row=round(row["drafts_per_row"], 3) if "drafts_per_row" in row else None,
                              mean_acceptance=round(row["mean_acceptance"], 3),
-                             corrections=row.get("cost", {}).get("corrections"),
+                             **critical_sample(clock.items), corrections=row.get("cost", {}).get("corrections"),
                              cpu_s=round(time.perf_counter() - start, 1)))
-    print_table(f"the long tail replayed on CPU, {n} samples, {args.sampling}, GPU tables of {args.cost}", rows,
+    case = "uniform samples" if args.uniform else "the long tail"
+    print_table(f"{case} replayed on CPU, {n} samples, {args.sampling}, GPU tables of {args.cost}", rows,
                 [k for k in rows[0] if k != "corrections"])
     for row in rows:
         print(row["arm"], "corrections", row["corrections"])
