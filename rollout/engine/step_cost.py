@@ -203,9 +203,9 @@ class StepCost:
         batch that only drafted at a bucket whose plain steps cost more than the borrowed correction
         said priced plain steps low there, and once plain steps taught the truth, priced drafting high
         by the same amount until probes, a few in a hundred steps, unlearned it. The kind's drafting
-        correction, where buckets not drafted yet start, kept that error: on the H200 a long tail
-        whose first graphed steps all drafted, at a plain price of the CUDA graph's table (a tenth of
-        the host-bound step), then declined drafts at each smaller bucket it drained to. Later moves
+        correction, where buckets not drafted yet start, kept that error, so a batch whose first
+        graphed steps all drafted, at a plain price of the CUDA graph's table (a tenth of a host-bound
+        step), priced drafting high at each smaller bucket it drained to. Later moves
         of a settled plain correction, the engine's speed changing, are not given back: drafting
         steps then move their own correction.)"""
         for plain, old in before.items():
