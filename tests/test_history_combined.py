@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
-from spec_helpers import RepeatDrafter
+from spec_helpers import RepeatDrafter, budget_seq
 
 from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.params import SamplingParams
+from rollout.engine.scheduler import ScheduledSeq
 from rollout.spec.combined import CombinedDrafter
 from rollout.spec.history import prompt_key
 from rollout.spec.history_drafter import HistoryDrafter
@@ -109,3 +111,35 @@ def test_the_choice_follows_each_requests_acceptance(tiny_random_qwen3, monkeypa
     assert seen[("bad", "history")] <= 2 and seen[("bad", "repeat")] >= 3
     counts = eng.draft_counts.by_key
     assert counts[("history", 0)][1] > 0 and counts[("repeat", 0)][1] > 0
+
+
+def test_the_history_is_walked_only_where_it_could_win(tiny_random_qwen3):
+    """`_history_may_win` (its expected length at full confidence against the model's) never drops an
+    item the history would win (random estimates, continuations and confidences), and items it drops
+    are not matched: their matchers do not move until they are asked again."""
+    config = EngineConfig(model=str(tiny_random_qwen3), block_size=4)
+    drafter = _repeat_and_history(config, None)
+    rng = np.random.default_rng(0)
+    seqs = [budget_seq(i) for i in range(64)]
+    for estimates in drafter.acceptance.values():
+        tried = rng.integers(1, 4, size=64 * 4)
+        estimates.observe([s for s in seqs for _ in range(4)], tried, rng.integers(0, tried + 1))
+    dropped = 0
+    for _ in range(50):
+        items = [ScheduledSeq(s, 1, int(rng.integers(1, drafter.num_spec + 1))) for s in seqs]
+        found = []
+        for it in items:
+            n = int(rng.integers(0, it.num_draft + 1))
+            found.append((list(range(n)), rng.uniform(0.2, 1.0, size=n).tolist()))
+        may, wins = drafter._history_may_win(items), drafter._history_wins(items, found)
+        assert not (wins & ~may).any()
+        dropped += int((~may).sum())
+    assert 0 < dropped < 50 * 64  # the bound bites for some items, not all
+    walked = []
+    drafter.history.draft = lambda seq, limit: walked.append(seq) or ([], [])
+    low = drafter.acceptance["history"]
+    low.observe(seqs * 8, np.full(64 * 8, drafter.num_spec), np.zeros(64 * 8, dtype=np.int64))  # all rejected
+    items = [ScheduledSeq(s, 1, drafter.num_spec) for s in seqs]
+    drafter.block_drafter.propose = lambda items, table: None
+    drafter._merged = lambda n, own, won: won
+    assert drafter.propose(items, np.zeros((64, 1), dtype=np.int32)) == {} and walked == []
