@@ -42,17 +42,22 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="4 prompts x n=2, 2 epochs, 24 tokens (CPU check)")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--n", type=int, default=8)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--block", type=int, default=8, help="draft block of DFlash and history")
-    p.add_argument("--out", default="benchmarks/results/bench_history.json")
+    add_workload_args(p, prompts=64, prompt_len=128, output_len=256, out="benchmarks/results/bench_history.json")
     args = p.parse_args()
     if args.quick:
         args.prompts, args.n, args.epochs, args.prompt_len, args.output_len = 4, 2, 2, 32, 24
     return args
+
+
+def add_workload_args(p: argparse.ArgumentParser, prompts: int, prompt_len: int, output_len: int, out: str) -> None:
+    """The epoch workload's options (this script's and profile_history.py's)."""
+    p.add_argument("--prompts", type=int, default=prompts)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--block", type=int, default=8, help="draft block of DFlash and history")
+    p.add_argument("--out", default=out)
 
 
 def build(arm: str, args: argparse.Namespace) -> LLMEngine:
