@@ -60,14 +60,15 @@ def add_workload_args(p: argparse.ArgumentParser, prompts: int, prompt_len: int,
     p.add_argument("--out", default=out)
 
 
-def build(arm: str, args: argparse.Namespace) -> LLMEngine:
+def build(arm: str, args: argparse.Namespace, **config) -> LLMEngine:
+    """The arm's engine sized for the workload; `config`: further EngineConfig fields."""
     samples = args.prompts * args.n
     per_seq = -(-(args.prompt_len + args.output_len + args.block + 1) // 16) + 1
     return rollout.build_engine(EngineConfig(
         spec=arm, draft=embedded_draft("dflash") if arm.startswith("dflash") else None,
         spec_block_size=None if arm == "none" else args.block, device=args.device,
         num_kv_blocks=samples * per_seq + 16, max_num_seqs=samples,
-        max_num_batched_tokens=max(2048, samples * (args.block + 1)),
+        max_num_batched_tokens=max(2048, samples * (args.block + 1)), **config,
     ))  # fmt: skip
 
 

@@ -17,11 +17,8 @@ import cProfile
 import pstats
 
 import torch
-from bench_history import add_workload_args, draft_totals, epoch_requests
-from common import embedded_draft, heldout_prompts, print_table, run_engine, write_json
-
-import rollout
-from rollout.engine.config import EngineConfig
+from bench_history import add_workload_args, build, draft_totals, epoch_requests
+from common import heldout_prompts, print_table, run_engine, write_json
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,12 +32,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    samples = args.prompts * args.n
-    per_seq = -(-(args.prompt_len + args.output_len + args.block + 1) // 16) + 1
-    engine = rollout.build_engine(EngineConfig(
-        spec="dflash+history", draft=embedded_draft("dflash"), spec_block_size=args.block, device=args.device,
-        num_kv_blocks=samples * per_seq + 16, max_num_seqs=samples, spec_adaptive=False,
-        max_num_batched_tokens=max(2048, samples * (args.block + 1))))  # fmt: skip
+    engine = build("dflash+history", args, spec_adaptive=False)
     prompts = heldout_prompts(args.prompts, args.prompt_len)
     run_engine(engine, epoch_requests(prompts, args, 1001), "epoch1", args.device)
     engine.drafter.flush()

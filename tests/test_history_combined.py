@@ -131,7 +131,8 @@ def test_the_history_is_walked_only_where_it_could_win(tiny_random_qwen3):
         for it in items:
             n = int(rng.integers(0, it.num_draft + 1))
             found.append((list(range(n)), rng.uniform(0.2, 1.0, size=n).tolist()))
-        may, wins = drafter._history_may_win(items), drafter._history_wins(items, found)
+        estimates = drafter._estimates(items)
+        may, wins = drafter._history_may_win(items, *estimates), drafter._history_wins(items, found, *estimates)
         assert not (wins & ~may).any()
         dropped += int((~may).sum())
     assert 0 < dropped < 50 * 64  # the bound bites for some items, not all

@@ -115,8 +115,8 @@ def combined() -> LLMEngine:
 
 def _by_parity(monkeypatch):
     """The history drafts for even sample ids wherever it has a continuation, DFlash for the rest."""
-    monkeypatch.setattr(CombinedDrafter, "_history_may_win", lambda self, items: np.ones(len(items), dtype=bool))
-    monkeypatch.setattr(CombinedDrafter, "_history_wins", lambda self, items, found: np.asarray(
+    monkeypatch.setattr(CombinedDrafter, "_history_may_win", lambda self, items, *estimates: np.ones(len(items), bool))
+    monkeypatch.setattr(CombinedDrafter, "_history_wins", lambda self, items, found, *estimates: np.asarray(
         [bool(tokens) and it.seq.seq_id % 2 == 0 for it, (tokens, _) in zip(items, found)]))
 
 

@@ -176,7 +176,6 @@ class StepCost:
         if model <= 0:
             return
         kind, ratio, bucket_ = (graphed, draft_rows > 0), seconds / model, rows_bucket(rows)
-        plain_keys = ((graphed, False, bucket_), (graphed, False))  # the plain corrections this step's price used
         before = {} if draft_rows else {key: self._plain_scale(key) for key in self._plain_per_draft
                                         if key[0] == graphed}
         for key in ((*kind, bucket_), kind):  # the bucket's starts from its kind's
@@ -186,7 +185,7 @@ class StepCost:
                 self.observed[key] = n
             self.correction[key] = now + max(1 / n, LEARN_RATE) * (ratio - now)
         if draft_rows:
-            for key in plain_keys:
+            for key in ((graphed, False, bucket_), (graphed, False)):  # the plain corrections its price used
                 if self.observed.get(key, 0) < SETTLED:  # its plain part still moving
                     self._plain_per_draft[key] = target / model
         else:

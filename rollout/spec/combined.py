@@ -132,9 +132,13 @@ class CombinedDrafter(Drafter):
 
     def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
         drafting = [i for i, it in enumerate(items) if it.num_draft > 0]
-        rows = [i for i, may in zip(drafting, self._history_may_win([items[i] for i in drafting])) if may]
+        drafted = [items[i] for i in drafting]
+        history, model = self._estimates(drafted)
+        may = np.flatnonzero(self._history_may_win(drafted, history, model)).tolist()
+        rows = [drafting[j] for j in may]  # the items whose history is matched and walked
         found = [self.history.draft(items[i].seq, items[i].num_draft) for i in rows]
-        chosen = self._history_wins([items[i] for i in rows], found) if any(t for t, _ in found) else ()
+        chosen = self._history_wins([items[i] for i in rows], found, history[may], model[may]) \
+            if any(t for t, _ in found) else ()
         won = {rows[j]: found[j][0] for j in np.flatnonzero(chosen).tolist()}  # item -> the history's drafts
         model_items = [dataclasses.replace(it, num_draft=0) if i in won else it for i, it in enumerate(items)] \
             if won else items
@@ -144,33 +148,36 @@ class CombinedDrafter(Drafter):
             self.block_drafter.begin_step(items)
         return self._merged(len(items), own, won)
 
-    def _history_may_win(self, items: list[ScheduledSeq]) -> np.ndarray:
+    def _estimates(self, items: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
+        """([S, K] each item's conditional acceptance of history drafts, [S] the model's expected
+        accepted length over the item's draft limit), read once a step for both choices below."""
+        seqs = [it.seq for it in items]
+        limits = np.asarray([it.num_draft for it in items], dtype=np.int64)  # [S]
+        model = slot_gains(self.acceptance[self.block_drafter.name].of(seqs), limits).sum(axis=1)  # [S]
+        return self.acceptance[HISTORY].of(seqs), model
+
+    def _history_may_win(self, items: list[ScheduledSeq], history: np.ndarray, model: np.ndarray) -> np.ndarray:
         """[S] whether the history could win each item: its expected accepted length at full confidence
         over the item's limit (an upper bound: the confidence only lowers it, a shorter continuation
-        too) reaches the model's. Only those items' histories are matched and walked (`_history_wins`
-        decides among them), so a batch whose history drafts stopped paying (temperature 1: ~10%
-        accepted) no longer walks every sample's match each step: on the CPU machine at batch 128
-        that walk was ~3 ms a step, ~2.4 ms of it the suffix automaton's. A skipped sample's matcher
-        catches up on the tokens it missed when it is next asked (HistoryDrafter._synced)."""
-        if not items:
-            return np.zeros(0, dtype=bool)
-        seqs = [it.seq for it in items]
+        too) reaches the model's. history, model: `_estimates`'. Only those items' histories are
+        matched and walked (`_history_wins` decides among them), so a batch whose history drafts
+        stopped paying (temperature 1: ~10% accepted) no longer walks every sample's match each step:
+        on the CPU machine at batch 128 that walk was ~3 ms a step, ~2.4 ms of it the suffix
+        automaton's. A skipped sample's matcher catches up on the tokens it missed when it is next
+        asked (HistoryDrafter._synced)."""
         limits = np.asarray([it.num_draft for it in items], dtype=np.int64)  # [S]
-        history = slot_gains(self.acceptance[HISTORY].of(seqs), limits).sum(axis=1)  # [S]
-        return history >= slot_gains(self.acceptance[self.block_drafter.name].of(seqs), limits).sum(axis=1)
+        return slot_gains(history, limits).sum(axis=1) >= model
 
-    def _history_wins(self, items: list[ScheduledSeq], found: list[tuple[list[int], list[float]]]) -> np.ndarray:
-        """[S] whether the history's expected accepted length is at least the model's (module docstring)."""
-        seqs = [it.seq for it in items]
-        limits = np.asarray([it.num_draft for it in items], dtype=np.int64)  # [S]
+    def _history_wins(self, items: list[ScheduledSeq], found: list[tuple[list[int], list[float]]],
+                      history: np.ndarray, model: np.ndarray) -> np.ndarray:
+        """[S] whether the history's expected accepted length is at least the model's (module
+        docstring); history, model: `_estimates`' rows of these items."""
         lengths = np.asarray([len(tokens) for tokens, _ in found], dtype=np.int64)  # [S]
         confidence = np.zeros((len(items), self.num_spec))  # [S, K]
         for j, (_, c) in enumerate(found):
             confidence[j, :len(c)] = c
-        history = np.minimum(self.acceptance[HISTORY].of(seqs), confidence)  # [S, K]
-        model = self.acceptance[self.block_drafter.name].of(seqs)  # [S, K]
-        expected_history = slot_gains(history, lengths).sum(axis=1)  # [S]
-        return (lengths > 0) & (expected_history >= slot_gains(model, limits).sum(axis=1))
+        expected_history = slot_gains(np.minimum(history, confidence), lengths).sum(axis=1)  # [S]
+        return (lengths > 0) & (expected_history >= model)
 
     def _merged(self, num_items: int, own: Drafts | None, won: dict[int, list[int]]) -> Drafts:
         """The model's drafts (`own`, None: it drafted for no item) and the history's (`won`: item ->
