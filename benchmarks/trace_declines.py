@@ -1,0 +1,76 @@
+"""Why the adaptive draft budget declines drafts (issue 19): `bench_spec.py` (same options) with every
+step whose full choice gives no drafts to samples that could verify some recorded: the step's rows,
+the predicted seconds of the chosen (plain) step and of full blocks, the cost model's plain and
+drafting corrections for the step's kind (graphed or not) and rows bucket with how many steps of each
+it has counted, the rule's age and whether it was tentative, and the samples' own and the server-wide
+acceptance estimates at the first positions. A decline made where the plain step's price was never
+measured, or on a sample's estimate that no later draft can correct while the rule serves, shows here.
+
+    python3 benchmarks/trace_declines.py --device cuda --cases embedded-greedy --specs dflash \
+        --embedded-repeats 10 --out benchmarks/results/trace_declines_h200.json
+
+Writes bench_spec's JSON with `declines` (every declined full choice, in order) added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_spec  # noqa: E402
+
+from rollout.engine.spec_budget import SpecBudget  # noqa: E402
+from rollout.engine.step_cost import rows_bucket  # noqa: E402
+
+MAX_RECORDS = 400
+
+
+def traced_choose(records: list[dict]):
+    """SpecBudget._choose, recording each choice that gives no drafts where the samples' limits allow some."""
+    choose = SpecBudget._choose
+
+    def _choose(budget, decode, limits, rows, base, room, graphs):
+        drafts, seconds, full_seconds = choose(budget, decode, limits, rows, base, room, graphs)
+        chosen = drafts * len(decode) if isinstance(drafts, int) else sum(drafts)
+        if chosen == 0 and sum(limits) and len(records) < MAX_RECORDS:
+            cost, bucket_ = budget.cost, rows_bucket(len(decode))
+            graphed = graphs and cost.graph is not None
+            keys = {"plain": (graphed, False), "drafting": (graphed, True)}
+            own = budget.acceptance.of(decode)[:, :3]  # [S, 3]
+            records.append(dict(
+                rows=len(decode), room=room, graphs=graphs, predicted_ms=round(seconds * 1e3, 4),
+                full_ms=round(full_seconds * 1e3, 4), age=budget._age, tentative=budget._tentative,
+                full_choice=budget._age == 1,
+                **{f"{name}_{level}": round(cost.correction.get(key if level == "kind" else (*key, bucket_), -1.0), 3)
+                   for name, key in keys.items() for level in ("kind", "bucket")},
+                **{f"{name}_counted": cost.observed.get((*key, bucket_), 0) for name, key in keys.items()},
+                own_p123_min=np.round(own.min(axis=0), 3).tolist(),
+                own_p123_mean=np.round(own.mean(axis=0), 3).tolist(),
+                server_p123=np.round(budget.acceptance.server_wide()[:3], 3).tolist()))
+        return drafts, seconds, full_seconds
+
+    return _choose
+
+
+def main() -> None:
+    records: list[dict] = []
+    SpecBudget._choose = traced_choose(records)
+    bench_spec.main()
+    args = bench_spec.parse_args()
+    with open(args.out) as f:
+        result = json.load(f)
+    result["declines"] = records
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    full = [r for r in records if r["full_choice"]]
+    unmeasured = sum(r["plain_counted"] == 0 for r in full)
+    print(f"declined full choices: {len(full)} ({unmeasured} where the plain step's bucket had no counted step), "
+          f"steps they served: {len(records)}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
