@@ -163,3 +163,24 @@ def test_a_kind_far_off_its_tables_is_priced_at_its_steps_time_once_one_step_lan
     for _ in range(30):
         cost.observe(64, 64, True, 0, 0, true)
     assert cost.seconds(64, 64, True) == pytest.approx(true, rel=0.05)
+
+
+def test_a_bucket_that_only_drafted_learns_its_plain_price_from_one_plain_step():
+    """A host-bound engine's graphed steps all drafted so far (a good drafter, or a full-blocks run):
+    the plain graphed price is the CUDA graph's table, a tenth of the step. The first plain step there
+    (a declined draft) counts at once, up to what the bucket's drafting steps took, where the 3x bound
+    alone took two or three of them, each a declined draft; a plain step slow once (a graph captured)
+    is cut to the drafting steps' time and does not count."""
+    rows = [1, 16, 256]
+    target = TargetCost(rows, [0.30e-3, 0.32e-3, 0.38e-3], [0.30e-3, 0.35e-3, 0.57e-3], 8)
+    drafter = Curve(rows, [0.2e-3, 0.23e-3, 0.43e-3])
+    plain, drafting = 2.6e-3, 2.75e-3  # true seconds
+    for slow_once in (False, True):
+        cost = StepCost(target, target, drafter)
+        for _ in range(20):
+            cost.observe(1, 1, True, 1, K, drafting)
+        assert cost.seconds(1, 1, True) < 0.2 * plain  # the table's price
+        cost.observe(1, 1, True, 0, 0, 40 * plain if slow_once else plain)
+        assert cost.timed(1, True, False) is not slow_once
+        assert cost.seconds(1, 1, True) == pytest.approx(drafting if slow_once else plain)
+        assert cost.seconds(1, 1, True, 1, K) > cost.seconds(1, 1, True)  # drafting never priced below plain

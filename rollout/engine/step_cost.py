@@ -119,6 +119,7 @@ class StepCost:
         self.correction: dict[tuple, float] = {}  # (graphed, drafts) and (graphed, drafts, rows bucket)
         self.observed: dict[tuple, int] = {}  # steps seen, by the same keys
         self._plain_per_draft: dict[tuple, float] = {}  # by plain correction key (kind, bucket): see _rebase
+        self._drafted: dict[tuple[bool, int], float] = {}  # (graphed, rows bucket): its last drafting step's seconds
         self._tables: dict[tuple[int, int, bool], float] = {}  # `_target`'s seconds by shape
 
     def seconds(self, rows: int, tokens: int, graphed: bool = False, draft_rows: int = 0, drafts: int = 0) -> float:
@@ -169,13 +170,15 @@ class StepCost:
         if draft_rows:
             model = self._drafting(rows, tokens, graphed, draft_rows, drafts)
             predicted = plain + model * self._scale(rows, graphed, True)
-        bounded = min(max(seconds, predicted / MAX_STEP_RATIO), predicted * MAX_STEP_RATIO)
+        bucket_ = rows_bucket(rows)
+        bounded = min(max(seconds, predicted / MAX_STEP_RATIO), self._upper(predicted, graphed, bucket_, draft_rows))
         counted, seconds = bounded == seconds, bounded
         if draft_rows:
+            self._drafted[(graphed, bucket_)] = bounded
             seconds = max(seconds - plain, model / MAX_STEP_RATIO)
         if model <= 0:
             return
-        kind, ratio, bucket_ = (graphed, draft_rows > 0), seconds / model, rows_bucket(rows)
+        kind, ratio = (graphed, draft_rows > 0), seconds / model
         before = {} if draft_rows else {key: self._plain_scale(key) for key in self._plain_per_draft
                                         if key[0] == graphed}
         for key in ((*kind, bucket_), kind):  # the bucket's starts from its kind's
@@ -190,6 +193,19 @@ class StepCost:
                     self._plain_per_draft[key] = target / model
         else:
             self._rebase(before)
+
+    def _upper(self, predicted: float, graphed: bool, bucket_: int, draft_rows: int) -> float:
+        """The most a step counts as: MAX_STEP_RATIO x its prediction, and for a plain step in a
+        bucket with no plain step counted yet, at least what the bucket's last drafting step took. A
+        plain step costs no more than one that also drafts: where only drafting steps have run (a
+        batch whose every step drafted), the plain price is the tables' (a CUDA graph's table times
+        the device alone, a tenth of a host-bound step), and the bound alone took two or three
+        plain steps, each a declined draft, to reach it. A plain step slow once (a graph captured)
+        is still cut: to a drafting step's price at most."""
+        upper = predicted * MAX_STEP_RATIO
+        if not draft_rows and not self.observed.get((graphed, False, bucket_), 0):
+            upper = max(upper, self._drafted.get((graphed, bucket_), 0.0))
+        return upper
 
     def _rebase(self, before: dict[tuple, float]) -> None:
         """After a plain step moved the plain corrections: a drafting correction learned the time its
