@@ -2,9 +2,13 @@
 compute, and a group of this test process (rank 0) and two `rollout serve` processes on
 127.0.0.1: both get the update at once and serve what the gRPC path would have given them, a
 refusal on one refuses it on both, and a member that left makes the trainer fail fast instead
-of waiting for the group's timeout."""
+of waiting for the group's timeout, with that member's error even when the broken collective ends
+first."""
 
 from __future__ import annotations
+
+import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -98,3 +102,41 @@ def test_a_member_that_left_fails_the_update_at_once_and_nothing_applies(servers
     assert [_version(a), _version(b)] == versions
     with BroadcastGroup(servers, timeout=60) as again:  # a's side of the broken group is gone: it can join anew
         assert again.update_weights(original) == [v + 1 for v in versions]
+
+
+class _BrokenCollective:
+    """A collective a member broke by leaving: it ends first, with the transport's error."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+
+class _Call:
+    """A server call that ends `after` seconds from now, with `error` (None: it succeeds)."""
+
+    def __init__(self, error: BaseException | None, after: float):
+        self._error, self._at = error, time.monotonic() + after
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._at
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+
+def test_a_collective_broken_before_the_leaving_member_answers_raises_that_members_error():
+    """The race behind a flaky fleet run: gloo reported the closed connection before the member's
+    FAILED_PRECONDITION arrived, and the trainer got the transport's error instead of the reason."""
+    group, error = SimpleNamespace(broken=False), grpc.RpcError("not in weight group")
+    with pytest.raises(grpc.RpcError) as err:
+        BroadcastGroup._until(group, _BrokenCollective(), [_Call(None, 0.0), _Call(error, 0.05)])
+    assert err.value is error and group.broken
+    group = SimpleNamespace(broken=False)  # no call fails: the transport's error, at once
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        BroadcastGroup._until(group, _BrokenCollective(), [_Call(None, 0.0)])
+    assert group.broken and time.monotonic() - start < 1.0
+

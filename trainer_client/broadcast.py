@@ -30,6 +30,7 @@ from rollout.weight_group import WeightGroup, bucket_plan, flat_bytes, send_buck
 
 BUCKET_BYTES = 256 << 20
 POLL_S = 0.002
+FAILURE_WAIT_S = 5.0  # after a broken collective: how long a server call may take to report why
 
 
 class BroadcastGroup:
@@ -84,14 +85,23 @@ class BroadcastGroup:
 
     def _until(self, work, calls: list[grpc.Future]) -> None:
         """Waits for a collective (or the join); a server call that fails meanwhile (it will never
-        take part) breaks the group and raises its error instead of waiting for the timeout."""
+        take part) breaks the group and raises its error instead of waiting for the timeout. A
+        collective that a member broke (it left: its connections closed) can end before that member's
+        call reports why; its error is then the call's, if one fails within FAILURE_WAIT_S."""
         while not work.is_completed():
-            failed = next((c for c in calls if c.done() and c.exception() is not None), None)
+            failed = _first_failure(calls, 0.0)
             if failed is not None:
                 self.broken = True
-                raise failed.exception()
+                raise failed
             time.sleep(POLL_S)
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as err:
+            self.broken = True
+            failed = _first_failure(calls, FAILURE_WAIT_S)
+            if failed is not None:
+                raise failed from err
+            raise
 
     def close(self) -> None:
         """Leaves the group on every server (best effort) and here."""
@@ -116,6 +126,17 @@ def _refusal(calls: list[grpc.Future]) -> grpc.RpcError:
     errors = [c.exception() for c in calls if c.exception() is not None]
     invalid = [e for e in errors if e.code() == grpc.StatusCode.INVALID_ARGUMENT]
     return (invalid or errors)[0]
+
+
+def _first_failure(calls: list[grpc.Future], wait_s: float) -> BaseException | None:
+    """The error of a call that failed, waiting up to wait_s seconds for one while any is running
+    (None: none failed)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        failed = next((c.exception() for c in calls if c.done() and c.exception() is not None), None)
+        if failed is not None or time.monotonic() >= deadline or all(c.done() for c in calls):
+            return failed
+        time.sleep(POLL_S)
 
 
 class _Thread:
