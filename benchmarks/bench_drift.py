@@ -17,7 +17,8 @@ seeded per round alike for every arm, stepped in turn (common.run_interleaved), 
 arm and round: cumulative tokens, the fraction of drafts accepted in the round, committed tokens per
 verify step, tokens/s, and for the refresh arm the training time inside its steps. Goal (the issue):
 the refresh arm's acceptance in the last round >= 90% of the offline drafter's, with its rollout
-tokens/s no more than 5% below `off`'s from the training inside steps (`goal` in the JSON).
+tokens/s no more than 5% below `off`'s: the training inside steps at most 5% of its time, and its
+tokens/s over all rounds at least 0.95 of `off`'s (`goal` in the JSON).
 
     python benchmarks/bench_drift.py --device cuda            # the issue's run: 100k rollout tokens
     python benchmarks/bench_drift.py --device cpu --quick     # a small run: checks the script
@@ -56,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mode", default="idle", choices=("idle", "always"))
     p.add_argument("--refresh-lr", type=float, default=3e-4)
     p.add_argument("--refresh-ms", type=float, default=20.0)
+    p.add_argument("--refresh-share", type=float, default=0.04, help="--drafter-refresh-share")
     p.add_argument("--refresh-tokens", type=int, default=1 << 16)
     p.add_argument("--offline-seconds", type=float, default=120.0)
     p.add_argument("--block", type=int, default=8)
@@ -108,6 +110,7 @@ def build(args: argparse.Namespace, draft: str, refresh: str) -> LLMEngine:
         num_kv_blocks=samples * per_seq + 16, max_num_seqs=samples,
         max_num_batched_tokens=max(2048, samples * (args.block + 1)), drafter_refresh=refresh,
         drafter_refresh_lr=args.refresh_lr, drafter_refresh_ms=args.refresh_ms,
+        drafter_refresh_share=args.refresh_share,
         drafter_refresh_tokens=args.refresh_tokens,
     ))  # fmt: skip
 
@@ -172,12 +175,17 @@ def run_rounds(engines: dict[str, LLMEngine], prompts: list[list[int]], args, re
 
 def goal(rounds: list[dict]) -> dict:
     last = {r["arm"]: r for r in rounds if r["round"] == max(x["round"] for x in rounds)}
-    ratio = last["refresh"]["draft_acceptance"] / max(last["offline"]["draft_acceptance"], 1e-9)
+    refresh, offline = last["refresh"]["draft_acceptance"], last["offline"]["draft_acceptance"]
+    ratio = None if refresh is None or offline is None else refresh / max(offline, 1e-9)  # (None: no draft verified)
     seconds = {arm: sum(r["seconds"] for r in rounds if r["arm"] == arm) for arm in ("off", "refresh")}
     in_steps = sum(r["train_seconds_in_steps"] for r in rounds if r["arm"] == "refresh")
     slowdown = in_steps / max(seconds["refresh"], 1e-9)
+    rate = {arm: last[arm]["tokens"] / max(seconds[arm], 1e-9) for arm in ("off", "refresh")}  # (cumulative tokens)
+    throughput = rate["refresh"] / max(rate["off"], 1e-9)
     return dict(acceptance_vs_offline=ratio, acceptance_goal=GOAL_ACCEPTANCE, training_share_of_refresh_time=slowdown,
-                slowdown_goal=GOAL_SLOWDOWN, met=ratio >= GOAL_ACCEPTANCE and slowdown <= GOAL_SLOWDOWN)
+                throughput_vs_off=throughput, slowdown_goal=GOAL_SLOWDOWN,
+                met=(ratio is not None and ratio >= GOAL_ACCEPTANCE and slowdown <= GOAL_SLOWDOWN
+                     and throughput >= 1 - GOAL_SLOWDOWN))
 
 
 def main() -> None:

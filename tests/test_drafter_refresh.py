@@ -6,6 +6,8 @@ raises the drafter's acceptance on it; the fetched checkpoint loads back and dra
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -32,7 +34,7 @@ def _engine(model, spec="none", draft=None, refresh="off", **kw):
     eng = build_engine(cfg)
     refresh = getattr(eng.drafter, "refresh", None)
     if refresh is not None:
-        refresh.train_slice = lambda idle=False: refresh.buffer.num_outputs() and refresh.train_step()
+        refresh.train_slice = lambda idle=False, bound=None: refresh.buffer.num_outputs() and refresh.train_step()
     return eng
 
 
@@ -148,7 +150,7 @@ def test_idle_training_is_bounded_and_stops(tiny_random_qwen3, random_drafters):
         batch_sizes.append(len(drafts.num_per_item))
         committed(drafts, accepted)
 
-    def note_slice(idle=False):
+    def note_slice(idle=False, bound=None):
         trained_after.append(batch_sizes[-1])
         one_step()
 
@@ -192,6 +194,58 @@ def test_slice_keeps_to_its_time_bound(tiny_random_qwen3, random_drafters, monke
     refresh.train_slice(idle=idle)
     assert refresh.stats.steps - 5 == steps
     assert clock.now <= 0.020 or (idle and steps == 1)
+
+
+def test_training_after_steps_keeps_to_its_share_of_the_steps_time(tiny_random_qwen3, random_drafters,
+                                                                    monkeypatch):
+    """--drafter-refresh-share 0.05 with 2 ms training steps after 10 ms engine steps: the steps earn 0.5
+    ms of credit each, so training runs one step in about four and never takes more than the share
+    (plus the one step a slice may overdraw); the credit saved while no slice may run is capped at
+    CREDIT_SLICES slices. Idle slices spend none."""
+    cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], block_size=4,
+                       num_kv_blocks=64, drafter_refresh="always", drafter_refresh_ms=20.0,
+                       drafter_refresh_share=0.05)
+    refresh = build_engine(cfg).drafter.refresh
+    clock = _Clock()
+    monkeypatch.setattr(refresh_mod.time, "perf_counter", clock)
+    monkeypatch.setattr(refresh.buffer, "num_outputs", lambda: 1)
+    refresh.stats.steps, refresh.step_s = 5, 0.002  # past the warm-up, one step measured
+
+    def fake_step():
+        clock.now += 0.002
+        refresh.stats.steps += 1
+        return True
+
+    refresh.train_step = fake_step
+    for _ in range(400):  # 4 s of engine steps
+        refresh.after_step(0.010)
+        clock.now += 0.010
+    trained = (refresh.stats.steps - 5) * 0.002
+    assert 0.8 * 0.05 * 4.0 <= trained <= 0.05 * 4.0 + 0.002, trained
+    refresh.step_rows = refresh.small_batch + 1  # idle mode, a wide step: no slice, the credit saves up
+    refresh.mode = "idle"
+    for _ in range(10_000):
+        refresh.after_step(0.010)
+    assert refresh.credit == pytest.approx(refresh_mod.CREDIT_SLICES * 0.020)
+    credit = refresh.credit
+    refresh.train_slice(idle=True)
+    assert refresh.credit == credit and refresh.stats.steps > 5 + trained / 0.002
+
+
+def test_training_is_not_counted_in_the_step_time_the_budget_learns(tiny_random_qwen3, random_drafters):
+    """A training slice after each step (made to take 0.3 s) runs after the draft budget has taken
+    the step's wall time: no recorded step lasts as long as a slice."""
+    cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], block_size=4,
+                       num_kv_blocks=64, drafter_refresh="always", drafter_refresh_share=1.0)
+    eng = build_engine(cfg)
+    refresh, slices, recorded = eng.drafter.refresh, [], []
+    refresh.train_slice = lambda idle=False, bound=None: slices.append(time.sleep(0.3))
+    record = eng.spec_budget.record
+    eng.spec_budget.record = lambda step, acc, seconds, graphed: (recorded.append(seconds),
+                                                                 record(step, acc, seconds, graphed))
+    _run(eng, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(slices) == len(recorded) >= 3
+    assert max(recorded) < 0.3, recorded
 
 
 def test_refresh_raises_acceptance_on_a_repeated_rollout(tiny_random_qwen3, random_drafters):

@@ -59,13 +59,17 @@ class EngineConfig:
     drafter_refresh: str = option("off", "keep training the DFlash / DSpark drafter on the server's own rollouts "
                                   "(current policy version only; rollout/spec/refresh.py): idle = while the engine "
                                   "is idle and after steps of a small batch (the long tail), always = after every "
-                                  "step; at most --drafter-refresh-ms per step", choices=DRAFTER_REFRESH)
+                                  "step; at most --drafter-refresh-ms per step and --drafter-refresh-share of the "
+                                  "steps' time", choices=DRAFTER_REFRESH)
     drafter_refresh_lr: float = option(1e-4, "drafter refresh: AdamW learning rate")
     drafter_refresh_tokens: int = option(1 << 16, "drafter refresh: committed tokens its buffer holds (the oldest "
                                          "evicted first), each len(target_layer_ids) x hidden_size values in the "
                                          "target's dtype on its device", default_text="65,536")
     drafter_refresh_ms: float = option(20.0, "drafter refresh: the most milliseconds of training between two "
                                        "engine steps (on the engine thread)")
+    drafter_refresh_share: float = option(0.04, "drafter refresh: training between steps takes at most this share "
+                                          "of the steps' own time (each step earns it as credit, kept up to 10 "
+                                          "slices of --drafter-refresh-ms); idle training is not counted")
     spec_adaptive: bool = option(True, "verify per step only the drafts expected to pay, from measured "
                                  "acceptance and step costs (rollout/engine/spec_budget.py); off: always full "
                                  "draft blocks")
@@ -131,6 +135,8 @@ class EngineConfig:
             raise InvalidArgument("drafter_refresh_tokens", f"must be >= 1, got {self.drafter_refresh_tokens}")
         if not self.drafter_refresh_ms > 0:
             raise InvalidArgument("drafter_refresh_ms", f"must be > 0, got {self.drafter_refresh_ms}")
+        if not 0.0 < self.drafter_refresh_share <= 1.0:
+            raise InvalidArgument("drafter_refresh_share", f"must be in (0, 1], got {self.drafter_refresh_share}")
         if self.spec_history_tokens < 1:
             raise InvalidArgument("spec_history_tokens", f"must be >= 1, got {self.spec_history_tokens}")
         if self.spec_block_size is not None and not 2 <= self.spec_block_size <= 64:

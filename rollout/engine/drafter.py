@@ -93,6 +93,12 @@ class Drafter(ABC):
         accepted (the step's host copy). Optional."""
         return None
 
+    def after_step(self, seconds: float) -> None:
+        """A step has ended and been recorded (its wall time `seconds`, what the draft budget's cost
+        model saw): background work the drafter does between steps, within its own bound, goes here,
+        outside the step's measured time. Optional."""
+        return None
+
     def overlaps(self) -> bool:
         """Whether a step without drafts may be scheduled and launched before the previous step's sync
         (rollout.engine.overlap): then `begin_step` / `propose` (proposing nothing) and the forward's

@@ -321,8 +321,11 @@ class LLMEngine:
         self.scheduler.truncate_drafts(plan)
         if host is not None and self.drafter is not None:
             self.drafter.verified(plan, drafts, accepted)
+        seconds = time.perf_counter() - start
         if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
-            self.spec_budget.record(step, host and host.num_accepted, time.perf_counter() - start, current.graphed)
+            self.spec_budget.record(step, host and host.num_accepted, seconds, current.graphed)
+        if self.drafter is not None:
+            self.drafter.after_step(seconds)  # (its refresh's training: after the step's time is taken)
         return outputs
 
     def _apply_weights(self) -> None:

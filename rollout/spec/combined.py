@@ -110,6 +110,9 @@ class CombinedDrafter(Drafter):
         self.history.sample_finished(seq)
         self.block_drafter.sample_finished(seq)
 
+    def after_step(self, seconds: float) -> None:
+        self.block_drafter.after_step(seconds)
+
     def overlaps(self) -> bool:
         return self.block_drafter.overlaps() and self.history.overlaps()
 

@@ -106,6 +106,10 @@ class BlockDrafter(Drafter):
         if self.refresh is not None:
             self.refresh.committed(drafts, accepted)
 
+    def after_step(self, seconds: float) -> None:
+        if self.refresh is not None:
+            self.refresh.after_step(seconds)
+
     def overlaps(self) -> bool:
         return self.refresh is None  # the refresh pairs each step's taps with its own commit
 

@@ -11,7 +11,9 @@ The drafter (rollout.spec.proposer.BlockDrafter) hands its `DrafterRefresh` what
 * `committed(drafts, accepted)` after verification: the rows of the committed tokens (a prefill
   chunk's, a decode item's anchor and its accepted drafts) go into the `TapBuffer` (rollout.spec.
   refresh_buffer) with their token ids; rejected drafts never do. Prompt rows are kept as context
-  for the last WINDOW prompt positions only. A training slice may follow (below).
+  for the last WINDOW prompt positions only.
+* `after_step(seconds)` once the step's wall time is recorded (so the draft budget's cost model
+  never counts training as step time): a training slice may follow (below).
 * `idle()` when the engine loop has nothing to run: a training slice.
 * `policy_updated(version)` after a weight update: the buffer is cleared, the shadow reloaded from
   the live drafter (an update may carry drafter weights) and the optimizer's moments reset, so
@@ -30,9 +32,14 @@ committed token". Only output tokens are labels.
 When: `always` after every step; `idle` while the engine loop is idle and after steps of at most
 max(1, max_num_seqs // 8) sequences (the long tail of a rollout). A slice runs on the engine thread
 between steps and starts a training step only while the time spent so far plus the last training
-step's measured duration stays within `--drafter-refresh-ms` (the first two training steps are the
-exceptions: the first is a warm-up whose duration does not count, the second not yet measured); an
-idle slice runs one step at least. Idle slices stop once the buffer's output tokens have been
+step's measured duration stays within its bound (the first two training steps are the exceptions:
+the first is a warm-up whose duration does not count, the second not yet measured); an idle slice
+runs one step at least. An idle slice's bound is `--drafter-refresh-ms`. A slice after a step
+spends credit: every step earns `--drafter-refresh-share` of its wall time (kept up to
+CREDIT_SLICES slices of `--drafter-refresh-ms`), and the slice's bound is the smaller of the credit
+and `--drafter-refresh-ms`; its time is taken from the credit. So training between steps costs a
+rollout at most that share of its time (the warm-up step excepted, which the credit then repays),
+and no step waits more than `--drafter-refresh-ms`. Idle slices stop once the buffer's output tokens have been
 trained on IDLE_PASSES times since the last new data.
 """
 
@@ -59,6 +66,7 @@ log = logging.getLogger(__name__)
 WINDOWS, WINDOW, ANCHORS = 8, 64, 8  # windows per training step, positions per window, blocks per window
 IDLE_PASSES = 4  # idle training stops after this many passes over the buffer's output tokens
 POSITION_DECAY, CONFIDENCE_WEIGHT = 4.0, 0.2  # as scripts/train_drafters.py
+CREDIT_SLICES = 10  # earned training credit is kept up to this many --drafter-refresh-ms slices
 LOG_EVERY = 100  # a log line every this many training steps
 FROZEN = ("embed_tokens.", "lm_head.")  # DSpark's own heads: not trained here (shared with the live drafter)
 
@@ -113,6 +121,9 @@ class DrafterRefresh:
         self.stats = RefreshStats()
         self.layout: list[tuple[Sequence, int, int]] = []  # this step's (sequence, first position, new tokens)
         self.step_s = 0.0  # the last training step's duration
+        self.share = config.drafter_refresh_share
+        self.credit = 0.0  # seconds of training after steps still earned (after_step)
+        self.step_rows = 0  # the last committed step's items
         self.idle_labels = 0  # labels trained on since the buffer last grew
         self.dirty = False  # the shadow has changed since the last swap
         self.allocate()
@@ -188,8 +199,18 @@ class DrafterRefresh:
             self.buffer.append(*(np.asarray(a, dtype=np.int64) for a in (key, position, token)),
                                np.asarray(output, dtype=bool), taps)
             self.idle_labels = 0
-        if self.mode == "always" or (self.mode == "idle" and len(drafts.num_per_item) <= self.small_batch):
-            self.train_slice()
+        self.step_rows = len(drafts.num_per_item)
+
+    def after_step(self, seconds: float) -> None:
+        """A step has ended, `seconds` its wall time (already recorded by the draft budget, so
+        training never counts in the cost model's step times): it earns `--drafter-refresh-share` of
+        them as training credit, and a slice runs where the mode asks for one, within the credit and
+        `--drafter-refresh-ms`."""
+        if self.buffer is None or self.mode == "off":
+            return
+        self.credit = min(self.credit + self.share * seconds, CREDIT_SLICES * self.budget_s)
+        if self.mode == "always" or self.step_rows <= self.small_batch:
+            self.train_slice(bound=min(self.budget_s, self.credit))
 
     def idle(self) -> bool:
         """The engine loop is idle: a training slice (`idle` and `always`). Returns whether more
@@ -215,14 +236,20 @@ class DrafterRefresh:
 
     # ---- training ---------------------------------------------------------------------------
 
-    def train_slice(self, idle: bool = False) -> None:
-        """Training steps while they fit in the slice's time bound (module docstring); `idle`: at
-        least one (nothing else waits for the engine thread but the commands the loop polls for
-        between slices)."""
+    def train_slice(self, idle: bool = False, bound: float | None = None) -> None:
+        """Training steps while they fit in the slice's time bound (module docstring): `bound`
+        seconds, --drafter-refresh-ms by default; a slice after a step spends its time from the
+        credit. `idle`: at least one step (nothing else waits for the engine thread but the commands
+        the loop polls for between slices)."""
         if self.buffer is None or self.buffer.num_outputs() == 0:
             return
-        start, first = time.perf_counter(), idle or self.stats.steps == 0
-        while first or time.perf_counter() - start + self.step_s <= self.budget_s:
+        start = time.perf_counter()
+        self._train_within(start, idle or self.stats.steps == 0, self.budget_s if bound is None else bound)
+        if not idle:
+            self.credit -= time.perf_counter() - start
+
+    def _train_within(self, start: float, first: bool, bound: float) -> None:
+        while first or time.perf_counter() - start + self.step_s <= bound:
             first = False
             began = time.perf_counter()
             if not self.train_step():
