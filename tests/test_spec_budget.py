@@ -25,6 +25,7 @@ from rollout.engine.sequence import Sequence
 from rollout.engine.spec_budget import (
     EXPLORE_SHARE,
     MAX_DOUBLINGS,
+    PROBE_ROWS,
     PROBE_SHARE,
     RECHOOSE_STEPS,
     REUSE_STEPS,
@@ -144,6 +145,25 @@ def test_probes_stay_within_their_share():
     probes = sum(sum(budget.caps(seqs, 2048).values()) > 0 for _ in range(2000))
     expected = 2000 * PROBE_SHARE * plain / extra
     assert budget.totals["probes"] == probes and 0.8 * expected <= probes <= expected + 1
+
+
+def test_a_wide_batch_that_declined_every_draft_probes_a_few_samples_in_turn():
+    """64 samples whose drafts never pay: each probe verifies full blocks for PROBE_ROWS of them (the
+    next ones at each probe, so all 64 in eight probes), priced as that ragged step, so probes come
+    about 64 / PROBE_ROWS times as often as full probes of all 64 would and still take about
+    PROBE_SHARE of the time."""
+    cost = cost_table(decode_ms=10.0, token_ms=0.5, drafter_ms=2.0)
+    budget = SpecBudget(K, cost, graphs=False, max_graph_rows=0)
+    seqs = _decoding(64)
+    budget.acceptance.observe(seqs, np.full(64, K), np.zeros(64, dtype=np.int64))
+    plain = float(cost.seconds(64, 64, False))
+    extra = float(cost.seconds(64, 64, False, PROBE_ROWS, PROBE_ROWS * K)) - plain
+    probed = [[i for i, s in enumerate(seqs) if caps.get(s)] for caps in (budget.caps(seqs, 4096) for _ in range(3000))]
+    probed = [p for p in probed if p]
+    expected = 3000 * PROBE_SHARE * plain / extra
+    assert budget.totals["probes"] == len(probed) and 0.8 * expected <= len(probed) <= expected + 1
+    assert all(len(p) == PROBE_ROWS for p in probed)
+    assert sorted(i for p in probed[:8] for i in p) == list(range(64))  # in turn: every sample once
 
 
 # -- the budget's cadence -------------------------------------------------------------------------------

@@ -43,7 +43,11 @@ rollout's first steps, all samples arriving at once) nothing drafts.
 Exploration: with no drafts verified nothing is learned, and the policy (so the drafter's acceptance)
 drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted time as credit;
 once the credit pays for the extra time of full blocks, that step verifies full blocks (a probe), so
-probes cost at most PROBE_SHARE of the time.
+probes cost at most PROBE_SHARE of the time. A step that declined every draft of more than PROBE_ROWS
+samples probes PROBE_ROWS of them only (full blocks, the next ones in turn at each probe), priced as
+that ragged step: a wide batch learns the same acceptance from a fraction of the extra time, so its
+probes come as often as a narrow batch's instead of one dear probe now and then (an 8B-shaped target
+at batch 256 spent 3% of a one-second run on one full probe, measured on the H200).
 
 Start-up: until the server-wide estimate rests on MEASURED drafts tried, a choice is mostly the
 optimistic prior's, and at a large batch the full blocks it may pick cost several decode steps each
@@ -70,6 +74,7 @@ SERVER_PRIOR_WEIGHT = 4.0  # the prior's worth in drafts tried, server-wide
 SERVER_DECAY = 0.97  # server-wide counts, per step that verified drafts
 PRIOR_WEIGHT = 2.0  # the server-wide estimate's worth in a sample's own drafts tried
 SAMPLE_DECAY = 0.8  # a sample's counts of one position, per draft tried there
+PROBE_ROWS = 8  # a probe of a step that declined every draft verifies full blocks for this many samples
 PROBE_SHARE = 0.005  # issue 19 allows speculation 3% of the time where it does not pay; a loaded drafter's
 # context update took ~2% of the 8B shape's batch-8 steps without drafts on the H200 (6.11 against 5.99 ms;
 # BENCHMARKS.md), and 1% of probing left the adaptive arm at 0.964-0.970 of no drafter
@@ -277,6 +282,7 @@ class SpecBudget:
         self._counts: dict[Sequence, int] = {}  # its threshold rule's drafts per sample (_rule_counts)
         self._streak = 0  # full choices in a row that chose the rule they had (_serves)
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
+        self._probe_turn = 0  # where the next partial probe's samples start among those that may draft
 
     def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0,
              states: list[tuple[int, int]] | None = None) -> dict[Sequence, int]:
@@ -305,8 +311,9 @@ class SpecBudget:
             chosen = full if drafts >= num_spec else sum(min(k, drafts) for k in limits)
         else:
             chosen = sum(drafts)
-        if self._probe(chosen, full, seconds, full_seconds, room):
-            drafts = chosen = num_spec
+        if chosen < full:
+            drafts, chosen = self._probe(drafts, chosen, limits, seconds, full_seconds, room,
+                                         (len(running), base, graphs))
         self.totals["steps"] += 1
         self.totals["decode_rows"] += len(decode)
         declined = chosen == 0 and full > 0  # a plain step where drafts could have gone
@@ -373,19 +380,30 @@ class SpecBudget:
             return 1
         return (RECHOOSE_STEPS if self._verified else REUSE_STEPS) << min(self._streak, MAX_DOUBLINGS)
 
-    def _probe(self, chosen: int, full: int, seconds: float, full_seconds: float, room: int) -> bool:
-        """Whether to verify full blocks (`full` drafts, `full_seconds`) instead of the chosen
-        `chosen` drafts (`seconds`): once the probing credit pays for them."""
-        if chosen >= full or full > room:
-            return False
+    def _probe(self, drafts: int | list[int], chosen: int, limits: list[int], seconds: float,
+               full_seconds: float, room: int, shape: tuple[int, int, bool]) -> tuple[int | list[int], int]:
+        """The step's drafts and their count: the chosen ones (`drafts`, `chosen` of them, `seconds`),
+        or a probe's once the probing credit pays for its extra time: full blocks (`full_seconds`), or
+        where the step declined every draft of more than PROBE_ROWS samples, full blocks for PROBE_ROWS
+        of them in turn (module docstring). shape: the step's rows, tokens besides drafts, graphs."""
         self.credit += PROBE_SHARE * seconds
-        extra = max(full_seconds - seconds, 0.0)
-        if self.credit < extra:
-            return False
+        probe, total, probe_seconds = self.num_spec, sum(limits), full_seconds
+        if chosen == 0 and len(limits) > PROBE_ROWS:
+            able = [i for i, k in enumerate(limits) if k]  # (chosen < full: one at least)
+            turn = self._probe_turn % len(able)
+            probe = [0] * len(limits)
+            for i in (able[turn:] + able[:turn])[:PROBE_ROWS]:
+                probe[i] = limits[i]
+            total = sum(probe)
+            probe_seconds = self.cost.seconds(*shape, min(PROBE_ROWS, len(able)), total)
+        extra = max(probe_seconds - seconds, 0.0)
+        if total > room or self.credit < extra:
+            return drafts, chosen
         self.credit -= extra
+        self._probe_turn += PROBE_ROWS
         self.totals["probes"] += 1
         self._streak = 0  # (the probe's results are learned at the next full choice: soon)
-        return True
+        return probe, total
 
     def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool) -> None:
         """After a step: `step` (a StepBatch), its entries' accepted drafts ([E], the step's host
