@@ -207,8 +207,10 @@ def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(mo
     """Full choices: every RECHOOSE_STEPS steps, at once when the batch's shape changes, every
     REUSE_STEPS while nothing is verified; each full choice first learns every step recorded since
     the last (each sample's results from several steps at once); in between, the last rule. (MEASURED
-    0: no start-up exploration, whose steps choose every step; tested below.)"""
+    0: no start-up exploration, whose steps choose every step; tested below. No doubling at first:
+    the choices here keep choosing the same rule.)"""
     budget, seqs, full = _counted_budget(monkeypatch, 8)
+    monkeypatch.setattr(spec_budget, "MAX_DOUBLINGS", 0)
     n = 4 * RECHOOSE_STEPS
     caps = _run_steps(budget, seqs, n, accept=lambda j: j < 2)  # 2 of every block accepted
     assert len(full) == 4 and all(c == caps[0] for c in caps[:RECHOOSE_STEPS]) and all(caps)
@@ -219,6 +221,7 @@ def test_the_budget_rechooses_every_rechoose_steps_and_learns_all_it_recorded(mo
     _run_steps(budget, seqs[:3], 1, accept=lambda j: True)  # 8 -> 3 rows: another bucket
     assert full == [8, 8, 8, 8, 3]
     monkeypatch.setattr(budget, "cost", cost_table(decode_ms=1.0, token_ms=100.0, drafter_ms=100.0))
+    monkeypatch.setattr(spec_budget, "MAX_DOUBLINGS", MAX_DOUBLINGS)
     chosen_at, probes = [], budget.totals["probes"]  # the steps that chose in full, from here on
     for step in range(400):
         before = len(full)
@@ -285,6 +288,23 @@ def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):
     limits = np.asarray([min(K, s.remaining_tokens - 1) for s in seqs])
     want = (spec_budget.slot_gains(budget.acceptance.of(seqs), limits) >= last.threshold).sum(axis=1)
     assert [reused[s] for s in seqs] == want.tolist() and reused[seqs[2]] <= 1
+
+
+def test_probes_of_steps_that_verify_drafts_anyway_keep_the_doubling(monkeypatch):
+    """Two drafts of each block accepted: the budget verifies a few drafts a sample, and probes (full
+    blocks, cheap against the chosen drafts) come every few steps. Drafts are verified in every step
+    anyway, so a probe does not restart the doubling: full choices still come further and further
+    apart. (They restarted it: a full choice every RECHOOSE_STEPS steps, ~0.3 ms of host time each at
+    batch 32.)"""
+    monkeypatch.setattr(spec_budget, "PROBE_SHARE", 0.05)
+    budget, seqs, full = _counted_budget(monkeypatch, 8)
+    chosen_at = []
+    for step in range(200):
+        before = len(full)
+        _run_steps(budget, seqs, 1, accept=lambda j: j < 2)
+        chosen_at += [step] * (len(full) - before)
+    assert budget.totals["probes"] >= 10
+    assert max(b - a for a, b in zip(chosen_at, chosen_at[1:])) >= RECHOOSE_STEPS << MAX_DOUBLINGS, chosen_at
 
 
 def test_a_probe_is_learned_from_soon_whatever_the_doubling(monkeypatch):

@@ -25,15 +25,18 @@ cheaply. The engine records each step (`SpecBudget.record`: a few list appends);
 the cost model learn from the recorded steps when the budget next chooses in full, which it does
 every RECHOOSE_STEPS steps (REUSE_STEPS while no draft has been verified since), twice as long after
 each full choice that chose the rule it already had (up to 2^MAX_DOUBLINGS times: a steady batch
-re-decides every 64 steps), soon after a probe (whose results should steer), and at once when the
-batch's shape changes: CUDA graphs or not, the rows' buckets, whether the step's token room binds the
-drafts. One change does not count: a batch draining to fewer rows under full blocks keeps them until
-the rule's age runs out (fewer rows leave the target further below its compute bound, so drafts cost
-no more against the plain step; a draining tail would otherwise choose anew at every bucket it
-passes). In between, the last choice's rule (k drafts each, or the slots whose expected gain clears
-its threshold) is applied to the step's samples. On this machine's CPU a full choice costs the host
-~0.1 ms at batch 1 and ~0.3 ms at batch 32 (learning included), a reused uniform rule ~3 and ~20 us
-(the scheduler reads each sample's state once for itself and the budget, and applies the limits).
+re-decides every 64 steps), soon after a probe of a step that chose no drafts (whose results should
+steer), and at once when the batch's shape changes: CUDA graphs or not, the rows' buckets, whether
+the step's token room binds the drafts. One change does not count: a batch draining to fewer rows
+under full blocks keeps them until the rule's age runs out (fewer rows leave the target further
+below its compute bound, so drafts cost no more against the plain step; a draining tail would
+otherwise choose anew at every bucket it passes). In between, the last choice's rule (k drafts each,
+or the slots whose expected gain clears its threshold) is applied to the step's samples. On this
+machine's CPU a full choice costs the host ~0.1 ms at batch 1 and ~0.3 ms at batch 32 (learning
+included), a reused uniform rule ~3 and ~20 us (the scheduler reads each sample's state once for
+itself and the budget, and applies the limits); at batch 32 with full blocks `caps` averages ~30 us
+a step, full choices included (it was ~63 us before its per-sample loop became comprehensions and
+`learn` flattened the steps with itertools).
 
 Room: drafts get the step's token budget that the running samples' prefill and the prompts it may
 admit leave (`caps`' waiting_tokens). A draft in a budget-bound step displaces a prompt token,
@@ -62,6 +65,7 @@ the cost model has not observed yet: a misjudged step is then paid once, not REC
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain, compress
 
 import numpy as np
 
@@ -291,15 +295,16 @@ class SpecBudget:
         budget; waiting_tokens: the prompt tokens of the waiting samples it may admit (their prefill
         makes the step eager, and drafts get the room left after them: see the module docstring);
         states: the running samples' behind_and_remaining(), when the caller has them."""
-        decode, limits, prefill, num_spec = [], [], 0, self.num_spec
+        num_spec = self.num_spec
         if states is None:
             states = [seq.behind_and_remaining() for seq in running]
-        for seq, (behind, remaining) in zip(running, states):
-            if behind > 1:
-                prefill += behind
-            else:
-                decode.append(seq)
-                limits.append(max(0, min(num_spec, remaining - 1)))
+        prefill = sum(behind for behind, _ in states if behind > 1)  # (comprehensions: this runs every
+        if prefill:  # step, and a loop of appends and min / max calls took ~30 us at batch 32 on CPU)
+            decode = [seq for seq, (behind, _) in zip(running, states) if behind <= 1]
+            remaining = [left for behind, left in states if behind <= 1]
+        else:
+            decode, remaining = list(running), [left for _, left in states]
+        limits = [num_spec if left > num_spec else (left - 1 if left > 0 else 0) for left in remaining]  # [S]
         if not decode:
             return {}
         base = min(token_budget, len(decode) + prefill + waiting_tokens)
@@ -402,7 +407,8 @@ class SpecBudget:
         self.credit -= extra
         self._probe_turn += PROBE_ROWS
         self.totals["probes"] += 1
-        self._streak = 0  # (the probe's results are learned at the next full choice: soon)
+        if not chosen:  # its results are all the step learns: at the next full choice, soon (where drafts
+            self._streak = 0  # are verified anyway, the cadence stays: a probe there is cheap and frequent)
         return probe, total
 
     def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool) -> None:
@@ -429,9 +435,10 @@ class SpecBudget:
         self._timings = []
         if not self._verified:
             return
-        seqs = [s for entries, num_draft, _ in self._verified for s, k in zip(entries, num_draft) if k]
-        num_draft = np.fromiter((k for _, nd, _ in self._verified for k in nd), np.int64)  # [E'] all steps
-        num_accepted = np.fromiter((a for _, _, na in self._verified for a in na), np.int64)  # [E']
+        entries, drafts, accepted = (chain.from_iterable(part) for part in zip(*self._verified))  # all steps
+        seqs = list(compress(entries, chain.from_iterable(nd for _, nd, _ in self._verified)))  # drafted
+        num_draft = np.fromiter(drafts, np.int64)  # [E']
+        num_accepted = np.fromiter(accepted, np.int64)  # [E']
         verified = num_draft > 0
         self.acceptance.observe(seqs, num_draft[verified], num_accepted[verified], len(self._verified))
         self._verified = []
