@@ -147,6 +147,28 @@ def test_probes_stay_within_their_share():
     assert budget.totals["probes"] == probes and 0.8 * expected <= probes <= expected + 1
 
 
+def test_probes_are_charged_what_they_took_beyond_their_prediction(monkeypatch):
+    """The cost model prices drafting at a fifth of what the steps take (it is not learning here):
+    each probe's step is recorded at its real time, and the time beyond the prediction is charged
+    to the credit, so probes still take about PROBE_SHARE of all the steps' time. (Charged at the
+    prediction only, probes came five times as often and took ~5x PROBE_SHARE.)"""
+    monkeypatch.setattr(spec_budget, "PROBE_SHARE", 0.05)
+    cost = cost_table(decode_ms=10.0, token_ms=0.5, drafter_ms=2.0)
+    budget = SpecBudget(K, cost, graphs=False, max_graph_rows=0)
+    seqs = _decoding(8)
+    budget.acceptance.observe(seqs, np.full(8, K), np.zeros(8, dtype=np.int64))
+    plain = float(cost.seconds(8, 8, False))
+    real_extra = 5 * (float(cost.seconds(8, 8, False, 8, 8 * K)) - plain)
+    total = probing = 0.0
+    for _ in range(4000):
+        caps = budget.caps(seqs, 2048)
+        seconds = plain + (real_extra if caps else 0.0)
+        budget.record(_step(seqs, caps), [0] * 8 if caps else None, seconds, False)
+        total, probing = total + seconds, probing + (real_extra if caps else 0.0)
+    assert budget.totals["probes"] >= 10
+    assert probing <= 0.05 * total + real_extra, (probing / total, budget.totals["probes"])
+
+
 def test_a_wide_batch_that_declined_every_draft_probes_a_few_samples_in_turn():
     """64 samples whose drafts never pay: each probe verifies full blocks for PROBE_ROWS of them (the
     next ones at each probe, so all 64 in eight probes), priced as that ragged step, so probes come

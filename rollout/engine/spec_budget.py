@@ -43,14 +43,19 @@ admit leave (`caps`' waiting_tokens). A draft in a budget-bound step displaces a
 commits less than one token and delays that prompt, so while prompts wait for the budget (an RL
 rollout's first steps, all samples arriving at once) nothing drafts.
 
-Exploration: with no drafts verified nothing is learned, and the policy (so the drafter's acceptance)
-drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted time as credit;
-once the credit pays for the extra time of full blocks, that step verifies full blocks (a probe), so
-probes cost at most PROBE_SHARE of the time. A step that declined every draft of more than PROBE_ROWS
-samples probes PROBE_ROWS of them only (full blocks, the next ones in turn at each probe), priced as
-that ragged step: a wide batch learns the same acceptance from a fraction of the extra time, so its
-probes come as often as a narrow batch's instead of one dear probe now and then (an 8B-shaped target
-at batch 256 spent 3% of a one-second run on one full probe, measured on the H200).
+Exploration: with no drafts verified nothing is learned, and the policy (so the drafter's
+acceptance) drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted
+time as credit; once the credit pays for the extra time of full blocks, that step verifies full
+blocks (a probe), so probes cost at most PROBE_SHARE of the time. The prediction pays at once; when
+the probe's step is recorded, the time it took beyond its prediction is charged too (the next
+drafting step recorded after a probe is chosen: drafted steps run in order), so a cost model that
+prices probes low (a shape it has not seen drafting, a graph captured on the way) does not make them
+more frequent. A step that declined every draft of more than PROBE_ROWS samples probes PROBE_ROWS of
+them only (full blocks, the next ones in turn at each probe), priced as that ragged step: a wide
+batch learns the same acceptance from a fraction of the extra time, so its probes come as often as a
+narrow batch's instead of one dear probe now and then (an 8B-shaped target at batch 256 spent 3% of
+a one-second run on one full probe, measured on the H200; partial probes there then took ~36 ms
+each, three a run, above their prediction: the charge above came after that measurement).
 
 Start-up: until the server-wide estimate rests on MEASURED drafts tried, a choice is mostly the
 optimistic prior's, and at a large batch the full blocks it may pick cost several decode steps each
@@ -287,6 +292,7 @@ class SpecBudget:
         self._streak = 0  # full choices in a row that chose the rule they had (_serves)
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
         self._probe_turn = 0  # where the next partial probe's samples start among those that may draft
+        self._probes_due: list[float] = []  # probes chosen, not yet recorded: their predicted seconds
 
     def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0,
              states: list[tuple[int, int]] | None = None) -> dict[Sequence, int]:
@@ -405,6 +411,7 @@ class SpecBudget:
         if total > room or self.credit < extra:
             return drafts, chosen
         self.credit -= extra
+        self._probes_due.append(probe_seconds)
         self._probe_turn += PROBE_ROWS
         self.totals["probes"] += 1
         if not chosen:  # its results are all the step learns: at the next full choice, soon (where drafts
@@ -420,6 +427,8 @@ class SpecBudget:
         drafts = sum(rows.num_draft)
         tokens = step.tokens.meta.slot_mapping.shape[0] - drafts  # [T] besides drafts
         self._timings.append((len(step.tokens.items), tokens, graphed, drafting, drafts, seconds))
+        if drafting and self._probes_due:  # a probe's time beyond its prediction is charged too
+            self.credit -= max(seconds - self._probes_due.pop(0), 0.0)
         if drafting:  # (bench_spec: the time steps with drafts took, and those whose target ran eagerly)
             self.totals["draft_steps"] += 1
             self.totals["draft_seconds"] += seconds
@@ -448,7 +457,7 @@ class SpecBudget:
         """Back to the prior, as at a server's start (its cost model kept): bench_spec's fresh starts."""
         self.learn()
         self.acceptance = AcceptanceEstimates(self.num_spec)
-        self.credit, self._key = 0.0, None
+        self.credit, self._key, self._probes_due = 0.0, None, []
 
     def summary(self) -> dict:
         """Since the last summary: steps, decode rows, drafts verified per decode row, probes, steps that
