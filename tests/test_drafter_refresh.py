@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from rollout import build_engine
 from rollout.engine.config import EngineConfig
+from rollout.engine.drafter import Drafts
 from rollout.engine.loader import load_model
 from rollout.engine.params import SamplingParams
 from rollout.errors import InvalidArgument
@@ -230,6 +231,18 @@ def test_training_after_steps_keeps_to_its_share_of_the_steps_time(tiny_random_q
     credit = refresh.credit
     refresh.train_slice(idle=True)
     assert refresh.credit == credit and refresh.stats.steps > 5 + trained / 0.002
+
+
+def test_the_long_tail_check_reads_every_committed_step(tiny_random_qwen3, random_drafters):
+    """after_step trains in `idle` mode only after a small step: the size it checks is the last
+    committed step's, also when that step left nothing to buffer (no layout)."""
+    cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], block_size=4,
+                       num_kv_blocks=64, max_num_seqs=64, drafter_refresh="idle")
+    refresh = build_engine(cfg).drafter.refresh
+    refresh.committed(Drafts(torch.zeros(0, dtype=torch.int64), [0] * 2), [0] * 2)
+    assert refresh.step_rows == 2
+    refresh.committed(Drafts(torch.zeros(0, dtype=torch.int64), [0] * 40), [0] * 40)
+    assert refresh.step_rows == 40 > refresh.small_batch
 
 
 def test_training_is_not_counted_in_the_step_time_the_budget_learns(tiny_random_qwen3, random_drafters):

@@ -34,13 +34,13 @@ max(1, max_num_seqs // 8) sequences (the long tail of a rollout). A slice runs o
 between steps and starts a training step only while the time spent so far plus the last training
 step's measured duration stays within its bound (the first two training steps are the exceptions:
 the first is a warm-up whose duration does not count, the second not yet measured); an idle slice
-runs one step at least. An idle slice's bound is `--drafter-refresh-ms`. A slice after a step
-spends credit: every step earns `--drafter-refresh-share` of its wall time (kept up to
-CREDIT_SLICES slices of `--drafter-refresh-ms`), and the slice's bound is the smaller of the credit
-and `--drafter-refresh-ms`; its time is taken from the credit. So training between steps costs a
-rollout at most that share of its time (the warm-up step excepted, which the credit then repays),
-and no step waits more than `--drafter-refresh-ms`. Idle slices stop once the buffer's output tokens have been
-trained on IDLE_PASSES times since the last new data.
+runs one step at least. An idle slice's bound is `--drafter-refresh-ms`. A slice after a step spends
+credit: every step earns `--drafter-refresh-share` of its wall time (kept up to CREDIT_SLICES slices
+of `--drafter-refresh-ms`), and the slice's bound is the smaller of the credit and
+`--drafter-refresh-ms`; its time is taken from the credit. So training between steps costs a rollout
+at most that share of its time (the warm-up step excepted, which the credit then repays), and no
+step waits more than `--drafter-refresh-ms`. Idle slices stop once the buffer's output tokens have
+been trained on IDLE_PASSES times since the last new data.
 """
 
 from __future__ import annotations
@@ -180,7 +180,10 @@ class DrafterRefresh:
     def committed(self, drafts: Drafts, accepted: list[int]) -> None:
         """The step's committed rows into the buffer (`accepted[i]` of item i's drafts), then a
         training slice where the mode asks for one."""
-        if self.buffer is None or not self.layout:
+        if self.buffer is None:
+            return
+        self.step_rows = len(drafts.num_per_item)  # (after_step: is this the long tail?)
+        if not self.layout:
             return
         rows, key, position, token, output = [], [], [], [], []
         offset = 0
@@ -199,7 +202,6 @@ class DrafterRefresh:
             self.buffer.append(*(np.asarray(a, dtype=np.int64) for a in (key, position, token)),
                                np.asarray(output, dtype=bool), taps)
             self.idle_labels = 0
-        self.step_rows = len(drafts.num_per_item)
 
     def after_step(self, seconds: float) -> None:
         """A step has ended, `seconds` its wall time (already recorded by the draft budget, so
