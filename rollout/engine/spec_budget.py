@@ -398,18 +398,17 @@ class SpecBudget:
         where the step declined every draft of more than PROBE_ROWS samples, full blocks for PROBE_ROWS
         of them in turn (module docstring). shape: the step's rows, tokens besides drafts, graphs."""
         self.credit += PROBE_SHARE * seconds
-        probe, total, probe_seconds = self.num_spec, sum(limits), full_seconds
-        if chosen == 0 and len(limits) > PROBE_ROWS:
-            able = [i for i, k in enumerate(limits) if k]  # (chosen < full: one at least)
-            turn = self._probe_turn % len(able)
-            probe = [0] * len(limits)
-            for i in (able[turn:] + able[:turn])[:PROBE_ROWS]:
-                probe[i] = limits[i]
-            total = sum(probe)
-            probe_seconds = self.cost.seconds(*shape, min(PROBE_ROWS, len(able)), total)
+        partial = chosen == 0 and len(limits) > PROBE_ROWS
+        if partial:  # priced as if every probed sample verified a whole block (the list is built once it pays)
+            rows = min(PROBE_ROWS, len(limits) - limits.count(0))  # (chosen < full: one at least)
+            total, probe_seconds = rows * self.num_spec, self.cost.seconds(*shape, rows, rows * self.num_spec)
+        else:
+            total, probe_seconds = sum(limits), full_seconds
         extra = max(probe_seconds - seconds, 0.0)
         if total > room or self.credit < extra:
             return drafts, chosen
+        probe = self._partial_probe(limits) if partial else self.num_spec
+        total = sum(probe) if partial else total
         self.credit -= extra
         self._probes_due.append(probe_seconds)
         self._probe_turn += PROBE_ROWS
@@ -417,6 +416,15 @@ class SpecBudget:
         if not chosen:  # its results are all the step learns: at the next full choice, soon (where drafts
             self._streak = 0  # are verified anyway, the cadence stays: a probe there is cheap and frequent)
         return probe, total
+
+    def _partial_probe(self, limits: list[int]) -> list[int]:
+        """[S] full blocks for the next PROBE_ROWS samples that may draft, in turn from the last probe's."""
+        able = [i for i, k in enumerate(limits) if k]
+        turn = self._probe_turn % len(able)
+        probe = [0] * len(limits)
+        for i in (able[turn:] + able[:turn])[:PROBE_ROWS]:
+            probe[i] = limits[i]
+        return probe
 
     def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool) -> None:
         """After a step: `step` (a StepBatch), its entries' accepted drafts ([E], the step's host

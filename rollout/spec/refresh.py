@@ -245,22 +245,20 @@ class DrafterRefresh:
         the loop polls for between slices)."""
         if self.buffer is None or self.buffer.num_outputs() == 0:
             return
-        start = time.perf_counter()
-        self._train_within(start, idle or self.stats.steps == 0, self.budget_s if bound is None else bound)
-        if not idle:
-            self.credit -= time.perf_counter() - start
-
-    def _train_within(self, start: float, first: bool, bound: float) -> None:
+        start, first = time.perf_counter(), idle or self.stats.steps == 0
+        bound = self.budget_s if bound is None else bound
         while first or time.perf_counter() - start + self.step_s <= bound:
             first = False
             began = time.perf_counter()
             if not self.train_step():
-                return
+                break
             self.stats.seconds += time.perf_counter() - began
             self.step_s = time.perf_counter() - began if self.stats.steps > 1 else 0.0  # (not the warm-up)
             if self.step_s > self.budget_s and self.stats.steps == 2:
                 log.warning("drafter refresh: a training step takes %.1f ms, over --drafter-refresh-ms %.1f: it "
                             "trains only while idle", self.step_s * 1e3, self.budget_s * 1e3)
+        if not idle:
+            self.credit -= time.perf_counter() - start
 
     def train_step(self) -> bool:
         """One optimizer step on a batch of windows; False when the batch holds no label."""
