@@ -5,6 +5,10 @@ drafting corrections for the step's kind (graphed or not) and rows bucket with h
 it has counted, the rule's age and whether it was tentative, and the samples' own and the server-wide
 acceptance estimates at the first positions. A decline made where the plain step's price was never
 measured, or on a sample's estimate that no later draft can correct while the rule serves, shows here.
+Every step the adaptive budget records is listed too (`steps`: rows, drafting rows, drafts, graphed,
+its wall time and the cost model's prediction of it then, whether it was a probe), so the price of a
+drafting step and of the steps around it can be read against the plain steps' (`--cases 8b`: the
+probes of a batch that declines every draft).
 
     python3 benchmarks/trace_declines.py --device cuda --cases embedded-greedy --specs dflash \
         --embedded-repeats 10 --out benchmarks/results/trace_declines_h200.json
@@ -27,6 +31,25 @@ from rollout.engine.spec_budget import SpecBudget  # noqa: E402
 from rollout.engine.step_cost import rows_bucket  # noqa: E402
 
 MAX_RECORDS = 400
+MAX_STEPS = 4000
+
+
+def traced_record(steps: list[dict]):
+    """SpecBudget.record, listing each step's shape, wall time and predicted time (before it learns)."""
+    record = SpecBudget.record
+
+    def _record(budget, step, num_accepted, seconds, graphed):
+        if len(steps) < MAX_STEPS:
+            rows = step.rows
+            drafting, drafts = len(rows.num_draft) - rows.num_draft.count(0), sum(rows.num_draft)
+            n, tokens = len(step.tokens.items), step.tokens.meta.slot_mapping.shape[0] - drafts
+            predicted = budget.cost.seconds(n, tokens, graphed, drafting, drafts)
+            steps.append(dict(rows=n, drafting=drafting, drafts=drafts, graphed=graphed, ms=round(seconds * 1e3, 3),
+                              predicted_ms=round(predicted * 1e3, 3),
+                              probe=bool(drafting and budget._probes_due)))
+        return record(budget, step, num_accepted, seconds, graphed)
+
+    return _record
 
 
 def traced_choose(records: list[dict]):
@@ -58,18 +81,28 @@ def traced_choose(records: list[dict]):
 
 def main() -> None:
     records: list[dict] = []
+    steps: list[dict] = []
     SpecBudget._choose = traced_choose(records)
+    SpecBudget.record = traced_record(steps)
     bench_spec.main()
     args = bench_spec.parse_args()
     with open(args.out) as f:
         result = json.load(f)
     result["declines"] = records
+    result["steps"] = steps
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     full = [r for r in records if r["full_choice"]]
     unmeasured = sum(r["plain_counted"] == 0 for r in full)
     print(f"declined full choices: {len(full)} ({unmeasured} where the plain step's bucket had no counted step), "
           f"steps they served: {len(records)}; wrote {args.out}")
+    after = [b for a, b in zip(steps, steps[1:]) if a["drafting"] and not b["drafting"]]
+    for name, group in (("drafting", [s for s in steps if s["drafting"]]), ("plain after drafting", after),
+                        ("plain", [s for s in steps if not s["drafting"] and s["graphed"]])):
+        if group:
+            ms = sorted(s["ms"] for s in group)
+            print(f"{name} steps: {len(group)}, median {ms[len(ms) // 2]:.2f} ms, "
+                  f"predicted median {sorted(s['predicted_ms'] for s in group)[len(group) // 2]:.2f} ms")
 
 
 if __name__ == "__main__":
