@@ -8,7 +8,9 @@ measured, or on a sample's estimate that no later draft can correct while the ru
 Every step the adaptive budget records is listed too (`steps`: rows, drafting rows, drafts, graphed,
 its wall time and the cost model's prediction of it then, whether it was a probe), so the price of a
 drafting step and of the steps around it can be read against the plain steps' (`--cases 8b`: the
-probes of a batch that declines every draft).
+probes of a batch that declines every draft), each step named by its run (`run`: the case, the round
+and the arm; the full arm's steps are recorded too), and each run's row gains `captured_graphs`, the
+CUDA graphs its steps had to capture (a ragged step's new graph key is captured inside the timed run).
 
     python3 benchmarks/trace_declines.py --device cuda --cases embedded-greedy --specs dflash \
         --embedded-repeats 10 --out benchmarks/results/trace_declines_h200.json
@@ -34,7 +36,22 @@ MAX_RECORDS = 400
 MAX_STEPS = 4000
 
 
-def traced_record(steps: list[dict]):
+def traced_run_arm(current: dict):
+    """bench_spec.run_arm, naming the steps it records and counting the graphs its steps captured."""
+    run_arm = bench_spec.run_arm
+
+    def _run_arm(engines, arm, groups, tag, device, fresh=False):
+        engine = engines["none" if arm == "none" else "spec"]
+        current["run"] = f"{tag}-{arm}"
+        before = engine.compiled()["graphs"]
+        row = run_arm(engines, arm, groups, tag, device, fresh)
+        row["captured_graphs"] = engine.compiled()["graphs"] - before
+        return row
+
+    return _run_arm
+
+
+def traced_record(steps: list[dict], current: dict):
     """SpecBudget.record, listing each step's shape, wall time and predicted time (before it learns)."""
     record = SpecBudget.record
 
@@ -44,7 +61,8 @@ def traced_record(steps: list[dict]):
             drafting, drafts = len(rows.num_draft) - rows.num_draft.count(0), sum(rows.num_draft)
             n, tokens = len(step.tokens.items), step.tokens.meta.slot_mapping.shape[0] - drafts
             predicted = budget.cost.seconds(n, tokens, graphed, drafting, drafts)
-            steps.append(dict(rows=n, drafting=drafting, drafts=drafts, graphed=graphed, ms=round(seconds * 1e3, 3),
+            steps.append(dict(run=current.get("run"), rows=n, drafting=drafting, drafts=drafts, graphed=graphed,
+                              ms=round(seconds * 1e3, 3),
                               predicted_ms=round(predicted * 1e3, 3),
                               probe=bool(drafting and budget._probes_due)))
         return record(budget, step, num_accepted, seconds, graphed)
@@ -82,8 +100,10 @@ def traced_choose(records: list[dict]):
 def main() -> None:
     records: list[dict] = []
     steps: list[dict] = []
+    current: dict = {}
     SpecBudget._choose = traced_choose(records)
-    SpecBudget.record = traced_record(steps)
+    SpecBudget.record = traced_record(steps, current)
+    bench_spec.run_arm = traced_run_arm(current)
     bench_spec.main()
     args = bench_spec.parse_args()
     with open(args.out) as f:
@@ -96,14 +116,31 @@ def main() -> None:
     unmeasured = sum(r["plain_counted"] == 0 for r in full)
     print(f"declined full choices: {len(full)} ({unmeasured} where the plain step's bucket had no counted step), "
           f"steps they served: {len(records)}; wrote {args.out}")
-    after = [b for a, b in zip(steps, steps[1:]) if a["drafting"] and not b["drafting"]]
-    for name, group in (("drafting", [s for s in steps if s["drafting"]]), ("plain after drafting", after),
-                        ("plain", [s for s in steps if not s["drafting"] and s["graphed"]])):
-        if group:
-            ms = sorted(s["ms"] for s in group)
-            print(f"{name} steps: {len(group)}, median {ms[len(ms) // 2]:.2f} ms, "
-                  f"predicted median {sorted(s['predicted_ms'] for s in group)[len(group) // 2]:.2f} ms")
+    summarise(steps)
 
+
+def summarise(steps: list[dict]) -> None:
+    """By setting and arm, over the timed rounds: the steps' median and mean wall time and prediction,
+    graphed and eager, drafting and plain apart, and the plain steps right after a drafting step."""
+    after = {id(b) for a, b in zip(steps, steps[1:]) if a["drafting"] and not b["drafting"]}
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for step in steps:
+        setting, round_, arm = (step["run"] or "--").rsplit("-", 2)
+        if round_ != "warm" and arm in ("full", "adaptive"):
+            runs.setdefault((setting, arm), []).append(step)
+    for (setting, arm), mine in runs.items():
+        for name, group in (("graphed drafting", [s for s in mine if s["drafting"] and s["graphed"]]),
+                            ("eager drafting", [s for s in mine if s["drafting"] and not s["graphed"]]),
+                            ("plain after drafting", [s for s in mine if id(s) in after]),
+                            ("graphed plain", [s for s in mine if not s["drafting"] and s["graphed"]]),
+                            ("eager plain", [s for s in mine if not s["drafting"] and not s["graphed"]])):
+            if group:
+                ms = sorted(s["ms"] for s in group)
+                per_row = sum(s["drafts"] for s in group) / max(sum(s["drafting"] for s in group), 1)
+                print(f"{setting} {arm}, {name}: {len(group)} steps, median {ms[len(ms) // 2]:.2f} ms, mean "
+                      f"{sum(ms) / len(ms):.2f} ms, predicted median "
+                      f"{sorted(s['predicted_ms'] for s in group)[len(group) // 2]:.2f} ms, "
+                      f"drafts a drafting row {per_row:.2f}")
 
 if __name__ == "__main__":
     main()
