@@ -20,17 +20,16 @@ import torch
 from spec_helpers import budget_seq, cost_table, linear_target
 
 from rollout.engine import spec_budget, step_cost
+from rollout.engine.draft_choice import EXPLORE_SHARE, choose_drafts, slot_gains
 from rollout.engine.params import SamplingParams
 from rollout.engine.sequence import Sequence
 from rollout.engine.spec_budget import (
-    EXPLORE_SHARE,
     MAX_DOUBLINGS,
     PROBE_ROWS,
     PROBE_SHARE,
     RECHOOSE_STEPS,
     REUSE_STEPS,
     SpecBudget,
-    choose_drafts,
 )
 from rollout.engine.step_cost import Curve, StepCost
 
@@ -308,7 +307,7 @@ def test_a_reused_threshold_rule_gives_what_recomputing_it_gives(monkeypatch):
     reused = budget.caps(seqs, 4096)  # (a tenth sample joins: the same rows bucket, so the rule serves)
     assert budget._age == 2
     limits = np.asarray([min(K, s.remaining_tokens - 1) for s in seqs])
-    want = (spec_budget.slot_gains(budget.acceptance.of(seqs), limits) >= last.threshold).sum(axis=1)
+    want = (slot_gains(budget.acceptance.of(seqs), limits) >= last.threshold).sum(axis=1)
     assert [reused[s] for s in seqs] == want.tolist() and reused[seqs[2]] <= 1
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from spec_helpers import cost_table
 
-from rollout.engine.spec_budget import choose_drafts
+from rollout.engine.draft_choice import choose_drafts
 from rollout.engine.step_cost import Curve, StepCost, TargetCost
 
 K = 7

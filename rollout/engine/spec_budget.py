@@ -1,15 +1,7 @@
 """Speculation that never costs (issue 19): each step, which drafts of which samples the target verifies.
 
-Terms. A decode sample verifying k drafts commits 1 + sum_{i<=k} prod_{j<=i} a_j tokens in
-expectation, a_j being the conditional acceptance of its draft j (accepted, given drafts < j were).
-The step's time comes from the cost model (step_cost.py). The budget maximises the step's expected
-committed tokens per second over
-* no drafts at all: a plain decode step, the drafter's forward skipped;
-* uniform blocks, k drafts for every sample (k = 1, 3, 7, ... and K);
-* ragged blocks: draft slots (sample, position) admitted best expected gain first, the step re-priced
-  at every count, keeping the count with the best rate (vLLM's adaptive verification).
-Either replays a CUDA graph when the step has no prefill (a ragged one padded to a graph's tokens,
-rollout.engine.graphs; the cost model prices the padding).
+What each step may choose (no drafts, uniform blocks, ragged blocks) and how a choice is priced is
+draft_choice.py's; this module decides when to choose, learns what the choices rest on and probes.
 A sample given no drafts is a plain decode row of the same step. Verifying a prefix of a draft block
 is what Contract 2 verifies losslessly already, so the budget changes the speed, never the law of the
 committed tokens (DESIGN.md).
@@ -69,11 +61,11 @@ the cost model has not observed yet: a misjudged step is then paid once, not REC
 
 from __future__ import annotations
 
-import dataclasses
 from itertools import chain, compress
 
 import numpy as np
 
+from rollout.engine.draft_choice import choose_drafts, explore, same_rule, slot_gains
 from rollout.engine.drafter import DraftCounts
 from rollout.engine.sequence import Sequence
 from rollout.engine.step_cost import StepCost, rows_bucket
@@ -88,7 +80,6 @@ PROBE_SHARE = 0.005  # issue 19 allows speculation 3% of the time where it does 
 # context update took ~2% of the 8B shape's batch-8 steps without drafts on the H200 (6.11 against 5.99 ms;
 # BENCHMARKS.md), and 1% of probing left the adaptive arm at 0.964-0.970 of no drafter
 MEASURED = 8.0  # drafts tried server-wide at the first position (decayed) before the prior stops steering
-EXPLORE_SHARE = 0.2  # until then: the most a step's drafts may add to a plain decode step's time
 RECHOOSE_STEPS = 8  # steps a full choice's rule serves (SpecBudget._choose)
 REUSE_STEPS = 16  # the same while no draft is verified
 MAX_DOUBLINGS = 3  # of those, while full choices keep choosing the same rule
@@ -163,109 +154,12 @@ class AcceptanceEstimates:
         return row
 
 
-@dataclasses.dataclass
-class Budget:
-    """One step's choice: drafts [S] per decode sample, its expected committed tokens and seconds, and
-    its rule: k drafts for every sample (k >= 0), or (k = -1) the slots whose gain is >= threshold."""
-
-    drafts: np.ndarray
-    tokens: float
-    seconds: float
-    k: int = -1
-    threshold: float = 0.0
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def choose_drafts(acc: np.ndarray, limits: np.ndarray, cost: StepCost, rows: int, base_tokens: int,
-                  room: int, graphs: bool) -> tuple[Budget, Budget]:
-    """acc: [S, K] conditional acceptance of the step's S decode samples; limits: [S] the most drafts
-    each may verify; rows: the step's sequences (decode + prefill); base_tokens: its tokens without
-    drafts; room: the most draft tokens it may add; graphs: the step replays a CUDA graph.
-    Returns the budget with the best expected committed tokens per second (ties: fewer drafts), and
-    full blocks (every sample its limit; what a probe verifies)."""
-    gain = slot_gains(acc, limits)  # [S, K]
-    committed = len(limits) + np.concatenate([[0.0], np.cumsum(gain.sum(axis=0))])  # [K+1] uniform k
-    drafting = int(np.count_nonzero(limits))
-    fitting = []
-    for k in uniform_sizes(acc.shape[1]):
-        drafts = np.minimum(limits, k)
-        total = int(drafts.sum())
-        seconds = cost.seconds(rows, base_tokens, graphs, drafting if k else 0, total)
-        full = Budget(drafts, float(committed[k]), seconds, k)
-        if total <= room:
-            fitting.append(full)
-    best = max(fitting, key=lambda b: b.rate)  # k = 0 always fits; the first of equals
-    if len(limits) > 1:  # (one sample: ragged blocks are uniform ones)
-        ragged = _ragged(gain, cost, rows, base_tokens, room, graphs)
-        if ragged.rate > best.rate * (1 + 1e-9):
-            best = ragged
-    return best, full
-
-
-def explore(budget: Budget, acc: np.ndarray, cost: StepCost, rows: int, base_tokens: int,
-            graphs: bool) -> Budget:
-    """`budget` (from choose_drafts) cut to its first drafting samples whose drafts add at most
-    EXPLORE_SHARE of a plain decode step's seconds (the first one's drafts at least), priced as a
-    ragged step; unchanged when all of them fit. acc: [S, K] as choose_drafts'."""
-    order = np.flatnonzero(budget.drafts)  # [n] the samples that draft, in order
-    if len(order) <= 1:
-        return budget
-    bound = (1 + EXPLORE_SHARE) * cost.seconds(rows, base_tokens, graphs, 0)
-    if budget.seconds <= bound:
-        return budget
-    counts = budget.drafts[order]  # [n]
-    per_token = np.repeat(np.arange(1, len(order) + 1), counts)  # [D] samples drafting once a token is in
-    seconds = cost.ragged_seconds(rows, base_tokens, per_token, graphs)[np.cumsum(counts) - 1]  # [n] first n'
-    n = max(1, int(np.searchsorted(seconds, bound, side="right")))
-    if n == len(order):
-        return budget
-    drafts = np.zeros_like(budget.drafts)  # [S]
-    drafts[order[:n]] = counts[:n]
-    tokens = len(drafts) + float(slot_gains(acc, drafts).sum())
-    return Budget(drafts, tokens, float(seconds[n - 1]), -1, float("inf"))
-
-
-def _same_rule(a: Budget, b: Budget) -> bool:
-    """Whether two full choices chose the same rule: the same k, and for a threshold rule thresholds
-    within 10% of each other."""
-    if a.k != b.k:
-        return False
-    return a.k != -1 or abs(a.threshold - b.threshold) <= 0.1 * max(a.threshold, b.threshold)
-
-
-def uniform_sizes(k_max: int) -> list[int]:
-    """The uniform block sizes tried: 0, then 1, 3, 7, ... below k_max, and k_max."""
-    return [0, *(k for k in (2 ** i - 1 for i in range(1, 7)) if k < k_max), k_max]
-
-
-def slot_gains(acc: np.ndarray, limits: np.ndarray) -> np.ndarray:
-    """[S, K] the expected tokens draft j + 1 adds: P(drafts 1..j+1 accepted), 0 past a sample's limit."""
-    return np.cumprod(acc, axis=1) * (np.arange(acc.shape[1]) < limits[:, None])
-
-
 def _counts_above(group: np.ndarray, count: np.ndarray, groups: int, k: int) -> np.ndarray:
     """[groups, k]: entry (group[e], j) counts the entries e of that group with count[e] > j (count in
     0..k): a histogram of the counts per group, summed from the top."""
     hist = np.bincount(group * (k + 1) + count, minlength=groups * (k + 1)).reshape(groups, k + 1)
     return np.cumsum(hist[:, :0:-1], axis=1)[:, ::-1].astype(np.float64)
 
-
-def _ragged(gain: np.ndarray, cost: StepCost, rows: int, base_tokens: int, room: int, graphs: bool) -> Budget:
-    """The best count n of draft slots taken best gain first (a sample's slots in position order),
-    priced as a ragged step (graphs: replaying a CUDA graph)."""
-    num = gain.shape[0]
-    flat = gain.T.ravel()  # position-major: a stable sort keeps each sample's positions in order
-    order = np.argsort(-flat, kind="stable")[: min(room, int(np.count_nonzero(flat)))]
-    if not len(order):
-        return Budget(np.zeros(num, dtype=np.int64), float(num), float("inf"), 0)
-    committed = num + np.cumsum(flat[order])  # [n]
-    seconds = cost.ragged_seconds(rows, base_tokens, np.cumsum(order < num), graphs)  # a sample's first slot drafts
-    n = int(np.argmax(committed / seconds))
-    drafts = np.bincount(order[: n + 1] % num, minlength=num)
-    return Budget(drafts, float(committed[n]), float(seconds[n]), -1, float(flat[order[n]]))
 
 
 class SpecBudget:
@@ -358,7 +252,7 @@ class SpecBudget:
         if exploring:
             budget = explore(budget, acc, self.cost, rows, base, graphs)
         self._tentative = exploring or not self.cost.timed(rows, graphs, budget.k != 0)
-        same = key == self._key and self._last is not None and _same_rule(self._last[0], budget)
+        same = key == self._key and self._last is not None and same_rule(self._last[0], budget)
         self._streak = self._streak + 1 if same else 0
         self._key, self._last, self._age = key, (budget, full.seconds), 1
         drafts = budget.k if budget.k >= 0 else budget.drafts.tolist()

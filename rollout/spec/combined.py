@@ -38,11 +38,12 @@ import numpy as np
 import torch
 
 from rollout.engine.config import EngineConfig
+from rollout.engine.draft_choice import slot_gains
 from rollout.engine.drafter import Drafter, Drafts
 from rollout.engine.loader import LoadedModel, LoadProgress
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.sequence import Sequence
-from rollout.engine.spec_budget import AcceptanceEstimates, slot_gains
+from rollout.engine.spec_budget import AcceptanceEstimates
 from rollout.engine.transfer import upload
 from rollout.engine.verify import Proposal
 from rollout.spec.history_drafter import HistoryDrafter
