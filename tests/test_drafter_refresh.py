@@ -147,9 +147,9 @@ def test_idle_training_is_bounded_and_stops(tiny_random_qwen3, random_drafters):
     batch_sizes, trained_after = [], []
     committed, one_step = refresh.committed, refresh.train_slice
 
-    def note_batch(drafts, accepted):
+    def note_batch(items, drafts, accepted):
         batch_sizes.append(len(drafts.num_per_item))
-        committed(drafts, accepted)
+        committed(items, drafts, accepted)
 
     def note_slice(idle=False, bound=None):
         trained_after.append(batch_sizes[-1])
@@ -239,9 +239,9 @@ def test_the_long_tail_check_reads_every_committed_step(tiny_random_qwen3, rando
     cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], block_size=4,
                        num_kv_blocks=64, max_num_seqs=64, drafter_refresh="idle")
     refresh = build_engine(cfg).drafter.refresh
-    refresh.committed(Drafts(torch.zeros(0, dtype=torch.int64), [0] * 2), [0] * 2)
+    refresh.committed([], Drafts(torch.zeros(0, dtype=torch.int64), [0] * 2), [0] * 2)
     assert refresh.step_rows == 2
-    refresh.committed(Drafts(torch.zeros(0, dtype=torch.int64), [0] * 40), [0] * 40)
+    refresh.committed([], Drafts(torch.zeros(0, dtype=torch.int64), [0] * 40), [0] * 40)
     assert refresh.step_rows == 40 > refresh.small_batch
 
 

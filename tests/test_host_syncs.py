@@ -170,7 +170,8 @@ class _NoDrafts:
         return {}
 
 
-@pytest.mark.parametrize("spec", ["none", "dflash"], ids=["no-drafter", "dflash-no-drafts"])
+@pytest.mark.parametrize("spec", ["none", "dflash", "dflash-refresh"],
+                         ids=["no-drafter", "dflash-no-drafts", "dflash-refresh-no-drafts"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_the_next_step_launches_before_the_sync_without_a_read(tiny_random_qwen3, random_drafters, overlap, spec,
                                                                monkeypatch):
@@ -178,9 +179,15 @@ def test_the_next_step_launches_before_the_sync_without_a_read(tiny_random_qwen3
     n's sync, with no device -> host read anywhere before that sync (the pending tokens of n+1 come
     from n's on the device). The workload has nothing that falls back (no grammar, no penalties); with
     a drafter the draft budget verifies no drafts, so its steps are plain ones (the drafter's context
-    update still runs in every forward)."""
+    update still runs in every forward; a refreshing drafter's taps of the step in flight are copied
+    aside on the device, its training between steps is off here)."""
+    refresh = spec.endswith("-refresh")
+    spec = spec.removesuffix("-refresh")
     eng = build_engine(EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=300, overlap=overlap,
-                                    spec=spec, draft=random_drafters.get(spec), spec_adaptive=False))
+                                    spec=spec, draft=random_drafters.get(spec), spec_adaptive=False,
+                                    drafter_refresh="always" if refresh else "off"))
+    if refresh:
+        eng.drafter.refresh.train_slice = lambda idle=False, bound=None: None
     if spec != "none":
         eng.scheduler.draft_budget = _NoDrafts()
     eng.add_request("g", [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3),

@@ -2,9 +2,10 @@
 (`overlap=False`, the reference) for greedy and seeded sampling, masks in both modes, stop ids and
 strings, min_tokens, max_tokens, n > 1 with shared prefixes, aborts between steps, preemption under a
 small KV pool and a weight update between steps; the cases that need step n's committed tokens to
-build step n+1 (drafted steps, a refreshing drafter, grammar, a draining weight update) run
-synchronously, each counted by its reason, while a drafter's steps without drafts overlap (with
-budgets that draft in some steps, in none, and a weight update among them).
+build step n+1 (drafted steps, grammar, a draining weight update) run synchronously, each counted by
+its reason, while a drafter's steps without drafts overlap (with budgets that draft in some steps,
+in none, and a weight update among them; a refreshing drafter's buffer holds what the synchronous
+loop's does).
 tests/test_host_syncs.py checks that step n+1 launches before step n's sync without any host read."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 from spec_helpers import RepeatDrafter, factory_of
 
 from rollout import build_engine
@@ -323,15 +325,55 @@ def test_steps_without_drafts_overlap_with_a_drafter(tiny_random_qwen3, random_d
         assert accepted > 0 if spec == "repeat" else True  # (the random drafters' drafts are rejected)
 
 
-def test_a_refreshing_drafter_runs_every_step_synchronously(tiny_random_qwen3, random_drafters):
-    """The refresh pairs each step's tapped hidden states with that step's commit, so a step launched
-    ahead would overwrite them: such a drafter says so (`Drafter.overlaps`)."""
-    eng = _engine(tiny_random_qwen3, True, spec="dflash", draft=random_drafters["dflash"], drafter_refresh="idle",
-                  drafter_refresh_tokens=48)
-    eng.scheduler.draft_budget = _EveryThird(never=True)
-    eng.add_request("s", [PROMPTS[0]], SamplingParams(max_tokens=8, seed=5, **SAMPLED))
-    _run(eng)
-    assert not eng.drafter.overlaps() and eng.pipeline.overlapped == 0 and eng.pipeline.sync_steps["drafter"] > 5
+def test_a_refreshing_drafter_overlaps_and_buffers_what_the_synchronous_loop_does(tiny_random_qwen3,
+                                                                                   random_drafters):
+    """The refresh keeps each step's tapped rows until that step's commit (a step launched ahead
+    would overwrite the shared tap buffer first), so its steps without drafts overlap, and the buffer
+    ends holding the same rows as the synchronous loop's: same positions and tokens, the same target
+    layer outputs; no row for a slot discarded after its sample finished (a stop id) or was aborted.
+    Training is off here so that both runs draft alike."""
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_random_qwen3, overlap, spec="dflash", draft=random_drafters["dflash"],
+                      spec_adaptive=False, drafter_refresh="always", drafter_refresh_tokens=4096)
+        refresh, seqs = eng.drafter.refresh, {}
+        refresh.train_slice = lambda idle=False, bound=None: None
+        begin = refresh.begin_step
+
+        def remember(items, begin=begin, seqs=seqs):
+            seqs.update({it.seq.seq_id: it.seq for it in items})
+            begin(items)
+
+        refresh.begin_step = remember
+        eng.scheduler.draft_budget = _EveryThird()
+        eng.add_request("s", [PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=24, seed=5, **SAMPLED), n=2)
+        eng.add_request("g", [PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.0))
+        eng.add_request("stop", [PROMPTS[3]], SamplingParams(max_tokens=12, seed=2, stop_token_ids=[7, 9, 11],
+                                                             temperature=1.0))
+        eng.add_request("gone", [PROMPTS[3]], SamplingParams(max_tokens=30, seed=3, **SAMPLED))
+        outs = _run(eng, lambda eng, i: eng.abort("gone") if i == 5 else None)
+        buffer = refresh.buffer
+        rows = {}
+        for key, positions in buffer.slots.items():
+            seq = seqs[key]
+            for pos, row in positions.items():
+                rows[(seq.request_id, seq.prompt_index, seq.sample_index, pos)] = (
+                    int(buffer.token[row]), bool(buffer.output[row]), buffer.taps[row].clone())
+        runs[overlap] = outs, rows, eng
+    (want, want_rows, _), (got, got_rows, eng) = runs[False], runs[True]
+    gone = ("gone", 0, 0)  # aborted after the same step index, which is a step's worth apart in tokens
+    assert got.pop(gone).finish_reason == want.pop(gone).finish_reason == "abort"
+    _same(got, want)
+    assert eng.pipeline.overlapped > 10 and not eng.pipeline.sync_steps["drafter"]
+    assert eng.drafter.refresh.pending == [] or len(eng.drafter.refresh.pending) == 1
+    mine = {k: v for k, v in got_rows.items() if k[0] != "gone"}
+    theirs = {k: v for k, v in want_rows.items() if k[0] != "gone"}
+    assert mine.keys() == theirs.keys() and len(mine) > 100
+    for k, (token, output, taps) in theirs.items():
+        assert mine[k][:2] == (token, output), k
+        torch.testing.assert_close(mine[k][2], taps, atol=1e-5, rtol=1e-5)
+    gone_rows = sorted(p for (r, _, _, p) in got_rows if r == "gone")
+    assert gone_rows == list(range(gone_rows[0], gone_rows[0] + len(gone_rows)))  # no gap, no row past its end
 
 
 def test_no_overlap_flag():

@@ -34,7 +34,8 @@ A step runs synchronously (n+1 is scheduled after n's commit, as with `--no-over
 n+1 needs host state of step n; `sync_reason` names each case, and `Pipeline.sync_steps` counts them:
 * "drafts": step n was scheduled with drafts (n+1's positions depend on how many it accepts, and n's
   commit frees the blocks reserved for drafts not accepted or not proposed);
-* "drafter": a drafter that keeps per-step host state (`Drafter.overlaps` False: a refreshing one);
+* "drafter": a drafter that keeps per-step host state and says so (`Drafter.overlaps` False; the
+  shipped drafters overlap, a refreshing one too: rollout.spec.refresh);
 * "grammar": a grammar sample of step n (its bitmask in n+1 needs the matcher advanced by n's token);
 * "weight update": a pending weight update (the pipeline drains, then it applies between steps);
 * "off": `overlap=False`.

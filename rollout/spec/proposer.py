@@ -104,14 +104,14 @@ class BlockDrafter(Drafter):
 
     def verified(self, items: list[ScheduledSeq], drafts: Drafts, accepted: list[int]) -> None:
         if self.refresh is not None:
-            self.refresh.committed(drafts, accepted)
+            self.refresh.committed(items, drafts, accepted)
 
     def after_step(self, seconds: float) -> None:
         if self.refresh is not None:
             self.refresh.after_step(seconds)
 
     def overlaps(self) -> bool:
-        return self.refresh is None  # the refresh pairs each step's taps with its own commit
+        return True  # the refresh keeps each step's taps until its commit (rollout.spec.refresh)
 
     def idle(self) -> bool:
         return self.refresh is not None and self.refresh.idle()

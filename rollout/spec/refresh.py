@@ -8,10 +8,19 @@ The drafter (rollout.spec.proposer.BlockDrafter) hands its `DrafterRefresh` what
 * `tap(aux)` inside the target forward (`update_context`): the step's target-layer outputs are
   copied into a static buffer (one device copy, recorded into the step's CUDA graph like the rest
   of `update_context`).
-* `committed(drafts, accepted)` after verification: the rows of the committed tokens (a prefill
-  chunk's, a decode item's anchor and its accepted drafts) go into the `TapBuffer` (rollout.spec.
-  refresh_buffer) with their token ids; rejected drafts never do. Prompt rows are kept as context
-  for the last WINDOW prompt positions only.
+* `committed(items, drafts, accepted)` after verification: the rows of the committed tokens (a
+  prefill chunk's, a decode item's anchor and its accepted drafts) go into the `TapBuffer`
+  (rollout.spec.refresh_buffer) with their token ids; rejected drafts never do. Prompt rows are kept
+  as context for the last WINDOW prompt positions only.
+
+Overlapped steps (rollout.engine.overlap): step n+1 may begin and run its forward before step n is
+committed (only when n verified no drafts). Each sampling step's layout is kept until its commit
+(`_StepTaps`, at most the step in flight and the one begun after it), and when a step begins while
+the one before is still uncommitted, that step's rows of the static tap buffer are copied aside
+first (a device copy queued behind its forward, before the new step's forward overwrites them).
+A slot of step n+1 whose sample finished in step n is discarded: its row's next token was never
+committed, and no row is stored past a sample's last committed token but one (the synchronous loop
+never schedules such a slot). So the buffer holds what the synchronous loop would store.
 * `after_step(seconds)` once the step's wall time is recorded (so the draft budget's cost model
   never counts training as step time): a training slice may follow (below).
 * `idle()` when the engine loop has nothing to run: a training slice.
@@ -72,6 +81,17 @@ FROZEN = ("embed_tokens.", "lm_head.")  # DSpark's own heads: not trained here (
 
 
 @dataclass
+class _StepTaps:
+    """A sampling step begun and not yet committed: its layout, and its tapped rows once a later step
+    began (before that they are the first `rows` of DrafterRefresh.taps)."""
+
+    seqs: list[Sequence]  # the step's sequences, in item order (matched at `committed`)
+    layout: list[tuple[Sequence, int, int]]  # (sequence, first position, new tokens) per item
+    rows: int  # tokens the step computes besides drafts (a step in flight when another begins has none)
+    taps: torch.Tensor | None = None  # [rows, n*Ht] its own copy
+
+
+@dataclass
 class RefreshStats:
     """What the server reports of the refresh (GetServerInfo, the stats log)."""
 
@@ -119,7 +139,7 @@ class DrafterRefresh:
         self.capacity = config.drafter_refresh_tokens
         self.rng = np.random.default_rng(seed)
         self.stats = RefreshStats()
-        self.layout: list[tuple[Sequence, int, int]] = []  # this step's (sequence, first position, new tokens)
+        self.pending: list[_StepTaps] = []  # sampling steps begun, not committed yet (oldest first)
         self.step_s = 0.0  # the last training step's duration
         self.share = config.drafter_refresh_share
         self.credit = 0.0  # seconds of training after steps still earned (after_step)
@@ -147,7 +167,7 @@ class DrafterRefresh:
     def free(self) -> None:
         """Drops the device memory (rollout.engine.release); `allocate` rebuilds it from the live drafter."""
         self.buffer = self.taps = self.shadow = self.optimizer = None
-        self.params, self.layout = [], []
+        self.params, self.pending = [], []
 
     def _reset_optimizer(self) -> None:
         for p in self.params:
@@ -163,45 +183,64 @@ class DrafterRefresh:
     # ---- what the drafter hands over --------------------------------------------------------
 
     def begin_step(self, items: list[ScheduledSeq]) -> None:
-        """Between steps: refreshed weights go live; the step's layout is noted."""
+        """Between steps: refreshed weights go live (queued behind a step in flight, which has read
+        them by then); the taps of a step still uncommitted are copied aside; a sampling step's layout
+        is noted."""
         if self.buffer is None:
             return
         if self.dirty:
             _copy_into(self.live, self.shadow)
             self.dirty = False
             self.stats.swaps += 1
-        self.layout = [(it.seq, it.seq.num_computed_tokens, it.num_new_tokens) for it in items]
+        del self.pending[:-1]  # (older ones were never committed: a step launched ahead, then discarded)
+        if self.pending and self.pending[-1].taps is None:  # in flight: this step's forward reuses self.taps
+            last = self.pending[-1]
+            last.taps = self.taps[: last.rows].clone()
+        if any(it.samples for it in items):  # (a step that samples nothing is never committed)
+            self.pending.append(_StepTaps([it.seq for it in items],
+                                          [(it.seq, it.seq.num_computed_tokens, it.num_new_tokens) for it in items],
+                                          sum(it.num_new_tokens for it in items)))
 
     def tap(self, aux: torch.Tensor) -> None:
         """aux: [T, n*Ht], the step's target-layer outputs (copied: a graph's buffers are reused)."""
         if self.taps is not None and aux.shape[0] <= self.max_rows:
             self.taps[: aux.shape[0]].copy_(aux)
 
-    def committed(self, drafts: Drafts, accepted: list[int]) -> None:
-        """The step's committed rows into the buffer (`accepted[i]` of item i's drafts), then a
-        training slice where the mode asks for one."""
+    def committed(self, items: list[ScheduledSeq], drafts: Drafts, accepted: list[int]) -> None:
+        """The step's committed rows into the buffer (`accepted[i]` of item i's drafts)."""
         if self.buffer is None:
             return
         self.step_rows = len(drafts.num_per_item)  # (after_step: is this the long tail?)
-        if not self.layout:
+        entry = self._pending_of(items)
+        if entry is None:
             return
+        taps = self.taps if entry.taps is None else entry.taps
         rows, key, position, token, output = [], [], [], [], []
         offset = 0
-        for (seq, start, new), k, a in zip(self.layout, drafts.num_per_item, accepted):
-            end = start + new + a
+        for (seq, start, new), k, a in zip(entry.layout, drafts.num_per_item, accepted):
+            end = min(start + new + a, seq.num_tokens - 1)  # a discarded slot: its next token never came
             first = max(start, min(end, seq.num_prompt_tokens - WINDOW))  # prompt rows: the last WINDOW only
-            rows += range(offset + first - start, offset + end - start)
-            key += [seq.seq_id] * (end - first)
-            position += range(first, end)
-            token += seq.tokens(first, end)
-            output += [p >= seq.num_prompt_tokens for p in range(first, end)]
+            if end > first:
+                rows += range(offset + first - start, offset + end - start)
+                key += [seq.seq_id] * (end - first)
+                position += range(first, end)
+                token += seq.tokens(first, end)
+                output += [p >= seq.num_prompt_tokens for p in range(first, end)]
             offset += new + k
-        self.layout = []
-        if rows and offset <= self.max_rows:
-            taps = self.taps[upload(rows, torch.int64, self.device)]  # [n, n*Ht]
+        if rows and offset <= taps.shape[0]:
+            chosen = taps[upload(rows, torch.int64, self.device)]  # [n, n*Ht]
             self.buffer.append(*(np.asarray(a, dtype=np.int64) for a in (key, position, token)),
-                               np.asarray(output, dtype=bool), taps)
+                               np.asarray(output, dtype=bool), chosen)
             self.idle_labels = 0
+
+    def _pending_of(self, items: list[ScheduledSeq]) -> _StepTaps | None:
+        """The pending step whose sequences `items` are (steps commit in order: those begun before
+        it were never committed, and go)."""
+        for i, entry in enumerate(self.pending):
+            if len(entry.seqs) == len(items) and all(s is it.seq for s, it in zip(entry.seqs, items)):
+                del self.pending[: i + 1]
+                return entry
+        return None
 
     def after_step(self, seconds: float) -> None:
         """A step has ended, `seconds` its wall time (already recorded by the draft budget, so
@@ -232,7 +271,7 @@ class DrafterRefresh:
             return
         self.buffer.clear()
         self.stats.tokens = self.idle_labels = 0
-        self.layout, self.dirty = [], False
+        self.pending, self.dirty = [], False
         _copy_into(self.shadow, self.live)
         self._reset_optimizer()
 
