@@ -16,8 +16,9 @@ The drafter (rollout.spec.proposer.BlockDrafter) hands its `DrafterRefresh` what
 Overlapped steps (rollout.engine.overlap): step n+1 may begin and run its forward before step n is
 committed (only when n verified no drafts). Each sampling step's layout is kept until its commit
 (`_StepTaps`, at most the step in flight and the one begun after it), and when a step begins while
-the one before is still uncommitted, that step's rows of the static tap buffer are copied aside
-first (a device copy queued behind its forward, before the new step's forward overwrites them).
+the one before is still uncommitted, that step's rows of the static tap buffer are copied into a
+second one allocated beside it (a device copy queued behind its forward, before the new step's
+forward overwrites them; one step at a time is in flight).
 A slot of step n+1 whose sample finished in step n is discarded: its row's next token was never
 committed, and no row is stored past a sample's last committed token but one (the synchronous loop
 never schedules such a slot). So the buffer holds what the synchronous loop would store.
@@ -88,7 +89,7 @@ class _StepTaps:
     seqs: list[Sequence]  # the step's sequences, in item order (matched at `committed`)
     layout: list[tuple[Sequence, int, int]]  # (sequence, first position, new tokens) per item
     rows: int  # tokens the step computes besides drafts (a step in flight when another begins has none)
-    taps: torch.Tensor | None = None  # [rows, n*Ht] its own copy
+    taps: torch.Tensor | None = None  # [rows, n*Ht] its rows copied aside (DrafterRefresh.aside)
 
 
 @dataclass
@@ -158,6 +159,7 @@ class DrafterRefresh:
         dtype = self.live.fc.weight.dtype
         self.buffer = TapBuffer(self.capacity, width, dtype, self.device)
         self.taps = torch.zeros(self.max_rows, width, dtype=dtype, device=self.device)  # [R, n*Ht]
+        self.aside = torch.zeros_like(self.taps)  # [R, n*Ht] the taps of a step in flight when the next begins
         self.shadow = _shadow(self.live)
         self.params = [p for n, p in self.shadow.named_parameters() if not n.startswith(FROZEN)]
         self._reset_optimizer()
@@ -166,7 +168,7 @@ class DrafterRefresh:
 
     def free(self) -> None:
         """Drops the device memory (rollout.engine.release); `allocate` rebuilds it from the live drafter."""
-        self.buffer = self.taps = self.shadow = self.optimizer = None
+        self.buffer = self.taps = self.aside = self.shadow = self.optimizer = None
         self.params, self.pending = [], []
 
     def _reset_optimizer(self) -> None:
@@ -194,8 +196,8 @@ class DrafterRefresh:
             self.stats.swaps += 1
         del self.pending[:-1]  # (older ones were never committed: a step launched ahead, then discarded)
         if self.pending and self.pending[-1].taps is None:  # in flight: this step's forward reuses self.taps
-            last = self.pending[-1]
-            last.taps = self.taps[: last.rows].clone()
+            last = self.pending[-1]  # (one at a time: it is committed before the step after this one begins)
+            last.taps = self.aside[: last.rows].copy_(self.taps[: last.rows])
         if any(it.samples for it in items):  # (a step that samples nothing is never committed)
             self.pending.append(_StepTaps([it.seq for it in items],
                                           [(it.seq, it.seq.num_computed_tokens, it.num_new_tokens) for it in items],
