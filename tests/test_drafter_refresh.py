@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 from rollout import build_engine
 from rollout.engine.config import EngineConfig
 from rollout.engine.drafter import Drafts
+from rollout.engine.intake import new_sequence
 from rollout.engine.loader import load_model
 from rollout.engine.params import SamplingParams
+from rollout.engine.scheduler import ScheduledSeq
 from rollout.errors import InvalidArgument
 from rollout.spec import refresh as refresh_mod
 from rollout.spec.draft_loader import checkpoint_tensors, load_drafter
@@ -243,6 +245,26 @@ def test_the_long_tail_check_reads_every_committed_step(tiny_random_qwen3, rando
     assert refresh.step_rows == 2
     refresh.committed([], Drafts(torch.zeros(0, dtype=torch.int64), [0] * 40), [0] * 40)
     assert refresh.step_rows == 40 > refresh.small_batch
+
+
+def test_a_stop_token_among_accepted_drafts_stores_rows_up_to_it(tiny_random_qwen3, random_drafters):
+    """A decode item verified 3 drafts and accepted them all, but the first was a stop token: the
+    sample kept that one token. No row is stored at or past the last committed token (as without
+    drafts, where the stop token is sampled and never an input): the anchor's row only. The old code
+    stored rows for the cut drafts' positions too, whose tokens were never committed."""
+    cfg = EngineConfig(model=str(tiny_random_qwen3), spec="dflash", draft=random_drafters["dflash"], block_size=4,
+                       num_kv_blocks=64, drafter_refresh="always")
+    refresh = build_engine(cfg).drafter.refresh
+    seq = new_sequence(1, (), request_id="r", prompt_index=0, sample_index=0, prompt_token_ids=[5, 6, 7],
+                       params=SamplingParams(max_tokens=8, stop_token_ids=[9]), seed=0)
+    seq.output_token_ids = [11]
+    seq.num_computed_tokens = 3  # the anchor (11, position 3) is this step's one new token
+    item = ScheduledSeq(seq, 1, 3)
+    refresh.begin_step([item])
+    seq.output_token_ids += [9]  # the commit: the first accepted draft is the stop token, the rest cut
+    refresh.committed([item], Drafts(torch.tensor([9, 4, 4]), [3]), [3])
+    buffer = refresh.buffer
+    assert buffer.slots == {1: {3: 0}} and buffer.token[0] == 11 and buffer.output[0]
 
 
 def test_training_is_not_counted_in_the_step_time_the_budget_learns(tiny_random_qwen3, random_drafters,

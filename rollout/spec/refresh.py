@@ -12,22 +12,22 @@ The drafter (rollout.spec.proposer.BlockDrafter) hands its `DrafterRefresh` what
   prefill chunk's, a decode item's anchor and its accepted drafts) go into the `TapBuffer`
   (rollout.spec.refresh_buffer) with their token ids; rejected drafts never do. Prompt rows are kept
   as context for the last WINDOW prompt positions only.
-
-Overlapped steps (rollout.engine.overlap): step n+1 may begin and run its forward before step n is
-committed (only when n verified no drafts). Each sampling step's layout is kept until its commit
-(`_StepTaps`, at most the step in flight and the one begun after it), and when a step begins while
-the one before is still uncommitted, that step's rows of the static tap buffer are copied into a
-second one allocated beside it (a device copy queued behind its forward, before the new step's
-forward overwrites them; one step at a time is in flight).
-A slot of step n+1 whose sample finished in step n is discarded: its row's next token was never
-committed, and no row is stored past a sample's last committed token but one (the synchronous loop
-never schedules such a slot). So the buffer holds what the synchronous loop would store.
 * `after_step(seconds)` once the step's wall time is recorded (so the draft budget's cost model
   never counts training as step time): a training slice may follow (below).
 * `idle()` when the engine loop has nothing to run: a training slice.
 * `policy_updated(version)` after a weight update: the buffer is cleared, the shadow reloaded from
   the live drafter (an update may carry drafter weights) and the optimizer's moments reset, so
   training restarts on the new policy's data.
+
+Overlapped steps (rollout.engine.overlap): step n+1 may begin and run its forward before step n is
+committed (only when n verified no drafts). Each sampling step's layout is kept until its commit
+(`_StepTaps`, at most the step in flight and the one begun after it), and when a step begins while
+the one before is still uncommitted, that step's rows of the static tap buffer are copied into a
+second one allocated beside it (a device copy queued behind its forward, before the new step's
+forward overwrites them; one step at a time is in flight). No row is stored at or past a sample's
+last committed token: a slot of step n+1 whose sample finished in step n (discarded; the synchronous
+loop never schedules it) stores nothing, nor do accepted drafts that a stop token before them cut.
+So the buffer holds what the synchronous loop would store.
 
 Training: a shadow copy of the drafter's trainable weights (float32; DSpark's own embeddings and
 LM head stay frozen and shared with the live drafter, DFlash borrows the target's), AdamW at
