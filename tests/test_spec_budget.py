@@ -1,13 +1,10 @@
-"""The draft budget (rollout/engine/spec_budget.py) and the step-cost model (step_cost.py) on
-synthetic acceptance and cost tables, no model: full blocks when drafts are nearly always accepted
-and verifying is cheap, none when they are rejected or verify rows are expensive, drafts for the
-good samples only in a mixed batch (also when steps replay CUDA graphs: ragged ones do too, priced
-at their graph's padded tokens), a budget monotone in acceptance, the limits and the token room
-kept; probes stay within their share of the time; full choices come as often as the budget's
-cadence says; at start-up the prior's choices verify drafts of a few samples only at a large batch,
-while a good drafter still reaches full blocks within a few steps; a choice of a kind of step not
-timed yet serves one step. (tests/test_spec_acceptance.py: the acceptance estimates;
-tests/test_step_cost.py: the cost model.)"""
+"""The draft budget (rollout/engine/spec_budget.py) on synthetic acceptance and cost tables, no
+model: probes stay within their share of the time and are charged what they took beyond their
+prediction; full choices come as often as the budget's cadence says; at start-up the prior's choices
+verify drafts of a few samples only at a large batch, while a good drafter still reaches full blocks
+within a few steps; a choice of a kind of step not timed yet serves one step; prompts waiting for
+the token budget leave drafts no room. (tests/test_draft_choice.py: one step's choice;
+tests/test_spec_acceptance.py: the acceptance estimates; tests/test_step_cost.py: the cost model.)"""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from spec_helpers import budget_seq, cost_table, linear_target
+from spec_helpers import budget_seq, cost_table
 
 from rollout.engine import spec_budget, step_cost
 from rollout.engine.draft_choice import EXPLORE_SHARE, choose_drafts, slot_gains
@@ -31,101 +28,8 @@ from rollout.engine.spec_budget import (
     REUSE_STEPS,
     SpecBudget,
 )
-from rollout.engine.step_cost import Curve, StepCost
 
 K = 7
-
-
-def choose(acc, limits=None, cost=None, room=10_000, graphs=False, prefill=0):
-    acc = np.asarray(acc, dtype=np.float64)
-    limits = np.full(len(acc), K) if limits is None else np.asarray(limits)
-    return choose_drafts(acc, limits, cost or cost_table(), len(acc), len(acc) + prefill, room, graphs)[0].drafts
-
-
-def uniform(a: float, num: int = 8) -> np.ndarray:
-    return np.full((num, K), a)
-
-
-# -- the budget -------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("graphs", [False, True])
-def test_acceptance_near_one_and_cheap_verify_gives_full_blocks(graphs):
-    cost = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5, graph=graphs)
-    assert choose(uniform(0.97), cost=cost, graphs=graphs).tolist() == [K] * 8
-
-
-def test_acceptance_near_zero_gives_no_drafts():
-    cost = cost_table(decode_ms=5.0, token_ms=0.01, drafter_ms=0.5)
-    assert choose(uniform(0.02), cost=cost).tolist() == [0] * 8
-
-
-def test_expensive_verify_rows_give_no_drafts():
-    """Compute-bound: a draft token costs as much as a decode row (batch 256); good acceptance
-    (0.6) does not pay for a drafter forward plus rows that mostly miss."""
-    cost = cost_table(decode_ms=0.0, token_ms=0.1, drafter_ms=5.0)
-    assert choose(uniform(0.6, 256), cost=cost).sum() == 0
-
-
-def test_mixed_batch_drafts_for_the_good_samples_only():
-    cost = cost_table(decode_ms=2.0, token_ms=0.05, drafter_ms=0.2)
-    acc = np.concatenate([uniform(0.95, 16), uniform(0.05, 16)])
-    drafts = choose(acc, cost=cost)
-    assert (drafts[:16] >= 4).all() and (drafts[16:] == 0).all()
-
-
-def test_budget_is_monotone_in_acceptance():
-    for cost in (cost_table(2.0, 0.05, 0.5), cost_table(1.0, 0.2, 2.0), cost_table(5.0, 0.01, 0.1, graph=True)):
-        totals = [int(choose(uniform(a, 32), cost=cost, graphs=cost.graph is not None).sum())
-                  for a in np.linspace(0.0, 1.0, 41)]
-        assert totals == sorted(totals), totals
-        assert totals[0] == 0 and totals[-1] == 32 * K
-
-
-def test_per_position_budget_stops_where_acceptance_falls():
-    """Conditional acceptance high for the first three drafts, then near zero: three drafts."""
-    cost = cost_table(decode_ms=2.0, token_ms=0.05, drafter_ms=0.2)
-    acc = np.tile([0.95, 0.95, 0.95, 0.05, 0.05, 0.05, 0.05], (16, 1))
-    assert choose(acc, cost=cost).tolist() == [3] * 16
-
-
-def test_limits_and_room_are_kept():
-    cost = cost_table(decode_ms=5.0, token_ms=0.0)
-    assert choose(uniform(0.99, 4), limits=[7, 2, 0, 5], cost=cost).tolist() == [7, 2, 0, 5]
-    drafts = choose(uniform(0.99, 4), cost=cost, room=10)
-    assert drafts.sum() <= 10 and drafts.sum() >= 8
-
-
-def test_ragged_blocks_replay_graphs_and_are_priced_as_graphed_steps():
-    """Ragged steps replay CUDA graphs (rollout.engine.graphs pads them): with mixed acceptance and
-    eager steps far dearer than graphed ones, the budget still drafts for the good samples only, at
-    the graph's price. (Before, a ragged step was priced and run eagerly, so graphs forced one block
-    size for all: 8 x 7 drafts here.)"""
-    eager, graph = linear_target(10.0, 0.0025, K + 1), linear_target(4.0, 0.0025, K + 1)
-    cost = StepCost(eager, graph, Curve((1.0,), (0.0005,)), learn=False)
-    acc = np.concatenate([uniform(0.9, 4), uniform(0.3, 4)])
-    budget = choose_drafts(acc, np.full(8, K), cost, 8, 8, 10_000, graphs=True)[0]
-    assert budget.drafts[:4].min() > budget.drafts[4:].max()  # the good samples' drafts only (ragged)
-    assert budget.seconds < 5e-3  # the graph's price (an eager step: > 10 ms)
-
-
-def test_graphed_steps_are_priced_at_their_graphs_padded_tokens():
-    """The cost model prices a graphed step at the tokens its graph computes (padded_shape): a uniform
-    step its batch bucket's blocks, a ragged one its tokens padded to a TOKEN_STEPS mark; the drafter
-    (graphed whenever the target has graphs) at its batch bucket's rows."""
-    graph = linear_target(4.0, 0.01, K + 1)
-    cost = StepCost(linear_target(10.0, 0.01, K + 1), graph, Curve((1.0, 256.0), (0.0, 0.255)), learn=False)
-    assert cost.seconds(200, 200 * 8, True) == pytest.approx(graph.at(256, 256 * 8))  # uniform: bucket x q
-    assert cost.seconds(256, 271, True) == pytest.approx(graph.at(256, 320))  # ragged: 256 x 1.25
-    assert cost.seconds(256, 271, False) == pytest.approx(cost.eager.at(256, 271))
-    # the same tokens as 15 drafts of 15 rows: the plain step plus the extra tokens and the drafter (bucket 16)
-    assert cost.seconds(256, 256, True, 15, 15) == pytest.approx(graph.at(256, 320) + cost.drafter.at(16))
-    counts = np.arange(1, 200)  # [N] drafters
-    np.testing.assert_allclose(cost.ragged_seconds(256, 256, counts, True),
-                               [cost.seconds(256, 256, True, d, n) for n, d in zip(counts, counts)])
-    assert cost.seconds(256, 256, True, 20) - cost.seconds(256, 256, True) == pytest.approx(31e-3)  # bucket 32
-    no_graphs = StepCost(cost.eager, None, cost.drafter, learn=False)
-    assert no_graphs.seconds(256, 256, False, 20) - no_graphs.seconds(256, 256, False) == pytest.approx(19e-3)
 
 
 # -- probes -------------------------------------------------------------------------------------------
@@ -368,7 +272,8 @@ def test_start_up_at_a_large_batch_verifies_few_drafts():
     cost = cost_table(decode_ms=20.0, token_ms=0.02, drafter_ms=1.0, graph=True)
     budget = SpecBudget(K, cost, graphs=True, max_graph_rows=256)
     seqs = _decoding(256)
-    assert choose(np.full((256, K), spec_budget.PRIOR), cost=cost, graphs=True).min() >= 3  # the prior's choice
+    prior = choose_drafts(np.full((256, K), spec_budget.PRIOR), np.full(256, K), cost, 256, 256, 10_000, True)[0]
+    assert prior.drafts.min() >= 3  # the prior's choice
     plain = cost.seconds(256, 256, True, 0)
     caps = _run_steps(budget, seqs, 2 * RECHOOSE_STEPS, accept=lambda j: False)
     drafts = [sum(c.values()) for c in caps]

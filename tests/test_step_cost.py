@@ -2,13 +2,13 @@
 tables: curves interpolate and extrapolate; the model learns a kind of step's wall time (the plain
 part and what drafting adds, each with its own correction) and stays put when frozen; a kind of step
 whose time varies is priced at its mean time; drafting is never priced below the plain step, so an
-untrained drafter gets no drafts."""
+untrained drafter gets no drafts; a graphed step is priced at its graph's padded tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from spec_helpers import cost_table
+from spec_helpers import cost_table, linear_target
 
 from rollout.engine.draft_choice import choose_drafts
 from rollout.engine.step_cost import Curve, StepCost, TargetCost
@@ -184,3 +184,22 @@ def test_a_bucket_that_only_drafted_learns_its_plain_price_from_one_plain_step()
         assert cost.timed(1, True, False) is not slow_once
         assert cost.seconds(1, 1, True) == pytest.approx(drafting if slow_once else plain)
         assert cost.seconds(1, 1, True, 1, K) > cost.seconds(1, 1, True)  # drafting never priced below plain
+
+
+def test_graphed_steps_are_priced_at_their_graphs_padded_tokens():
+    """The cost model prices a graphed step at the tokens its graph computes (padded_shape): a uniform
+    step its batch bucket's blocks, a ragged one its tokens padded to a TOKEN_STEPS mark; the drafter
+    (graphed whenever the target has graphs) at its batch bucket's rows."""
+    graph = linear_target(4.0, 0.01, K + 1)
+    cost = StepCost(linear_target(10.0, 0.01, K + 1), graph, Curve((1.0, 256.0), (0.0, 0.255)), learn=False)
+    assert cost.seconds(200, 200 * 8, True) == pytest.approx(graph.at(256, 256 * 8))  # uniform: bucket x q
+    assert cost.seconds(256, 271, True) == pytest.approx(graph.at(256, 320))  # ragged: 256 x 1.25
+    assert cost.seconds(256, 271, False) == pytest.approx(cost.eager.at(256, 271))
+    # the same tokens as 15 drafts of 15 rows: the plain step plus the extra tokens and the drafter (bucket 16)
+    assert cost.seconds(256, 256, True, 15, 15) == pytest.approx(graph.at(256, 320) + cost.drafter.at(16))
+    counts = np.arange(1, 200)  # [N] drafters
+    np.testing.assert_allclose(cost.ragged_seconds(256, 256, counts, True),
+                               [cost.seconds(256, 256, True, d, n) for n, d in zip(counts, counts)])
+    assert cost.seconds(256, 256, True, 20) - cost.seconds(256, 256, True) == pytest.approx(31e-3)  # bucket 32
+    no_graphs = StepCost(cost.eager, None, cost.drafter, learn=False)
+    assert no_graphs.seconds(256, 256, False, 20) - no_graphs.seconds(256, 256, False) == pytest.approx(19e-3)
