@@ -325,18 +325,21 @@ def test_steps_without_drafts_overlap_with_a_drafter(tiny_random_qwen3, random_d
         assert accepted > 0 if spec == "repeat" else True  # (the random drafters' drafts are rejected)
 
 
-@pytest.mark.parametrize("spec", ["dflash", "dspark", "dflash+history"])
+@pytest.mark.parametrize("spec, kv_blocks", [("dflash", 256), ("dspark", 256), ("dflash+history", 256),
+                                             ("dflash", 24)], ids=["dflash", "dspark", "dflash+history", "preempting"])
 def test_a_refreshing_drafter_overlaps_and_buffers_what_the_synchronous_loop_does(tiny_random_qwen3,
-                                                                                   random_drafters, spec):
+                                                                                   random_drafters, spec, kv_blocks):
     """The refresh keeps each step's tapped rows until that step's commit (a step launched ahead
     would overwrite the shared tap buffer first), so its steps without drafts overlap, and the buffer
     ends holding the same rows as the synchronous loop's: same positions and tokens, the same target
-    layer outputs; no row for a slot discarded after its sample finished (a stop id) or was aborted.
+    layer outputs; no row for a slot discarded after its sample finished (a stop id) or was aborted;
+    also with samples preempted under a small KV pool (at other steps in each loop: they recompute).
     Training is off here so that both runs draft alike."""
     runs = {}
     for overlap in (False, True):
         eng = _engine(tiny_random_qwen3, overlap, spec=spec, draft=random_drafters[spec.removesuffix("+history")],
-                      spec_adaptive=False, drafter_refresh="always", drafter_refresh_tokens=4096)
+                      spec_adaptive=False, drafter_refresh="always", drafter_refresh_tokens=4096,
+                      num_kv_blocks=kv_blocks)
         refresh, seqs = getattr(eng.drafter, "block_drafter", eng.drafter).refresh, {}
         refresh.train_slice = lambda idle=False, bound=None: None
         begin = refresh.begin_step
@@ -366,6 +369,7 @@ def test_a_refreshing_drafter_overlaps_and_buffers_what_the_synchronous_loop_doe
     assert got.pop(gone).finish_reason == want.pop(gone).finish_reason == "abort"
     _same(got, want)
     assert eng.pipeline.overlapped > 10 and not eng.pipeline.sync_steps["drafter"]
+    assert (eng.scheduler.num_preemptions > 0) == (kv_blocks < 100)
     assert len(getattr(eng.drafter, "block_drafter", eng.drafter).refresh.pending) <= 1
     mine = {k: v for k, v in got_rows.items() if k[0] != "gone"}
     theirs = {k: v for k, v in want_rows.items() if k[0] != "gone"}
