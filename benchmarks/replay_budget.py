@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_spec  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
-from rollout.engine.spec_budget import SpecBudget  # noqa: E402
+from rollout.engine.spec_budget import SpecBudget, step_shape  # noqa: E402
 from rollout.engine.step_cost import Curve, StepCost, TargetCost  # noqa: E402
 
 
@@ -72,8 +72,7 @@ class SyntheticClock:
         clock = self
 
         def record(budget, step, num_accepted, seconds, graphed):
-            rows, drafts = len(step.tokens.items), sum(step.rows.num_draft)
-            tokens = step.tokens.meta.slot_mapping.shape[0] - drafts
+            rows, tokens, _, drafts = step_shape(step)
             graphed = tokens <= rows <= 256
             clock.steps.append((rows, tokens, drafts, graphed))
             clock.items.append([(id(item.seq), item.num_new_tokens) for item in step.tokens.items])

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_spec  # noqa: E402
 
-from rollout.engine.spec_budget import SpecBudget  # noqa: E402
+from rollout.engine.spec_budget import SpecBudget, step_shape  # noqa: E402
 from rollout.engine.step_cost import rows_bucket  # noqa: E402
 
 MAX_RECORDS = 400
@@ -57,14 +57,12 @@ def traced_record(steps: list[dict], current: dict):
 
     def _record(budget, step, num_accepted, seconds, graphed):
         if len(steps) < MAX_STEPS:
-            rows = step.rows
-            drafting, drafts = len(rows.num_draft) - rows.num_draft.count(0), sum(rows.num_draft)
-            n, tokens = len(step.tokens.items), step.tokens.meta.slot_mapping.shape[0] - drafts
+            n, tokens, drafting, drafts = step_shape(step)
             predicted = budget.cost.seconds(n, tokens, graphed, drafting, drafts)
             steps.append(dict(run=current.get("run"), rows=n, drafting=drafting, drafts=drafts, graphed=graphed,
                               ms=round(seconds * 1e3, 3),
                               predicted_ms=round(predicted * 1e3, 3),
-                              probe=bool(drafting and budget._probes_due)))
+                              probe=bool(drafting and budget._probe_due is not None)))
         return record(budget, step, num_accepted, seconds, graphed)
 
     return _record

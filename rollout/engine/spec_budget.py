@@ -40,9 +40,10 @@ acceptance) drifts. A step that verifies less than full blocks earns PROBE_SHARE
 time as credit; once the credit pays for the extra time of full blocks, that step verifies full
 blocks (a probe), so probes cost at most PROBE_SHARE of the time. The prediction pays at once; when
 the probe's step is recorded, the time it took beyond its prediction is charged too (the next
-drafting step recorded after a probe is chosen: drafted steps run in order), so a cost model that
-prices probes low (a shape it has not seen drafting, a graph captured on the way) does not make them
-more frequent. A step that declined every draft of more than PROBE_ROWS samples probes PROBE_ROWS of
+drafting step recorded after a probe is chosen: a step's drafts are chosen before the step before it
+is recorded only when that one verified no drafts, so no other drafting step comes between), so a
+cost model that prices probes low (a shape it has not seen drafting, a graph captured on the way)
+does not make them more frequent. A step that declined every draft of more than PROBE_ROWS samples probes PROBE_ROWS of
 them only (full blocks, the next ones in turn at each probe), priced as that ragged step: a wide
 batch learns the same acceptance from a fraction of the extra time, so its probes come as often as a
 narrow batch's instead of one dear probe now and then (an 8B-shaped target at batch 256 spent 3% of
@@ -162,6 +163,15 @@ def _counts_above(group: np.ndarray, count: np.ndarray, groups: int, k: int) -> 
 
 
 
+def step_shape(step) -> tuple[int, int, int, int]:
+    """A recorded step's (a StepBatch) shape as the cost model takes it: its rows, its tokens besides
+    drafts, its rows that draft and its drafts."""
+    num_draft = step.rows.num_draft
+    drafts = sum(num_draft)
+    return (len(step.tokens.items), step.tokens.meta.slot_mapping.shape[0] - drafts,
+            len(num_draft) - num_draft.count(0), drafts)
+
+
 class SpecBudget:
     """The scheduler's draft budget of each step (`caps`) and the engine's record of each step's
     verify results and wall time (`record`), which the acceptance estimates and the cost model learn
@@ -186,7 +196,7 @@ class SpecBudget:
         self._streak = 0  # full choices in a row that chose the rule they had (_serves)
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
         self._probe_turn = 0  # where the next partial probe's samples start among those that may draft
-        self._probes_due: list[float] = []  # probes chosen, not yet recorded: their predicted seconds
+        self._probe_due: float | None = None  # the predicted seconds of a probe chosen, not yet recorded
 
     def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0,
              states: list[tuple[int, int]] | None = None) -> dict[Sequence, int]:
@@ -304,7 +314,7 @@ class SpecBudget:
         probe = self._partial_probe(limits) if partial else self.num_spec
         total = sum(probe) if partial else total
         self.credit -= extra
-        self._probes_due.append(probe_seconds)
+        self._probe_due = probe_seconds
         self._probe_turn += PROBE_ROWS
         self.totals["probes"] += 1
         if not chosen:  # its results are all the step learns: at the next full choice, soon (where drafts
@@ -325,12 +335,11 @@ class SpecBudget:
         copy; None when no entry sampled), its wall time and whether its target forward replayed a
         CUDA graph. Kept until the next full choice learns from it."""
         rows = step.rows
-        drafting = len(rows.num_draft) - rows.num_draft.count(0)
-        drafts = sum(rows.num_draft)
-        tokens = step.tokens.meta.slot_mapping.shape[0] - drafts  # [T] besides drafts
-        self._timings.append((len(step.tokens.items), tokens, graphed, drafting, drafts, seconds))
-        if drafting and self._probes_due:  # a probe's time beyond its prediction is charged too
-            self.credit -= max(seconds - self._probes_due.pop(0), 0.0)
+        num_rows, tokens, drafting, drafts = step_shape(step)
+        self._timings.append((num_rows, tokens, graphed, drafting, drafts, seconds))
+        if drafting and self._probe_due is not None:  # a probe's time beyond its prediction is charged too
+            self.credit -= max(seconds - self._probe_due, 0.0)
+            self._probe_due = None
         if drafting:  # (bench_spec: the time steps with drafts took, and those whose target ran eagerly)
             self.totals["draft_steps"] += 1
             self.totals["draft_seconds"] += seconds
@@ -359,7 +368,7 @@ class SpecBudget:
         """Back to the prior, as at a server's start (its cost model kept): bench_spec's fresh starts."""
         self.learn()
         self.acceptance = AcceptanceEstimates(self.num_spec)
-        self.credit, self._key, self._probes_due = 0.0, None, []
+        self.credit, self._key, self._probe_due = 0.0, None, None
 
     def summary(self) -> dict:
         """Since the last summary: steps, decode rows, drafts verified per decode row, probes, steps that

@@ -21,7 +21,7 @@ The drafter (rollout.spec.proposer.BlockDrafter) hands its `DrafterRefresh` what
 
 Overlapped steps (rollout.engine.overlap): step n+1 may begin and run its forward before step n is
 committed (only when n verified no drafts). Each sampling step's layout is kept until its commit
-(`_StepTaps`, at most the step in flight and the one begun after it), and when a step begins while
+(`_StepTaps`; a commit drops those begun before it, never committed), and when a step begins while
 the one before is still uncommitted, that step's rows of the static tap buffer are copied into a
 second one allocated beside it (a device copy queued behind its forward, before the new step's
 forward overwrites them; one step at a time is in flight). No row is stored at or past a sample's
@@ -84,12 +84,10 @@ FROZEN = ("embed_tokens.", "lm_head.")  # DSpark's own heads: not trained here (
 @dataclass
 class _StepTaps:
     """A sampling step begun and not yet committed: its layout, and its tapped rows once a later step
-    began (before that they are the first `rows` of DrafterRefresh.taps)."""
+    began (before that they are the first rows of DrafterRefresh.taps)."""
 
-    seqs: list[Sequence]  # the step's sequences, in item order (matched at `committed`)
-    layout: list[tuple[Sequence, int, int]]  # (sequence, first position, new tokens) per item
-    rows: int  # tokens the step computes besides drafts (a step in flight when another begins has none)
-    taps: torch.Tensor | None = None  # [rows, n*Ht] its rows copied aside (DrafterRefresh.aside)
+    layout: list[tuple[Sequence, int, int]]  # (sequence, first position, new tokens) per item, in item order
+    taps: torch.Tensor | None = None  # [T, n*Ht] its rows copied aside (DrafterRefresh.aside)
 
 
 @dataclass
@@ -194,14 +192,12 @@ class DrafterRefresh:
             _copy_into(self.live, self.shadow)
             self.dirty = False
             self.stats.swaps += 1
-        del self.pending[:-1]  # (older ones were never committed: a step launched ahead, then discarded)
         if self.pending and self.pending[-1].taps is None:  # in flight: this step's forward reuses self.taps
-            last = self.pending[-1]  # (one at a time: it is committed before the step after this one begins)
-            last.taps = self.aside[: last.rows].copy_(self.taps[: last.rows])
+            last = self.pending[-1]  # (one at a time: it is committed before the step after this one begins;
+            rows = sum(new for _, _, new in last.layout)  # it verified no drafts, so its tokens are its rows)
+            last.taps = self.aside[:rows].copy_(self.taps[:rows])
         if any(it.samples for it in items):  # (a step that samples nothing is never committed)
-            self.pending.append(_StepTaps([it.seq for it in items],
-                                          [(it.seq, it.seq.num_computed_tokens, it.num_new_tokens) for it in items],
-                                          sum(it.num_new_tokens for it in items)))
+            self.pending.append(_StepTaps([(it.seq, it.seq.num_computed_tokens, it.num_new_tokens) for it in items]))
 
     def tap(self, aux: torch.Tensor) -> None:
         """aux: [T, n*Ht], the step's target-layer outputs (copied: a graph's buffers are reused)."""
@@ -220,7 +216,7 @@ class DrafterRefresh:
         rows, key, position, token, output = [], [], [], [], []
         offset = 0
         for (seq, start, new), k, a in zip(entry.layout, drafts.num_per_item, accepted):
-            end = min(start + new + a, seq.num_tokens - 1)  # a discarded slot: its next token never came
+            end = min(start + new + a, seq.num_tokens - 1)  # (a discarded slot, drafts a stop cut: module doc)
             first = max(start, min(end, seq.num_prompt_tokens - WINDOW))  # prompt rows: the last WINDOW only
             if end > first:
                 rows += range(offset + first - start, offset + end - start)
@@ -237,9 +233,9 @@ class DrafterRefresh:
 
     def _pending_of(self, items: list[ScheduledSeq]) -> _StepTaps | None:
         """The pending step whose sequences `items` are (steps commit in order: those begun before
-        it were never committed, and go)."""
+        it, launched ahead and then discarded, were never committed, and go)."""
         for i, entry in enumerate(self.pending):
-            if len(entry.seqs) == len(items) and all(s is it.seq for s, it in zip(entry.seqs, items)):
+            if len(entry.layout) == len(items) and all(s is it.seq for (s, _, _), it in zip(entry.layout, items)):
                 del self.pending[: i + 1]
                 return entry
         return None
