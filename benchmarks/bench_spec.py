@@ -47,6 +47,11 @@ rollout's own functions; cProfile slows Python code, so compare the arms, not th
     python benchmarks/bench_spec.py --device cuda --cases 8b long-tail
     python benchmarks/bench_spec.py --device cpu --quick     # a check of the script
 
+`--sync-arms` adds each arm once more with overlapped scheduling off (`none-sync`, `full-sync`,
+`adaptive-sync`: the same engines, `--no-overlap`'s synchronous loop, rollout/engine/overlap.py) in
+the same rounds; `vs_sync` is an arm's median ratio over rounds to its synchronous twin (what overlap
+buys it; issue 17), `overlapped_drafts` the steps it launched before a drafted step synchronised.
+
 `--pool A.json B.json ...` runs nothing: it pools the rounds of earlier runs of the same code (each
 setting's arms' per-round ratios, concatenated in file order so that each round's pairing holds) and
 prints and writes the goals over them. A single run's medians move by more than the goals' margins
@@ -120,6 +125,8 @@ def parse_args() -> argparse.Namespace:
                    help="each timed adaptive run starts from the prior, as a new server's first batch")
     p.add_argument("--host-profile", action="store_true",
                    help="one more run of full and adaptive under cProfile: host ms a step by function")
+    p.add_argument("--sync-arms", action="store_true",
+                   help="every arm also with overlapped scheduling off (vs_sync: overlap's gain)")
     p.add_argument("--pool", nargs="+", default=None, metavar="JSON",
                    help="run nothing: the goals over the pooled rounds of these bench_spec JSON files")
     p.add_argument("--out", default="benchmarks/results/bench_spec.json")
@@ -150,15 +157,19 @@ def engine_pair(args: argparse.Namespace, spec: str, max_batch: int, max_len: in
 def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: str, device: str,
             fresh: bool = False) -> dict:
     """The workload (groups of requests run one group after another) on one arm; `fresh`: the adaptive
-    budget starts from its prior (a new server's first batch, its cost model and graphs kept)."""
-    engine = engines["none" if arm == "none" else "spec"]
+    budget starts from its prior (a new server's first batch, its cost model and graphs kept). An arm
+    named "-sync" runs with overlapped scheduling off."""
+    base = arm.removesuffix("-sync")
+    engine = engines["none" if base == "none" else "spec"]
+    engine.pipeline.enabled = base == arm
     budget = engine.spec_budget
-    if arm != "none":
-        engine.scheduler.draft_budget = budget if arm == "adaptive" else None
+    if base != "none":
+        engine.scheduler.draft_budget = budget if base == "adaptive" else None
     if arm == "adaptive" and fresh:
         budget.forget_acceptance()
     before = dict(budget.totals) if budget is not None else {}
     drafts_before, proposals_before = engine.draft_counts.total()[0], _eager_proposals(engine)
+    overlapped_before = engine.pipeline.overlapped_drafts
     gc.collect()  # (untimed: no run inherits a collection of the garbage the runs before it left)
     runs = [run_engine(engine, g, f"{tag}-{arm}-{i}", device) for i, g in enumerate(groups)]
     if arm == "full" and budget is not None:  # untimed: what full blocks' steps teach the budget (the engine
@@ -166,8 +177,10 @@ def run_arm(engines: dict[str, LLMEngine], arm: str, groups: list[list], tag: st
     tokens, seconds = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
     accepts = [n for r in runs for o in r.outputs for n in o.accept_lengths[1:]]
     row = dict(arm=arm, tokens_per_s=tokens / seconds, seconds=seconds, tokens=tokens, steps=sum(r.steps for r in runs),
-               mean_acceptance=statistics.fmean(accepts) if accepts else float("nan"))
-    if arm == "adaptive":
+               mean_acceptance=statistics.fmean(accepts) if accepts else float("nan"),
+               overlapped_drafts=engine.pipeline.overlapped_drafts - overlapped_before)
+    engine.pipeline.enabled = True
+    if base == "adaptive":
         spent = {k: budget.totals[k] - before.get(k, 0) for k in budget.totals}
         drafts = engine.draft_counts.total()[0] - drafts_before
         row.update(drafts_per_row=drafts / max(spent["decode_rows"], 1), probes=spent["probes"],
@@ -195,20 +208,24 @@ def compare(engines: dict[str, LLMEngine], groups: list[list], setting: dict, ar
     tokens/s over `none`'s in the same round (so a host that drifts between rounds cancels out; the
     launch-bound embedded models' runs move by 20% from one round to the next)."""
     tag = "-".join(str(v) for v in setting.values())
+    arms = ARMS + (tuple(f"{a}-sync" for a in ARMS) if args.sync_arms else ())
     for arm in ARMS:
         run_arm(engines, arm, groups, f"{tag}-warm", args.device)
-    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     for r in range(repeats or args.repeats):
-        for arm in ARMS if r % 2 == 0 else ARMS[::-1]:  # (no arm always runs right after the same one)
+        for arm in arms if r % 2 == 0 else arms[::-1]:  # (no arm always runs right after the same one)
             runs[arm].append(run_arm(engines, arm, groups, f"{tag}-{r}", args.device, args.fresh_start))
     hosts = host_profiles(engines, groups, tag, args) if args.host_profile else {}
-    for arm in ARMS:
+    for arm in arms:
         row = dict(setting, **nearest_median(runs[arm], "tokens_per_s"))
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs["none"])]
         row["vs_none"], row["vs_none_rounds"] = statistics.median(ratios), [round(x, 3) for x in ratios]
         if arm == "adaptive":  # the pair measured next to each other in every round
             paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs["full"])]
             row["vs_full"], row["vs_full_rounds"] = statistics.median(paired), [round(x, 3) for x in paired]
+        if f"{arm}-sync" in runs:  # what overlapped scheduling buys the arm, paired within rounds
+            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[arm], runs[f"{arm}-sync"])]
+            row["vs_sync"], row["vs_sync_rounds"] = statistics.median(paired), [round(x, 3) for x in paired]
         if arm in hosts:
             row["host_ms_per_step"] = hosts[arm]
         result["rows"].append(row)
@@ -417,7 +434,8 @@ def main() -> None:
     result["goals"] = goals(result["rows"])
     write_json(args.out, result)
     print_table(f"speculation: none / full blocks / adaptive budgets, block {args.block}", result["rows"],
-                ["case", "spec", "sampling", "batch", "arm", "tokens_per_s", "vs_none", "mean_acceptance",
+                ["case", "spec", "sampling", "batch", "arm", "tokens_per_s", "vs_none", "vs_sync", "overlapped_drafts",
+                 "mean_acceptance",
                  "drafts_per_row", "probes", "declined", "declined_eager", "steps", "draft_steps", "draft_seconds",
                  "eager_draft_steps", "eager_draft_seconds", "eager_proposals", "seconds"])
     print_goals(result["goals"])

@@ -11,7 +11,12 @@ does); so on a GPU a control run (the synchronous loop with fewer sequences per 
 noise side by side, and the check exits 1 when the overlapped run differs in more than twice as many
 samples (at least 4). A bug shows as many samples differing from their first tokens.
 
+`--spec dflash` (or dspark) runs the same with the embedded drafter verifying full blocks, so drafted
+steps overlap drafted steps (their anchors and positions gathered on the device); each sample's accept
+lengths are compared too (the same drafts verified).
+
     python benchmarks/check_overlap.py --device cuda
+    python benchmarks/check_overlap.py --device cuda --spec dflash
     python benchmarks/check_overlap.py --device cpu --requests 8 --tokens 16   # checks the script
 """
 
@@ -21,7 +26,7 @@ import argparse
 import random
 import sys
 
-from common import free_memory
+from common import embedded_draft, free_memory
 
 import rollout
 from rollout.engine.config import EngineConfig
@@ -35,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--requests", type=int, default=64, help="requests of each kind")
     p.add_argument("--tokens", type=int, default=128, help="max_tokens of the long samples")
+    p.add_argument("--spec", default="none", choices=("none", "dflash", "dspark"),
+                   help="the embedded drafter, full blocks (drafted steps overlap)")
     return p.parse_args()
 
 
@@ -51,8 +58,10 @@ def add_workload(eng, requests: int, tokens: int) -> None:
                                                               repetition_penalty=1.3, temperature=1.0))
 
 
-def run(device: str, overlap: bool, requests: int, tokens: int, max_num_seqs: int = 256) -> tuple[dict, int]:
-    eng = rollout.build_engine(EngineConfig(device=device, overlap=overlap, max_num_seqs=max_num_seqs))
+def run(device: str, overlap: bool, requests: int, tokens: int, max_num_seqs: int = 256,
+        spec: str = "none") -> tuple[dict, int]:
+    drafter = {} if spec == "none" else dict(spec=spec, draft=embedded_draft(spec), spec_adaptive=False)
+    eng = rollout.build_engine(EngineConfig(device=device, overlap=overlap, max_num_seqs=max_num_seqs, **drafter))
     add_workload(eng, requests, tokens)
     outs, steps = [], 0
     while eng.has_unfinished():
@@ -67,7 +76,8 @@ def differences(got: dict, want: dict) -> list[str]:
     found = [] if got.keys() == want.keys() else [f"samples differ: {got.keys() ^ want.keys()}"]
     for key in want.keys() & got.keys():
         g, w = got[key], want[key]
-        if (g.token_ids, g.finish_reason, g.error) != (w.token_ids, w.finish_reason, w.error):
+        if (g.token_ids, g.finish_reason, g.error, g.accept_lengths) != (w.token_ids, w.finish_reason, w.error,
+                                                                          w.accept_lengths):
             at = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b),
                       min(len(g.token_ids), len(w.token_ids)))
             found.append(f"{key}: tokens / finish differ from token {at} of {len(w.token_ids)}")
@@ -80,9 +90,9 @@ def differences(got: dict, want: dict) -> list[str]:
 
 def main() -> None:
     args = parse_args()
-    want, sync_steps = run(args.device, False, args.requests, args.tokens)
+    want, sync_steps = run(args.device, False, args.requests, args.tokens, spec=args.spec)
     free_memory()  # the first engine's KV cache takes most of the device
-    got, overlap_steps = run(args.device, True, args.requests, args.tokens)
+    got, overlap_steps = run(args.device, True, args.requests, args.tokens, spec=args.spec)
     found = differences(got, want)
     print(f"{len(want)} samples, steps: synchronous {sync_steps}, overlapped {overlap_steps}; "
           f"{len(found)} differing")
@@ -93,7 +103,8 @@ def main() -> None:
         # The control: the synchronous loop again with fewer sequences per step, a change of batch
         # composition alone. Its count of differing samples is the rounding noise of this device.
         free_memory()
-        control, control_steps = run(args.device, False, args.requests, args.tokens, max_num_seqs=192)
+        control, control_steps = run(args.device, False, args.requests, args.tokens, max_num_seqs=192,
+                                     spec=args.spec)
         noise = differences(control, want)
         allowed = max(2 * len(noise), 4)
         print(f"control (synchronous, 192 sequences per step, {control_steps} steps): {len(noise)} differing; "

@@ -42,6 +42,32 @@ class RepeatDrafter(Drafter):
         pass
 
 
+class DeviceRepeatDrafter(RepeatDrafter):
+    """RepeatDrafter that proposes from anchors on the device (`Drafter.device_anchors`): a sample
+    whose last token is pending (drawn by the step in flight) repeats that token, read from
+    `pending` with no host read, so its steps overlap drafted ones. `proposed` keeps each call's
+    drafts on the host for comparison."""
+
+    def __init__(self, block_size: int):
+        super().__init__(block_size)
+        self.proposed: list[list[int]] = []
+
+    def overlaps(self) -> bool:
+        return True
+
+    def device_anchors(self) -> bool:
+        return True
+
+    def propose(self, items, block_table, pending=None) -> Drafts:
+        counts = [it.num_draft for it in items]
+        anchors = torch.tensor([it.seq.last_token for it in items], dtype=torch.int64)
+        if pending is not None:
+            anchors = torch.where(pending.has, pending.anchor, anchors)
+        flat = anchors.repeat_interleave(torch.tensor(counts, dtype=torch.int64), output_size=sum(counts))
+        self.proposed.append(flat)  # (read after the run: no host read here)
+        return Drafts(flat, counts)
+
+
 def factory_of(drafter: Drafter | None):
     """An engine's drafter factory that hands out `drafter` (None: no factory, so the engine runs
     what its config names)."""

@@ -284,8 +284,8 @@ def test_training_is_not_counted_in_the_step_time_the_budget_learns(tiny_random_
 
     refresh.train_slice = slice_
     record = eng.spec_budget.record
-    eng.spec_budget.record = lambda step, acc, seconds, graphed: (recorded.append(seconds),
-                                                                 record(step, acc, seconds, graphed))
+    eng.spec_budget.record = lambda step, acc, seconds, graphed, choice: (recorded.append(seconds),
+                                                                         record(step, acc, seconds, graphed, choice))
     _run(eng, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(slices) == len(recorded) >= 3
     assert max(recorded) < 100.0, recorded

@@ -2,10 +2,10 @@
 (`overlap=False`, the reference) for greedy and seeded sampling, masks in both modes, stop ids and
 strings, min_tokens, max_tokens, n > 1 with shared prefixes, aborts between steps, preemption under a
 small KV pool and a weight update between steps; the cases that need step n's committed tokens to
-build step n+1 (drafted steps, grammar, a draining weight update) run synchronously, each counted by
-its reason, while a drafter's steps without drafts overlap (with budgets that draft in some steps,
-in none, and a weight update among them; a refreshing drafter's buffer holds what the synchronous
-loop's does).
+build step n+1 (grammar, a draining weight update, drafts of a drafter without device anchors) run
+synchronously, each counted by its reason, while a drafter's steps without drafts overlap (with
+budgets that draft in some steps, in none, and a weight update among them; a refreshing drafter's
+buffer holds what the synchronous loop's does). Drafted steps that overlap: tests/test_overlap_drafts.py.
 tests/test_host_syncs.py checks that step n+1 launches before step n's sync without any host read."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 
 import pytest
 import torch
+from overlap_helpers import PROMPTS, SAMPLED, assert_same, overlap_engine, run_steps
 from spec_helpers import RepeatDrafter, factory_of
 
 from rollout import build_engine
@@ -22,47 +23,12 @@ from rollout.engine.grammar import GrammarSpec
 from rollout.engine.params import SamplingParams
 from rollout.options import add_options, from_options
 
-SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.9, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8, 9], [100, 101], list(range(60, 73)), [42, 43, 44]]
-
-
-def _engine(model, overlap: bool, **kw):
-    cfg = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=32)
-    cfg.update(kw)
-    return build_engine(EngineConfig(model=str(model), overlap=overlap, **cfg))
-
-
-def _run(eng, between=None) -> dict:
-    """Steps until idle; `between(eng, step_index)` runs between steps. Samples by key."""
-    outs, i = [], 0
-    while eng.has_unfinished():
-        outs += eng.step()
-        if between is not None:
-            outs += between(eng, i) or []
-        i += 1
-        assert i < 2000
-    return {(o.request_id, o.prompt_index, o.sample_index): o for o in outs}
-
-
-def _same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for key, w in want.items():
-        g = got[key]
-        assert g.token_ids == w.token_ids, f"{key}: tokens differ"
-        assert (g.finish_reason, g.stop_reason, g.error) == (w.finish_reason, w.stop_reason, w.error), key
-        assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-5), key
-        assert g.policy_version == w.policy_version, key
-        assert g.support_ids == w.support_ids, key
-        if w.support_logprobs is not None:
-            for a, b in zip(g.support_logprobs, w.support_logprobs):
-                assert a == pytest.approx(b, abs=1e-5), key
-
 
 @pytest.fixture(scope="module")
 def greedy_ref(tiny_random_qwen3):
-    eng = _engine(tiny_random_qwen3, overlap=False)
+    eng = overlap_engine(tiny_random_qwen3, overlap=False)
     eng.add_request("r", [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    out = _run(eng)[("r", 0, 0)]
+    out = run_steps(eng)[("r", 0, 0)]
     return out.token_ids, eng.decode(out.token_ids)
 
 
@@ -87,11 +53,11 @@ def _workload(eng, greedy_ref) -> None:
 def test_overlap_gives_the_synchronous_samples(tiny_random_qwen3, greedy_ref):
     runs = {}
     for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap)
+        eng = overlap_engine(tiny_random_qwen3, overlap)
         _workload(eng, greedy_ref)
-        runs[overlap] = _run(eng), eng
+        runs[overlap] = run_steps(eng), eng
     (want, _), (got, eng) = runs[False], runs[True]
-    _same(got, want)
+    assert_same(got, want)
     assert want[("stop-id", 0, 0)].finish_reason == "stop" and want[("stop-str", 0, 0)].stop_reason is not None
     assert len(want[("min-tokens", 0, 0)].token_ids) >= 6
     assert eng.pipeline.overlapped > 10 and not eng.pipeline.sync_steps  # nothing here falls back
@@ -105,17 +71,17 @@ def test_samples_reaching_the_context_limit(tiny_random_qwen3):
     sits at the context's last position (its block is reserved like any other)."""
     runs = {}
     for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap, max_model_len=24, num_kv_blocks=12)
+        eng = overlap_engine(tiny_random_qwen3, overlap, max_model_len=24, num_kv_blocks=12)
         eng.add_request("a", [list(range(30, 50))], SamplingParams(max_tokens=4, seed=6, **SAMPLED), n=2)
         eng.add_request("b", [list(range(60, 77))], SamplingParams(max_tokens=7, seed=7, **SAMPLED), n=2)
-        runs[overlap] = _run(eng)
-    _same(runs[True], runs[False])
+        runs[overlap] = run_steps(eng)
+    assert_same(runs[True], runs[False])
     assert {len(o.prompt_token_ids) + len(o.token_ids) for o in runs[True].values()} == {24}
     assert {o.finish_reason for o in runs[True].values()} == {"length"}
 
 
 def test_a_finished_sample_keeps_a_discarded_slot_in_the_step_in_flight(tiny_random_qwen3):
-    eng = _engine(tiny_random_qwen3, overlap=True)
+    eng = overlap_engine(tiny_random_qwen3, overlap=True)
     sizes = []
     eng.model.register_forward_pre_hook(lambda _m, args: sizes.append(args[0].numel()))
     eng.add_request("a", [PROMPTS[0]], SamplingParams(max_tokens=1, seed=1, **SAMPLED))
@@ -124,19 +90,19 @@ def test_a_finished_sample_keeps_a_discarded_slot_in_the_step_in_flight(tiny_ran
     assert [o.request_id for o in first] == ["a"] and len(first[0].token_ids) == 1
     assert sizes == [7, 2]  # both prompts, then both anchors (a's discarded)
     assert [s.seq.request_id for s in eng.pipeline.inflight.plan] == ["a", "b"]
-    outs = _run(eng)
+    outs = run_steps(eng)
     assert len(outs[("b", 0, 0)].token_ids) == 4 and sizes[2:] == [1, 1, 1]  # b alone; its last slot discarded
 
 
 def test_preemption_under_a_small_kv_pool(tiny_random_qwen3, greedy_ref):
     want = None
     for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap, num_kv_blocks=14)
+        eng = overlap_engine(tiny_random_qwen3, overlap, num_kv_blocks=14)
         _workload(eng, greedy_ref)
-        got = _run(eng)
+        got = run_steps(eng)
         assert eng.scheduler.num_preemptions > 0
         want = want or got
-    _same(got, want)
+    assert_same(got, want)
     assert eng.pipeline.overlapped > 10
 
 
@@ -152,18 +118,18 @@ def _abort_after(step: int, request_id: str):
 def test_aborts_between_steps(tiny_random_qwen3, greedy_ref):
     runs = {}
     for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap)
+        eng = overlap_engine(tiny_random_qwen3, overlap)
         _workload(eng, greedy_ref)
-        runs[overlap] = _run(eng, _abort_after(4, "seeded")), eng
+        runs[overlap] = run_steps(eng, _abort_after(4, "seeded")), eng
     (want, _), (got, eng) = runs[False], runs[True]
-    _same(got, want)
+    assert_same(got, want)
     aborted = [want[("seeded", 0, s)] for s in range(3)]
     assert all(o.finish_reason == "abort" and 0 < len(o.token_ids) < 12 for o in aborted)
     assert eng.kv_blocks()[0] == eng.kv_blocks()[1]
 
 
 def test_an_abort_leaves_no_step_behind(tiny_random_qwen3):
-    eng = _engine(tiny_random_qwen3, overlap=True)
+    eng = overlap_engine(tiny_random_qwen3, overlap=True)
     eng.add_request("a", [PROMPTS[0]], SamplingParams(max_tokens=20, seed=1, **SAMPLED))
     eng.step()
     eng.step()
@@ -173,7 +139,7 @@ def test_an_abort_leaves_no_step_behind(tiny_random_qwen3):
     eng.release_memory()  # the step left in flight held only the aborted sample's slot
     eng.resume_memory()
     eng.add_request("b", [PROMPTS[0]], SamplingParams(max_tokens=20, seed=1, **SAMPLED))
-    assert _run(eng)[("b", 0, 0)].token_ids[:2] == out[0].token_ids
+    assert run_steps(eng)[("b", 0, 0)].token_ids[:2] == out[0].token_ids
 
 
 def test_an_abort_while_a_prefill_chunk_is_in_flight(tiny_random_qwen3):
@@ -181,19 +147,19 @@ def test_an_abort_while_a_prefill_chunk_is_in_flight(tiny_random_qwen3):
     same prompt reuses the blocks registered for it and draws what the synchronous loop draws."""
     long_prompt = list(range(100, 140))  # five chunks of 8
     params = SamplingParams(max_tokens=4, seed=1, **SAMPLED)
-    ref = _engine(tiny_random_qwen3, overlap=False)
+    ref = overlap_engine(tiny_random_qwen3, overlap=False)
     ref.add_request("again", [long_prompt], params)
-    want = _run(ref)
-    eng = _engine(tiny_random_qwen3, overlap=True, max_num_batched_tokens=8)
+    want = run_steps(ref)
+    eng = overlap_engine(tiny_random_qwen3, overlap=True, max_num_batched_tokens=8)
     eng.add_request("long", [long_prompt], params)
     eng.add_request("other", [PROMPTS[1]], SamplingParams(max_tokens=6, seed=2, **SAMPLED))
     eng.step()
     assert any(it.seq.request_id == "long" and it.num_new_tokens > 1 for it in eng.pipeline.inflight.plan)
     assert eng.abort("long")[0].finish_reason == "abort"
-    assert len(_run(eng)[("other", 0, 0)].token_ids) == 6 and eng.kv_blocks()[0] == eng.kv_blocks()[1]
+    assert len(run_steps(eng)[("other", 0, 0)].token_ids) == 6 and eng.kv_blocks()[0] == eng.kv_blocks()[1]
     assert eng.block_manager.hash_to_block  # the aborted prompt's computed blocks
     eng.add_request("again", [long_prompt], params)
-    _same(_run(eng), want)
+    assert_same(run_steps(eng), want)
 
 
 def _update_at(step: int, late_tokens: int):
@@ -209,11 +175,11 @@ def _update_at(step: int, late_tokens: int):
 def test_a_weight_update_between_steps(tiny_random_qwen3, greedy_ref):
     runs = {}
     for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap)
+        eng = overlap_engine(tiny_random_qwen3, overlap)
         _workload(eng, greedy_ref)
-        runs[overlap] = _run(eng, _update_at(3, 6)), eng
+        runs[overlap] = run_steps(eng, _update_at(3, 6)), eng
     (want, _), (got, eng) = runs[False], runs[True]
-    _same(got, want)
+    assert_same(got, want)
     assert want[("late", 0, 0)].policy_version == 1 and want[("greedy", 0, 0)].policy_version == 0
     assert eng.pipeline.sync_steps["weight update"] > 0 and eng.pipeline.overlapped > 5
 
@@ -221,7 +187,7 @@ def test_a_weight_update_between_steps(tiny_random_qwen3, greedy_ref):
 def _plain_and(eng, add) -> dict:
     eng.add_request("plain", [PROMPTS[1]], SamplingParams(max_tokens=20, seed=3, **SAMPLED))
     add(eng)
-    return _run(eng)
+    return run_steps(eng)
 
 
 def test_grammar_samples_run_synchronously(tiny_random_qwen3):
@@ -229,9 +195,9 @@ def test_grammar_samples_run_synchronously(tiny_random_qwen3):
         eng.add_request("g", [PROMPTS[0]], SamplingParams(max_tokens=10, seed=4, temperature=1.0, top_k=20),
                         grammar=GrammarSpec("regex", "[a-z]{4,8}"), mask="support")
 
-    want = _plain_and(_engine(tiny_random_qwen3, overlap=False), grammar)
-    eng = _engine(tiny_random_qwen3, overlap=True)
-    _same(_plain_and(eng, grammar), want)
+    want = _plain_and(overlap_engine(tiny_random_qwen3, overlap=False), grammar)
+    eng = overlap_engine(tiny_random_qwen3, overlap=True)
+    assert_same(_plain_and(eng, grammar), want)
     assert eng.pipeline.sync_steps["grammar"] >= 4  # every step the grammar sample draws in
     assert eng.pipeline.overlapped >= 5  # "plain" alone overlaps again
 
@@ -242,25 +208,10 @@ def test_penalties_count_the_pending_token_on_the_device(tiny_random_qwen3):
         eng.add_request("p", [PROMPTS[0]], SamplingParams(seed=4, **params, **SAMPLED), n=2)
         eng.add_request("pg", [[7, 7, 7]], SamplingParams(temperature=0.0, **params))
 
-    want = _plain_and(_engine(tiny_random_qwen3, overlap=False), penalised)
-    eng = _engine(tiny_random_qwen3, overlap=True)
-    _same(_plain_and(eng, penalised), want)
+    want = _plain_and(overlap_engine(tiny_random_qwen3, overlap=False), penalised)
+    eng = overlap_engine(tiny_random_qwen3, overlap=True)
+    assert_same(_plain_and(eng, penalised), want)
     assert eng.pipeline.overlapped > 15 and not eng.pipeline.sync_steps
-
-
-@pytest.mark.parametrize("spec", ["dflash", "dspark"])
-def test_drafted_steps_run_synchronously(tiny_random_qwen3, random_drafters, greedy_ref, spec):
-    runs = {}
-    for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap, spec=spec, draft=random_drafters[spec], spec_adaptive=False)
-        eng.add_request("s", [PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=10, seed=5, **SAMPLED), n=2)
-        eng.add_request("g", [PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0.0), mask="support")
-        runs[overlap] = _run(eng), eng
-    (want, _), (got, eng) = runs[False], runs[True]
-    _same(got, want)
-    # full blocks: every decode step verifies drafts; only the prompt steps overlap the next one
-    assert eng.pipeline.sync_steps["drafts"] > 5 and eng.pipeline.sync_steps["drafts next"] > 0
-    assert eng.pipeline.overlapped < eng.pipeline.sync_steps["drafts"]
 
 
 class _EveryThird:
@@ -286,8 +237,9 @@ class _OverlappingRepeat(RepeatDrafter):
 @pytest.mark.parametrize("never", [False, True], ids=["mixed", "never"])
 def test_steps_without_drafts_overlap_with_a_drafter(tiny_random_qwen3, random_drafters, spec, never):
     """A drafter does not turn overlap off: a step that verifies no drafts launches ahead like a plain
-    one; a step scheduled ahead with drafts waits for the sync before it (`drafts next`) and one that
-    verified drafts is followed synchronously (`drafts`). The samples are those of the synchronous loop."""
+    one; with a drafter that needs host anchors, a step scheduled ahead with drafts waits for the sync
+    before it (`drafts next`) and one that verified drafts is followed synchronously (`drafts`). The
+    samples are those of the synchronous loop."""
     runs = {}
     for overlap in (False, True):
         if spec == "repeat":
@@ -295,7 +247,8 @@ def test_steps_without_drafts_overlap_with_a_drafter(tiny_random_qwen3, random_d
                                   num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=32)
             eng = build_engine(config, drafter_factory=factory_of(_OverlappingRepeat(8)))
         else:
-            eng = _engine(tiny_random_qwen3, overlap, spec=spec, draft=random_drafters[spec], spec_adaptive=False)
+            eng = overlap_engine(tiny_random_qwen3, overlap, spec=spec, draft=random_drafters[spec],
+                                 spec_adaptive=False)
         eng.scheduler.draft_budget = _EveryThird(never)
         eng.add_request("s", [PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=24, seed=5, **SAMPLED), n=2,
                         mask="support")
@@ -307,20 +260,25 @@ def test_steps_without_drafts_overlap_with_a_drafter(tiny_random_qwen3, random_d
             return eng.abort("late") if i == 6 else (eng.add_request(
                 "late", [[3, 4, 5]], SamplingParams(max_tokens=20, seed=1, **SAMPLED)) if i == 2 else None)
 
-        runs[overlap] = _run(eng, abort_late), eng
+        runs[overlap] = run_steps(eng, abort_late), eng
     (want, _), (got, eng) = runs[False], runs[True]
     late = ("late", 0, 0)  # admitted a step later when scheduled ahead, so aborted one step shorter or so
     short, long = sorted((got.pop(late), want.pop(late)), key=lambda o: len(o.token_ids))
     assert short.finish_reason == long.finish_reason == "abort" and 0 < len(short.token_ids)
     assert short.token_ids == long.token_ids[:len(short.token_ids)]
-    _same(got, want)
+    assert_same(got, want)
     assert eng.pipeline.idle and eng.kv_blocks()[0] == eng.kv_blocks()[1]
     assert eng.pipeline.overlapped > 10 and not eng.pipeline.sync_steps["drafter"]
     proposed, accepted = eng.draft_counts.total()
     if never:
         assert not proposed and not eng.pipeline.sync_steps
     else:
-        assert proposed >= 8 and eng.pipeline.sync_steps["drafts next"] >= 2 and eng.pipeline.sync_steps["drafts"] >= 2
+        assert proposed >= 8
+        if spec == "repeat":  # drafts from host anchors: held, and followed synchronously
+            assert eng.pipeline.sync_steps["drafts next"] >= 2 and eng.pipeline.sync_steps["drafts"] >= 2
+        else:  # DFlash / DSpark draft from device anchors: neither waits (tests/test_overlap_drafts.py)
+            assert not eng.pipeline.sync_steps["drafts next"] and not eng.pipeline.sync_steps["drafts"]
+            assert eng.pipeline.overlapped_drafts >= 2
         assert all(got[key].accept_lengths == w.accept_lengths for key, w in want.items())  # the same steps drafted
         assert accepted > 0 if spec == "repeat" else True  # (the random drafters' drafts are rejected)
 
@@ -337,9 +295,9 @@ def test_a_refreshing_drafter_overlaps_and_buffers_what_the_synchronous_loop_doe
     Training is off here so that both runs draft alike."""
     runs = {}
     for overlap in (False, True):
-        eng = _engine(tiny_random_qwen3, overlap, spec=spec, draft=random_drafters[spec.removesuffix("+history")],
-                      spec_adaptive=False, drafter_refresh="always", drafter_refresh_tokens=4096,
-                      num_kv_blocks=kv_blocks)
+        eng = overlap_engine(tiny_random_qwen3, overlap, spec=spec,
+                             draft=random_drafters[spec.removesuffix("+history")], spec_adaptive=False,
+                             drafter_refresh="always", drafter_refresh_tokens=4096, num_kv_blocks=kv_blocks)
         refresh, seqs = getattr(eng.drafter, "block_drafter", eng.drafter).refresh, {}
         refresh.train_slice = lambda idle=False, bound=None: None
         begin = refresh.begin_step
@@ -355,7 +313,7 @@ def test_a_refreshing_drafter_overlaps_and_buffers_what_the_synchronous_loop_doe
         eng.add_request("stop", [PROMPTS[3]], SamplingParams(max_tokens=12, seed=2, stop_token_ids=[7, 9, 11],
                                                              temperature=1.0))
         eng.add_request("gone", [PROMPTS[3]], SamplingParams(max_tokens=30, seed=3, **SAMPLED))
-        outs = _run(eng, lambda eng, i: eng.abort("gone") if i == 5 else None)
+        outs = run_steps(eng, lambda eng, i: eng.abort("gone") if i == 5 else None)
         buffer = refresh.buffer
         rows = {}
         for key, positions in buffer.slots.items():
@@ -367,7 +325,7 @@ def test_a_refreshing_drafter_overlaps_and_buffers_what_the_synchronous_loop_doe
     (want, want_rows, _), (got, got_rows, eng) = runs[False], runs[True]
     gone = ("gone", 0, 0)  # aborted after the same step index, which is a step's worth apart in tokens
     assert got.pop(gone).finish_reason == want.pop(gone).finish_reason == "abort"
-    _same(got, want)
+    assert_same(got, want)
     assert eng.pipeline.overlapped > 10 and not eng.pipeline.sync_steps["drafter"]
     assert (eng.scheduler.num_preemptions > 0) == (kv_blocks < 100)
     assert len(getattr(eng.drafter, "block_drafter", eng.drafter).refresh.pending) <= 1
@@ -400,9 +358,9 @@ def test_a_weight_update_among_drafted_and_plain_steps(tiny_random_qwen3, greedy
         eng.scheduler.draft_budget = _EveryThird()
         _workload(eng, greedy_ref)
         eng.add_request("g", [PROMPTS[2]], SamplingParams(max_tokens=14, temperature=0.0))
-        runs[overlap] = _run(eng, _update_at(3, 9)), eng
+        runs[overlap] = run_steps(eng, _update_at(3, 9)), eng
     (want, _), (got, eng) = runs[False], runs[True]
-    _same(got, want)
+    assert_same(got, want)
     assert want[("late", 0, 0)].policy_version == 1 and want[("g", 0, 0)].policy_version == 0
     assert eng.pipeline.sync_steps["weight update"] > 0 and eng.pipeline.sync_steps["drafts next"] > 0
     assert eng.pipeline.overlapped >= 3 and eng.draft_counts.total()[0] > 0

@@ -103,12 +103,15 @@ def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=
     return q, k, v, caches[0], caches[1], meta
 
 
-def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None, launch=DEFAULT_LAUNCH):
-    """Plain paged attention's output, the caches with this step's keys written, and the plan."""
+def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None, launch=DEFAULT_LAUNCH,
+                      slack=None):
+    """Plain paged attention's output, the caches with this step's keys written, and the plan.
+    `slack` [S]: the plan takes each sequence's start that many positions later (the longest case of
+    a step launched before a drafted one syncs, rollout.engine.overlap; `tables` must cover it)."""
     q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, heads, kv_heads, block_size=block_size)
     want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    starts = [c - n for c, n in zip(ctx, q_lens, strict=True)]
+    starts = [c - n + e for c, n, e in zip(ctx, q_lens, slack or [0] * len(ctx), strict=True)]
     planner = SharedPrefixPlanner(block_size, heads // kv_heads, kv_heads, launch, ANY)  # cases below SHARE_RULE
     host = planner.plan(meta.block_tables.numpy(), starts, q_lens, prompt_lens or starts)
     assert host is not None, "the case must share something"
@@ -158,6 +161,28 @@ def test_kernel_equals_plain_attention(name, launch):
     out = torch.full_like(q, float("nan"))  # every row must be written
     got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
                                              meta.positions.to(DEVICE), plan, 0.25, out=out)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+SLACK = [3, 0, 2, 3, 1, 0, 3, 2]  # drafts each sample's step in flight may still accept
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_triton)], ids=["reference", "kernel"])
+@pytest.mark.parametrize("q_len, launch", [(1, "lone heads"), (1, "lone pass"), (4, "fused")])
+def test_a_plan_for_the_longest_contexts_gives_the_true_attention(kernel, q_len, launch):
+    """A step launched before a drafted step syncs is planned for each sample's longest context (its
+    host start + the drafts it may accept) while its positions are the true ones, moved on the
+    device: the keys in the slack past a query's position (stale or never written) stay masked."""
+    gen = [0, 2, 5, 9, 1, 14, 3, 7]
+    tables, long_ctx, q_lens = layout(1, 8, 6, [g + e for g, e in zip(gen, SLACK)], q_len=q_len)
+    ctx = [c - e for c, e in zip(long_ctx, SLACK)]
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(tables, ctx, q_lens, 8, 2, launch=LAUNCHES[launch],
+                                                                 slack=SLACK)
+    args = (q, k_cache, v_cache, meta.block_tables.to(DEVICE), meta.positions.to(DEVICE), plan, 0.25)
+    if kernel:
+        got = tpa.shared_prefix_attention_triton(*args, out=torch.full_like(q, float("nan")))
+    else:
+        got = shared_prefix_attention_reference(*args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

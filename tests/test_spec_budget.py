@@ -50,17 +50,24 @@ def test_probes_stay_within_their_share():
     assert budget.totals["probes"] == probes and 0.8 * expected <= probes <= expected + 1
 
 
-def test_probes_are_charged_what_they_took_beyond_their_prediction(monkeypatch):
-    """The cost model prices drafting at a fifth of what the steps take (it is not learning here):
-    each probe's step is recorded at its real time, and the time beyond the prediction is charged
-    to the credit, so probes still take about PROBE_SHARE of all the steps' time. (Charged at the
-    prediction only, probes came five times as often and took ~5x PROBE_SHARE.)"""
+def _unpaying_budget(monkeypatch):
+    """A budget over 8 decoding samples whose drafts were never accepted (so it declines them and
+    probes on its PROBE_SHARE, 0.05 here): (its cost table, the budget, the samples, a plain step's
+    predicted seconds)."""
     monkeypatch.setattr(spec_budget, "PROBE_SHARE", 0.05)
     cost = cost_table(decode_ms=10.0, token_ms=0.5, drafter_ms=2.0)
     budget = SpecBudget(K, cost, graphs=False, max_graph_rows=0)
     seqs = _decoding(8)
     budget.acceptance.observe(seqs, np.full(8, K), np.zeros(8, dtype=np.int64))
-    plain = float(cost.seconds(8, 8, False))
+    return cost, budget, seqs, float(cost.seconds(8, 8, False))
+
+
+def test_probes_are_charged_what_they_took_beyond_their_prediction(monkeypatch):
+    """The cost model prices drafting at a fifth of what the steps take (it is not learning here):
+    each probe's step is recorded at its real time, and the time beyond the prediction is charged
+    to the credit, so probes still take about PROBE_SHARE of all the steps' time. (Charged at the
+    prediction only, probes came five times as often and took ~5x PROBE_SHARE.)"""
+    cost, budget, seqs, plain = _unpaying_budget(monkeypatch)
     real_extra = 5 * (float(cost.seconds(8, 8, False, 8, 8 * K)) - plain)
     total = probing = 0.0
     for _ in range(4000):
@@ -70,6 +77,27 @@ def test_probes_are_charged_what_they_took_beyond_their_prediction(monkeypatch):
         total, probing = total + seconds, probing + (real_extra if caps else 0.0)
     assert budget.totals["probes"] >= 10
     assert probing <= 0.05 * total + real_extra, (probing / total, budget.totals["probes"])
+
+
+def test_a_probe_is_charged_at_its_own_step_when_a_drafted_one_is_recorded_first(monkeypatch):
+    """Overlapped scheduling chooses step n+1's drafts before the drafted step n is recorded
+    (rollout.engine.overlap): the engine stamps each step with its choice (`choices` at its launch),
+    and the probe's overrun is charged when the probe's own step is recorded, not step n's."""
+    cost, budget, seqs, plain = _unpaying_budget(monkeypatch)
+    for _ in range(4000):
+        caps = budget.caps(seqs, 2048)
+        if caps:
+            break
+        budget.record(_step(seqs, caps), None, plain, False, budget.choices)
+    assert caps, "no probe came"
+    probe_choice, credit = budget.choices, budget.credit
+    budget.record(_step(seqs, caps), [0] * 8, 1.0, False, probe_choice - 1)  # step n, drafted, chosen before
+    assert budget.credit == credit
+    budget.record(_step(seqs, caps), [0] * 8, 1.0, False, probe_choice)  # the probe's own step
+    predicted = float(cost.seconds(8, 8, False, 8, 8 * K))
+    assert budget.credit == pytest.approx(credit - (1.0 - predicted))
+    budget.record(_step(seqs, caps), [0] * 8, 1.0, False, probe_choice + 1)  # charged once
+    assert budget.credit == pytest.approx(credit - (1.0 - predicted))
 
 
 def test_a_wide_batch_that_declined_every_draft_probes_a_few_samples_in_turn():

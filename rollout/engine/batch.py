@@ -117,7 +117,7 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
     the drafter and this); `planner`: plan shared-prefix attention (meta.shared) when set. Host
     work is a few list appends per sequence; the token and row indices are whole-array numpy
     ops, and every index tensor of the step reaches the device in one copy."""
-    ids, starts, q_lens, new_lens, tables = [], [], [], [], []
+    ids, starts, q_lens, new_lens, tables, slack = [], [], [], [], [], []
     entries, entry_item, entry_draft, entry_row0, entry_pos, entry_base = [], [], [], [], [], []
     n_draft_total = 0
     for i, (item, k) in enumerate(zip(items, num_drafts)):
@@ -129,6 +129,7 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
         q_lens.append(new + k)
         new_lens.append(new)
         tables.append(seq.block_table)
+        slack.append(seq.pending_drafts)  # its positions may lie this much further (rollout.engine.overlap)
         if item.samples:  # the row after the last computed token predicts position start + new
             for e_seq in [seq, *(seq.children if seq.num_output_tokens == 0 else [])]:
                 entries.append(e_seq)
@@ -145,14 +146,15 @@ def build_step(items: list[ScheduledSeq], num_drafts: list[int], block_size: int
     seeds = np.fromiter((s.seed for s in entries), np.int64, len(entries))
     token_arrays = _token_arrays(np.asarray(ids, dtype=np.int64), starts, q_lens, new_lens, table, block_size)
     row_arrays = _row_arrays(entry_draft, entry_row0, entry_pos, entry_base, seeds, cu_rows, first_draft)
-    shared = None if planner is None else planner.plan(table, starts, q_lens,
+    longest = [s + e for s, e in zip(starts, slack)] if any(slack) else starts  # the kernels' key bounds
+    shared = None if planner is None else planner.plan(table, longest, q_lens,
                                                          [item.seq.num_prompt_tokens for item in items])
     groups = (token_arrays, row_arrays) if shared is None else (token_arrays, row_arrays, shared.arrays())
     tok, row, *plan = upload_groups(groups, device)
     meta = AttentionMetadata(
         positions=tok.positions, slot_mapping=tok.slot_mapping, cu_seqlens_q=tok.cu_seqlens_q,
         context_lens=tok.context_lens, block_tables=tok.block_tables.view(len(tables), -1),
-        max_query_len=max(q_lens), max_context_len=max(s + n for s, n in zip(starts, q_lens)),
+        max_query_len=max(q_lens), max_context_len=max(s + n for s, n in zip(longest, q_lens)),
         block_size=block_size, shared=None if shared is None else SharedPrefixPlan.from_host(shared, plan[0]),
     )
     tokens = TokenBatch(items, tok.input_ids, meta, tok.draft_token_index)

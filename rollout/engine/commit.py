@@ -77,7 +77,7 @@ class Committer:
         masks = StepMasks(captured, host.masks) if captured is not None else None
         outputs, finishing = [], []
         for e, seq in enumerate(rows.entries):
-            seq.pending_entry = -1  # its token is read now (rollout.engine.overlap)
+            seq.pending_entry, seq.pending_drafts = -1, 0  # its tokens are read now (rollout.engine.overlap)
             if seq.is_finished:  # finished or aborted before this step's results: a discarded slot
                 continue
             count = num_accepted[e] + 1

@@ -107,6 +107,15 @@ class Drafter(ABC):
         False unless a drafter says otherwise."""
         return False
 
+    def device_anchors(self) -> bool:
+        """Whether `propose(items, block_table, pending=...)` drafts for samples whose anchor is on the
+        device only (rollout.engine.overlap.Pending: the token and positions of a step still in flight),
+        with no host read, and no host state of the drafter follows the committed tokens step by step:
+        then a step may be drafted before the step ahead of it syncs, and one may follow a drafted step
+        before its sync. Optional: False unless a drafter says otherwise (such steps then wait for the
+        sync)."""
+        return False
+
     def idle(self) -> bool:
         """The engine loop has nothing to run: background work (a drafter refresh's training, rollout.
         spec.refresh) within the drafter's own time bound. Returns whether it wants more (the loop

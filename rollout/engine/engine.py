@@ -10,9 +10,11 @@ blocks mixed), one policy (docs/sampling.md) over the rows that sample, one veri
 (docs/verification.md), one host synchronisation. With overlapped scheduling (`overlap`, on by
 default; docs/overlap.md, rollout.engine.overlap) step n+1 is scheduled, built and launched before
 step n's synchronisation: it assumes each sample of n commits one token, filled into its inputs on
-the device; slots of samples that finished meanwhile are discarded. Steps that need the previous
-step's tokens on the host (after a drafted step, grammar samples, a draining weight update) run
-synchronously; a step scheduled ahead with drafts is held and launched after the sync. The engine
+the device (after a drafted step, its positions too move by the drafts accepted there, and DFlash
+/ DSpark draft from those anchors on the device); slots of samples that finished meanwhile are
+discarded. Steps that need the previous step's tokens on the host (grammar samples, a draining
+weight update, drafts of a drafter that needs host anchors) run synchronously or are held until
+the sync. The engine
 is single-threaded: the server calls it from one loop. Its parts get what they need as arguments
 (the scheduler its block manager, the intake and the committer the scheduler, the weight updater
 the modules it loads into); the drafter comes from a factory (rollout.engine.drafter), so the
@@ -273,7 +275,7 @@ class LLMEngine:
             return []
         overlaps = self.pipeline.overlaps(current, self.drafter, self.weights.pending)
         after = self._launch_after(current) if overlaps else None
-        outputs = self._finish(current, start)
+        outputs = self._finish(current, start, after.plan if after is not None else self.pipeline.held)
         if after is not None and self.scheduler.has_unfinished():  # else every slot of `after` is discarded
             self._copy_blocks(overlap.advance(self.scheduler, after))
             self.pipeline.inflight = after
@@ -285,29 +287,33 @@ class LLMEngine:
         if not plan:
             return None
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
-        drafts = self._draft(plan, table)
+        pending = overlap.pending(plan, prev, self.device) if prev is not None else None
+        drafts = self._draft(plan, table, pending)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table,
                           self.prefix_planner)
-        if prev is not None:
-            overlap.fill_pending(step, drafts.num_per_item, prev, self.device)
+        if pending is not None:
+            overlap.fill_pending(step, drafts.num_per_item, pending)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
-        return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result), self._graphed)
+        choice = self.spec_budget.choices if self.spec_budget is not None else 0
+        return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result), self._graphed,
+                        choice)
 
     def _launch_after(self, current: Launched) -> Launched | None:
         """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap); held instead
-        when the draft budget gives it drafts (their anchors are n's tokens)."""
+        when the draft budget gives it drafts and the drafter needs their anchors (n's tokens) on the host."""
         if not current.advanced:
             self._copy_blocks(overlap.advance(self.scheduler, current))
         self.committer.hand_over_masks()  # n-1's, before n+1's mask copy reuses their staging buffer
         plan = self.scheduler.schedule()
-        if any(item.num_draft for item in plan):
+        if any(item.num_draft for item in plan) and not self.drafter.device_anchors():
             self.pipeline.hold(plan)
             return None
-        return self.pipeline.ahead(self._launch(plan, current))
+        return self.pipeline.ahead(self._launch(plan, current), current)
 
-    def _finish(self, current: Launched, start: float) -> list[SampleOutput]:
-        """(last step's masks) -> sync -> count drafts -> advance -> commit/emit -> truncate drafts -> record."""
+    def _finish(self, current: Launched, start: float, ahead: list[ScheduledSeq] | None) -> list[SampleOutput]:
+        """(last step's masks) -> sync -> count drafts -> advance (or accept) -> commit/emit -> truncate
+        drafts -> record. `ahead`: the plan of the step scheduled after this one, launched or held."""
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
         host = _to_host(current.copy, current.masks)
         plan, step, drafts = current.plan, current.step, current.drafts
@@ -317,13 +323,15 @@ class LLMEngine:
         if not current.advanced:
             copies = self.scheduler.advance(plan, accepted)
             self._copy_blocks(copies)  # forked samples' partial blocks, before the next forward reads them
+        else:  # advanced before its results as if it accepted none
+            self.scheduler.accept(plan, accepted)
         outputs = self.committer.commit(step.rows, host, current.captured)
-        self.scheduler.truncate_drafts(plan)
+        self.scheduler.truncate_drafts(plan, ahead)
         if host is not None and self.drafter is not None:
             self.drafter.verified(plan, drafts, accepted)
         seconds = time.perf_counter() - start
         if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
-            self.spec_budget.record(step, host and host.num_accepted, seconds, current.graphed)
+            self.spec_budget.record(step, host and host.num_accepted, seconds, current.graphed, current.choice)
         if self.drafter is not None:
             self.drafter.after_step(seconds)  # (its refresh's training: after the step's time is taken)
         return outputs
@@ -333,9 +341,13 @@ class LLMEngine:
         if self.weights.apply_if_drained() and self.drafter is not None:
             self.drafter.policy_updated(self.weights.version)
 
-    def _draft(self, plan, table) -> Drafts:
+    def _draft(self, plan, table, pending: overlap.Pending | None = None) -> Drafts:
+        """The drafter's proposal; `pending`: the plan's tokens still on the device (a step launched
+        before the one ahead of it syncs), for a drafter that proposes from them."""
         if self.drafter is None:
             return Drafts(self._no_drafts, [0] * len(plan))
+        if pending is not None and self.drafter.device_anchors():
+            return self.drafter.propose(plan, table, pending=pending)
         return self.drafter.propose(plan, table)
 
     @torch.inference_mode()

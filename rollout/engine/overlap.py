@@ -29,23 +29,37 @@ The order inside one `LLMEngine.step()`, step n launched already (by the previou
   its sync waits on an event after those copies, not on the stream (which holds n+1 by then).
 * The one-step-late mask hand-over (rollout.engine.commit) runs before n+1's launch: n+1's mask copy
   reuses the staging buffer of n-1's.
+* After a drafted step (rollout.engine.verify: sample e commits its a_e accepted drafts and one more
+  token): scheduling n+1 assumes a_e = 0 too, and the sample's `pending_drafts` says by how many
+  tokens its length may fall short. n+1 reserves KV slots for them; on the device (`Pending`,
+  `fill_pending`) its pending token is n's last committed one, tokens[e, a_e], and its positions,
+  slots, context lengths and sampled positions move by a_e (the shared-prefix plan and the kernels'
+  bounds take the longest case, and causal masks hide the keys past a query). n's commit then adds
+  a_e to the computed count (`Scheduler.accept`) and frees the rejected drafts' blocks but those n+1
+  still writes. A sample whose next step would depend on a_e (a min_tokens still to reach, or
+  max_tokens close enough to cap its next drafts) sits n+1 out (`Scheduler.waits_commit`) and joins
+  the step after, with the drafts the synchronous loop gives it: the same drafts make the same
+  samples.
+* A drafter that proposes from anchors on the device (`Drafter.device_anchors`: DFlash and DSpark
+  without a confidence cut or a refresh) drafts n+1 before n syncs: its anchors and their positions
+  are `Pending`'s.
 
 A step runs synchronously (n+1 is scheduled after n's commit, as with `--no-overlap`) when building
 n+1 needs host state of step n; `sync_reason` names each case, and `Pipeline.sync_steps` counts them:
-* "drafts": step n was scheduled with drafts (n+1's positions depend on how many it accepts, and n's
-  commit frees the blocks reserved for drafts not accepted or not proposed);
+* "drafts": step n verified drafts and the drafter does not propose from device anchors (its host
+  state follows each step's committed tokens: the history drafter, a refresh, a confidence cut);
+* "draft penalties": step n verified drafts of a sample with penalties (their counts need n's
+  committed tokens on the host);
 * "drafter": a drafter that keeps per-step host state and says so (`Drafter.overlaps` False; the
   shipped drafters overlap, a refreshing one too: rollout.spec.refresh);
 * "grammar": a grammar sample of step n (its bitmask in n+1 needs the matcher advanced by n's token);
 * "weight update": a pending weight update (the pipeline drains, then it applies between steps);
 * "off": `overlap=False`.
 
-With a drafter, a step without drafts (the draft budget verifies none: an untrained or drifted
-drafter, a batch too wide to pay) overlaps like any plain step. Step n+1 is scheduled ahead as above;
-when the budget gives it drafts, they need n's committed token as their anchor, so n+1 is held
-(`Pipeline.held`, counted as "drafts next") and launches at the start of the next `step()`, after n's
-commit, without the samples that finished meanwhile. Its schedule is the one the synchronous loop
-would make, but for the one-step lag of admissions that any overlapped step has.
+A step scheduled ahead with drafts from a drafter without device anchors is held (`Pipeline.held`,
+counted as "drafts next") and launches at the start of the next `step()`, after n's commit, without
+the samples that finished meanwhile. Its schedule is the one the synchronous loop would make, but for
+the one-step lag of admissions that any overlapped step has.
 """
 
 from __future__ import annotations
@@ -98,6 +112,7 @@ class Launched:
     masks: np.ndarray | None  # the host array its mask copy lands in (MaskCapture.to_host)
     copy: StepCopy | None  # its results' copy to the host, started at launch; None without entries
     graphed: bool  # its target forward replayed a CUDA graph (the draft budget's cost model reads it)
+    choice: int  # the draft budget's choice its plan came from (SpecBudget.choices; 0 without a budget)
     advanced: bool = False  # `advance` ran: its sync only commits
 
 
@@ -110,6 +125,7 @@ class Pipeline:
         self.held: list[ScheduledSeq] | None = None  # step n+1 scheduled ahead with drafts, not launched
         self.sync_steps: Counter[str] = Counter()  # steps that ran synchronously, by `sync_reason`
         self.overlapped = 0  # steps launched before the step ahead of them synchronised
+        self.overlapped_drafts = 0  # of them, steps launched before a drafted step synchronised
 
     @property
     def idle(self) -> bool:
@@ -131,9 +147,10 @@ class Pipeline:
         self.held = plan
         self.sync_steps["drafts next"] += 1
 
-    def ahead(self, launched: Launched | None) -> Launched | None:
-        """Step n+1 launched before n's sync: counted."""
+    def ahead(self, launched: Launched | None, current: Launched) -> Launched | None:
+        """Step n+1 launched before n's (`current`) sync: counted."""
         self.overlapped += launched is not None
+        self.overlapped_drafts += launched is not None and any(current.drafts.num_per_item)
         return launched
 
     def overlaps(self, current: Launched, drafter: Drafter | None, weights_pending: bool) -> bool:
@@ -150,8 +167,12 @@ def sync_reason(current: Launched, enabled: bool, drafter: Drafter | None, weigh
         return "off"
     if drafter is not None and not drafter.overlaps():
         return "drafter"
-    if any(item.num_draft for item in current.plan):  # (scheduled: unproposed drafts' blocks go at its commit)
-        return "drafts"
+    if any(current.drafts.num_per_item):
+        if not drafter.device_anchors():
+            return "drafts"
+        rows = current.step.rows
+        if any(k and seq.params.has_penalties for seq, k in zip(rows.entries, rows.num_draft)):
+            return "draft penalties"
     if weights_pending:
         return "weight update"
     if any(seq.grammar is not None for seq in current.step.rows.entries):
@@ -161,31 +182,79 @@ def sync_reason(current: Launched, enabled: bool, drafter: Drafter | None, weigh
 
 def advance(scheduler: Scheduler, launched: Launched) -> list[tuple[int, int]]:
     """Before the step's results: its live sequences' computed counts move as after a sync that
-    accepted no drafts (the step has none), and each live sample's draw becomes its pending token.
-    Samples finished meanwhile (their slots are discarded) are left out. Returns the fork copies
-    (scheduler.advance)."""
+    accepted no drafts, and each live sample's draw becomes its pending token, with the drafts it
+    verifies as `pending_drafts` (what its length may lack: `Scheduler.accept` adds the accepted ones
+    after the sync). Samples finished meanwhile (their slots are discarded) are left out. Returns the
+    fork copies (scheduler.advance)."""
     items = [item for item in launched.plan if not item.seq.is_finished]
     copies = scheduler.advance(items, [0] * len(items))
-    for e, seq in enumerate(launched.step.rows.entries):
+    rows = launched.step.rows
+    for e, (seq, k) in enumerate(zip(rows.entries, rows.num_draft)):
         if not seq.is_finished:
-            seq.pending_entry = e
+            seq.pending_entry, seq.pending_drafts = e, k
     launched.advanced = True
     return copies
 
 
-def fill_pending(step: StepBatch, num_drafts: list[int], prev: Launched, device: torch.device) -> None:
-    """Writes the pending tokens of the step's sequences (sampled by `prev`, not read back) into its
-    input ids, on the device: input_ids[t] = prev's token of entry `pending_entry`."""
+class Pending(NamedTuple):
+    """What a step launched before `prev` syncs takes from prev's results, per item of its plan, on
+    the device: `anchor` [S], the sample's last token (prev's last committed one, tokens[e, a_e]; 0
+    for items without a pending token) and `shift` [S], a_e (its positions from that token on lie a_e
+    further than the host counted; 0 without drafts). `shifted`: some item's shift may be nonzero."""
+
+    has: torch.Tensor  # [S] bool: the item's sample has a pending token
+    anchor: torch.Tensor  # [S] int64
+    shift: torch.Tensor  # [S] int64
+    shifted: bool
+
+
+def pending(plan: list[ScheduledSeq], prev: Launched, device: torch.device) -> Pending | None:
+    """The plan's pending tokens and shifts from `prev` (the step in flight), gathered on the device
+    with no host read; None when no item has a pending token."""
+    entries = [item.seq.pending_entry for item in plan]
+    if max(entries, default=-1) < 0:
+        return None
+    entry = upload(entries, torch.int64, device)  # [S]
+    has = entry >= 0
+    entry = entry.clamp(min=0)
+    shift = prev.result.num_accepted[entry] * has
+    anchor = prev.result.tokens[entry, shift]
+    return Pending(has, anchor, shift, any(item.seq.pending_drafts for item in plan))
+
+
+def fill_pending(step: StepBatch, num_drafts: list[int], pend: Pending) -> None:
+    """Writes the pending tokens of the step's sequences (drawn by the step in flight, not read back)
+    into its input ids, on the device, and moves the positions of samples whose drafts that step
+    verifies by the drafts it accepted (`shift_positions`)."""
     index, source = [], []
     offset = 0
-    for item, k in zip(step.tokens.items, num_drafts):
+    for i, (item, k) in enumerate(zip(step.tokens.items, num_drafts)):
         seq, new = item.seq, item.num_new_tokens
         if seq.pending_entry >= 0:  # (a loop over the batch every overlapped step: kept lean)
             at = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens  # its input slot
             if 0 <= at < new:
                 index.append(offset + at)
-                source.append(seq.pending_entry)
+                source.append(i)
         offset += new + k
     if index:
-        where, entry = upload([index, source], torch.int64, device)  # [2, P]: one copy
-        step.tokens.input_ids.index_put_((where,), prev.result.tokens[entry, 0])  # each entry's first token
+        where, item = upload([index, source], torch.int64, step.tokens.input_ids.device)  # [2, P]: one copy
+        step.tokens.input_ids.index_put_((where,), pend.anchor[item])
+    if pend.shifted:
+        shift_positions(step, pend.shift)
+
+
+def shift_positions(step: StepBatch, shift: torch.Tensor) -> None:
+    """Every token of item s lies shift[s] positions further (in place, on the device): positions,
+    KV slots (from the block tables), context lengths and the positions the rows predict (their
+    seeded draws read them)."""
+    meta, rows = step.tokens.meta, step.rows
+    num_tokens, width = meta.positions.shape[0], meta.block_tables.shape[1]
+    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]  # [S]
+    seq_of = torch.repeat_interleave(torch.arange(len(shift), device=shift.device), q_lens,
+                                     output_size=num_tokens)  # [T], no host read
+    moved = shift[seq_of]  # [T]
+    meta.positions.add_(moved)
+    meta.context_lens.add_(shift)
+    pos, size = meta.positions, meta.block_size
+    meta.slot_mapping.copy_(meta.block_tables.reshape(-1)[seq_of * width + pos // size] * size + pos % size)
+    rows.row_position.add_(moved[rows.logits_index])

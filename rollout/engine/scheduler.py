@@ -15,7 +15,11 @@ start later as sequences of their own (their prompt's full blocks come from the 
 
 Under overlapped scheduling (rollout.engine.overlap) a sequence's last token may be pending (drawn
 by the step in flight, its id on the device only): it counts in `num_tokens` like any other, so the
-next step plans it as the anchor and reserves its KV slot.
+next step plans it as the anchor and reserves its KV slot. When the step in flight verifies drafts of
+the sequence (`pending_drafts` of them), it may commit that many more tokens before the pending one:
+the next step reserves slots for them too, and a sequence preempted meanwhile waits for that step's
+commit before it is admitted again (its tokens are not known until then). A sequence whose next step
+would depend on how many it accepts sits that step out (`waits_commit`).
 
 How many drafts a decode step verifies is the draft budget's (`draft_budget`, spec_budget.py:
 per-sample caps chosen once per step from measured acceptance and step costs, within the token
@@ -83,6 +87,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending_drafts and self.waits_commit(seq):
+                i += 1
+                continue
             item = self._plan(seq, budget, states[i])
             if self._reserve(item):
                 batch.append(item)
@@ -127,12 +134,22 @@ class Scheduler:
             parent.children = []
         return copies
 
-    def truncate_drafts(self, items: list[ScheduledSeq]) -> None:
+    def accept(self, items: list[ScheduledSeq], num_accepted: list[int]) -> None:
+        """A step advanced before its results (rollout.engine.overlap, which assumed no draft accepted):
+        the drafts it accepted join each item's computed count, unless the sequence finished or was
+        preempted since (its count restarted)."""
+        for item, accepted in zip(items, num_accepted):
+            if accepted and item.seq.status is SeqStatus.RUNNING:
+                item.seq.num_computed_tokens += accepted
+
+    def truncate_drafts(self, items: list[ScheduledSeq], ahead: list[ScheduledSeq] | None = None) -> None:
         """After the step's tokens are appended: free the blocks reserved for drafts that were not
-        accepted (only they can lie past a running sequence's tokens; KV rollback)."""
+        accepted (only they can lie past a running sequence's tokens; KV rollback). `ahead`: the plan of
+        a step scheduled before this one's results (launched or held): its drafts' slots stay."""
+        keep = {item.seq: item.num_draft for item in ahead or () if item.num_draft}
         for item in items:
             if item.num_draft and not item.seq.is_finished:
-                self.bm.truncate(item.seq, item.seq.num_tokens)
+                self.bm.truncate(item.seq, item.seq.num_tokens + keep.get(item.seq, 0))
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Start a sample forked from its prompt's first sample once the prompt is computed:
@@ -150,6 +167,15 @@ class Scheduler:
         child.status = SeqStatus.RUNNING
         self.running.append(child)
         return copy
+
+    def waits_commit(self, seq: Sequence) -> bool:
+        """Whether a sample whose step in flight verifies `pending_drafts` of its drafts sits the next
+        step out: that step would depend on how many it accepts (a min_tokens not reached by its pending
+        token bans end tokens; an output left short enough that some count would cap the step's drafts,
+        at most remaining - 1). After that step's commit its state is known again. The samples that
+        stay have num_spec + 1 tokens left at least whatever they accept: their drafts are uncapped."""
+        params, k = seq.params, seq.pending_drafts
+        return params.min_tokens > seq.num_output_tokens or seq.remaining_tokens < self.num_spec + k + 1
 
     # -- internals ---------------------------------------------------------------------
 
@@ -183,7 +209,7 @@ class Scheduler:
 
     def _reserve(self, item: ScheduledSeq) -> bool:
         seq = item.seq
-        end = seq.num_computed_tokens + item.num_new_tokens + item.num_draft
+        end = seq.num_computed_tokens + item.num_new_tokens + item.num_draft + seq.pending_drafts
         if not self.bm.ensure_slots(seq, end, keep_free=self._fork_blocks):
             return False
         if seq.children and item.samples:
@@ -214,8 +240,9 @@ class Scheduler:
             budget -= item.num_new_tokens + item.num_draft
 
     def _admissible(self, seq: Sequence) -> bool:
-        """While a weight update drains, only samples already under way continue."""
-        return seq.started or not self.admission_paused
+        """While a weight update drains, only samples already under way continue; a sample preempted
+        while the step in flight verifies its drafts waits for that step's commit."""
+        return (seq.started or not self.admission_paused) and not seq.pending_drafts
 
     def _cap_rows(self, batch: list[ScheduledSeq]) -> None:
         """Keep the forked samples' rows within `max_rows`; the rest wait as sequences of their own

@@ -50,6 +50,9 @@ class Sequence:
     # overlapped scheduling (rollout.engine.overlap): the entry of the step in flight whose sampled
     # token is this sample's next one, not read back yet (its slot holds a placeholder); -1: none
     pending_entry: int = -1
+    # drafts that entry verifies: the sample commits up to this many tokens before its pending one, so
+    # its length and positions from the pending token on are lower bounds by up to this many until then
+    pending_drafts: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
 

@@ -39,11 +39,11 @@ Exploration: with no drafts verified nothing is learned, and the policy (so the 
 acceptance) drifts. A step that verifies less than full blocks earns PROBE_SHARE of its predicted
 time as credit; once the credit pays for the extra time of full blocks, that step verifies full
 blocks (a probe), so probes cost at most PROBE_SHARE of the time. The prediction pays at once; when
-the probe's step is recorded, the time it took beyond its prediction is charged too (the next
-drafting step recorded after a probe is chosen: a step's drafts are chosen before the step before it
-is recorded only when that one verified no drafts, so no other drafting step comes between), so a
-cost model that prices probes low (a shape it has not seen drafting, a graph captured on the way)
-does not make them more frequent. A step that declined every draft of more than PROBE_ROWS samples probes PROBE_ROWS of
+the probe's step is recorded, the time it took beyond its prediction is charged too (the engine
+stamps each step with its choice, `choices` at its launch: a step may be chosen before the drafted
+step ahead of it is recorded, rollout.engine.overlap), so a cost model that prices probes low (a
+shape it has not seen drafting, a graph captured on the way) does not make them more frequent. A
+step that declined every draft of more than PROBE_ROWS samples probes PROBE_ROWS of
 them only (full blocks, the next ones in turn at each probe), priced as that ragged step: a wide
 batch learns the same acceptance from a fraction of the extra time, so its probes come as often as a
 narrow batch's instead of one dear probe now and then (an 8B-shaped target at batch 256 spent 3% of
@@ -196,7 +196,9 @@ class SpecBudget:
         self._streak = 0  # full choices in a row that chose the rule they had (_serves)
         self._tentative = False  # the last full choice rested on the prior or an untimed kind of step
         self._probe_turn = 0  # where the next partial probe's samples start among those that may draft
-        self._probe_due: float | None = None  # the predicted seconds of a probe chosen, not yet recorded
+        self._probe_due: tuple[float, int] | None = None  # a probe chosen, not yet recorded: (predicted
+        # seconds, its choice)
+        self.choices = 0  # caps() calls so far: the choice a step's plan came from (`record`)
 
     def caps(self, running: list[Sequence], token_budget: int, waiting_tokens: int = 0,
              states: list[tuple[int, int]] | None = None) -> dict[Sequence, int]:
@@ -206,6 +208,7 @@ class SpecBudget:
         makes the step eager, and drafts get the room left after them: see the module docstring);
         states: the running samples' behind_and_remaining(), when the caller has them."""
         num_spec = self.num_spec
+        self.choices += 1
         if states is None:
             states = [seq.behind_and_remaining() for seq in running]
         prefill = sum(behind for behind, _ in states if behind > 1)  # (comprehensions: this runs every
@@ -314,7 +317,7 @@ class SpecBudget:
         probe = self._partial_probe(limits) if partial else self.num_spec
         total = sum(probe) if partial else total
         self.credit -= extra
-        self._probe_due = probe_seconds
+        self._probe_due = (probe_seconds, self.choices)
         self._probe_turn += PROBE_ROWS
         self.totals["probes"] += 1
         if not chosen:  # its results are all the step learns: at the next full choice, soon (where drafts
@@ -330,16 +333,20 @@ class SpecBudget:
             probe[i] = limits[i]
         return probe
 
-    def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool) -> None:
+    def record(self, step, num_accepted: list[int] | None, seconds: float, graphed: bool,
+               choice: int | None = None) -> None:
         """After a step: `step` (a StepBatch), its entries' accepted drafts ([E], the step's host
-        copy; None when no entry sampled), its wall time and whether its target forward replayed a
-        CUDA graph. Kept until the next full choice learns from it."""
+        copy; None when no entry sampled), its wall time, whether its target forward replayed a
+        CUDA graph, and the choice its plan came from (`choices` when it launched; None: the next
+        drafting step recorded is a probe's). Kept until the next full choice learns from it."""
         rows = step.rows
         num_rows, tokens, drafting, drafts = step_shape(step)
         self._timings.append((num_rows, tokens, graphed, drafting, drafts, seconds))
-        if drafting and self._probe_due is not None:  # a probe's time beyond its prediction is charged too
-            self.credit -= max(seconds - self._probe_due, 0.0)
-            self._probe_due = None
+        due = self._probe_due
+        if due is not None and (drafting if choice is None else choice >= due[1]):
+            if drafting and choice in (None, due[1]):  # a probe's time beyond its prediction is charged too
+                self.credit -= max(seconds - due[0], 0.0)
+            self._probe_due = None  # (a probe whose step drafted nothing after all is not charged)
         if drafting:  # (bench_spec: the time steps with drafts took, and those whose target ran eagerly)
             self.totals["draft_steps"] += 1
             self.totals["draft_seconds"] += seconds

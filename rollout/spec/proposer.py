@@ -21,6 +21,7 @@ from rollout.engine.config import EngineConfig
 from rollout.engine.drafter import Drafter, Drafts
 from rollout.engine.kv import bytes_per_block, copy_blocks
 from rollout.engine.loader import LoadedModel, LoadProgress
+from rollout.engine.overlap import Pending
 from rollout.engine.sampler import PURPOSE_DRAFT, draw_index, uniform
 from rollout.engine.scheduler import ScheduledSeq
 from rollout.engine.transfer import upload, upload_packed
@@ -113,6 +114,11 @@ class BlockDrafter(Drafter):
     def overlaps(self) -> bool:
         return True  # the refresh keeps each step's taps until its commit (rollout.spec.refresh)
 
+    def device_anchors(self) -> bool:
+        """Proposes from anchors on the device, except with a confidence cut (its block lengths are read
+        back) or a refresh (its buffer keeps each step's rows by their host positions)."""
+        return self.threshold == 0 and self.refresh is None
+
     def idle(self) -> bool:
         return self.refresh is not None and self.refresh.idle()
 
@@ -154,7 +160,9 @@ class BlockDrafter(Drafter):
         return run
 
     @torch.inference_mode()
-    def propose(self, items: list[ScheduledSeq], block_table: np.ndarray) -> Drafts:
+    def propose(self, items: list[ScheduledSeq], block_table: np.ndarray, pending: Pending | None = None) -> Drafts:
+        """`pending`: the items' anchors still on the device (rollout.engine.overlap.Pending): a sample
+        with a pending token drafts from it, at its position moved by the shift."""
         self.begin_step(items)
         rows = [i for i, it in enumerate(items) if it.num_draft > 0]
         if not rows:
@@ -162,13 +170,17 @@ class BlockDrafter(Drafter):
         self.num_proposals += 1
         dev = self.device
         seqs = [items[i].seq for i in rows]
-        anchor_pos, anchors, table = upload_packed([
+        anchor_pos, anchors, table, index = upload_packed([
             np.asarray([s.num_computed_tokens for s in seqs], dtype=np.int64),
             np.asarray([s.last_token for s in seqs], dtype=np.int64),
             block_table[rows],
-        ], dev)  # [S], [S], [S * W]
+            np.asarray(rows if pending is not None else [], dtype=np.int64),
+        ], dev)  # [S], [S], [S * W], [S] or [0]
         table = table.view(len(rows), -1)  # [S, W]
-        ctx_len = max(s.num_computed_tokens for s in seqs)
+        ctx_len = max(s.num_computed_tokens + s.pending_drafts for s in seqs)  # (the longest case)
+        if pending is not None:
+            anchors = torch.where(pending.has[index], pending.anchor[index], anchors)
+            anchor_pos = anchor_pos + pending.shift[index]
         key = self.graphs.key(len(rows), ctx_len) if self.graphs is not None else None
         if key is not None:
             hidden, logits = self.graphs.run(key, anchors, anchor_pos, table)
