@@ -11,7 +11,8 @@ Arms:
   (rollout.spec.refresh, the same objective) for `--offline-seconds` on v1's own rollouts of other
   prompts (as many tokens as the measured rollouts), then frozen.
 Rollouts: rounds of `--prompts` documentation prompts (`--prompt-len` bytes) x n at temperature 1,
-seeded per round alike for every arm, stepped in turn (common.run_interleaved), until
+seeded per round alike for every arm, each arm's round run alone, one after another (common.run_in_turn,
+the order reversed every other round; arms stepped in turn would share the device's stream), until
 `--rollout-tokens` output tokens. Between rounds the idle refresh arm's engine gets its idle slices
 (what the gap between rollouts gives it; untimed, reported as idle_train_seconds). Reported per
 arm and round: cumulative tokens, the fraction of drafts accepted in the round, committed tokens per
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import embedded_draft, environment, print_table, run_interleaved, write_json
+from common import embedded_draft, environment, print_table, run_engine, run_in_turn, write_json
 
 import rollout
 from rollout.engine.config import DEFAULT_MODEL, EngineConfig
@@ -126,8 +127,7 @@ def offline_drafter(args: argparse.Namespace, v1: dict, prompts: list[list[int]]
     engine.update_weights(v1)
     refresh, tokens, seed = engine.drafter.refresh, 0, 500
     while tokens < min(args.rollout_tokens, refresh.capacity):
-        run = run_interleaved({"offline": engine}, {"offline": round_requests(prompts, args, seed)}, f"o{seed}",
-                              args.device)["offline"]
+        run = run_engine(engine, round_requests(prompts, args, seed), f"o{seed}", args.device)
         tokens, seed = tokens + run.tokens, seed + 1
     start = time.perf_counter()
     while time.perf_counter() - start < args.offline_seconds:
@@ -152,8 +152,8 @@ def run_rounds(engines: dict[str, LLMEngine], prompts: list[list[int]], args, re
             return
         before = {arm: draft_totals(e) for arm, e in engines.items()}
         in_steps = engines["refresh"].drafter.refresh.stats.seconds
-        runs = run_interleaved(engines, {arm: round_requests(prompts, args, 1000 + round_index) for arm in engines},
-                               f"r{round_index}", args.device)
+        runs = run_in_turn(engines, {arm: round_requests(prompts, args, 1000 + round_index) for arm in engines},
+                           f"r{round_index}", args.device, reverse=round_index % 2 == 1)
         train_s = engines["refresh"].drafter.refresh.stats.seconds - in_steps
         start = time.perf_counter()
         while engines["refresh"].idle_work():  # the gap between rollouts

@@ -6,8 +6,11 @@ step, the proposer with the higher expected accepted length drafts), in one run.
 
 Prompts: the first `--prompt-len` bytes of held-out stdlib files (scripts/corpus.py); each epoch is
 one rollout of all 64 prompts (one request each, n=8, EOS ends a sample, `--output-len` at most),
-seeded per epoch (1000 + epoch) alike for every arm. The arms are stepped in turn, one step each
-(common.run_interleaved), so a machine whose speed drifts slows them alike. Before epoch 1 every
+seeded per epoch (1000 + epoch) alike for every arm. Each arm runs the epoch alone, one after another
+(common.run_in_turn, the order reversed every other epoch): arms stepped in turn would share the
+device's stream, one engine's step launched ahead falling inside another's time and draft budget
+(until session 15 they were, and the DFlash arm's budget then drafted full blocks at 0.45x none's
+speed). Before epoch 1 every
 engine warms up on other prompts (CUDA graphs, Triton kernels); the history keeps those too.
 Between epochs (the gap between rollouts, untimed) the history arms wait until their worker thread
 has stored the epoch's samples (rollout.spec.history_store); within an epoch it stores them while
@@ -27,7 +30,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import embedded_draft, environment, heldout_prompts, print_table, run_interleaved, write_json
+from common import embedded_draft, environment, heldout_prompts, print_table, run_in_turn, write_json
 
 import rollout
 from rollout.engine.config import EngineConfig
@@ -109,7 +112,7 @@ def run_epochs(engines: dict[str, LLMEngine], prompts: list[list[int]], args, re
     for epoch in range(1, args.epochs + 1):
         before = {arm: draft_totals(e) for arm, e in engines.items()}
         requests = {arm: epoch_requests(prompts, args, 1000 + epoch) for arm in engines}
-        runs = run_interleaved(engines, requests, f"epoch{epoch}", args.device)
+        runs = run_in_turn(engines, requests, f"epoch{epoch}", args.device, reverse=epoch % 2 == 0)
         flush(engines)
         rows = {arm: row_of(arm, epoch, runs[arm], before[arm], draft_totals(engines[arm])) for arm in engines}
         for row in rows.values():
@@ -144,7 +147,7 @@ def main() -> None:
     arms = [arm for arm in ARMS if not arm.startswith("dflash") or embedded_draft("dflash")]
     engines = {arm: build(arm, args) for arm in arms}
     warm = heldout_prompts(args.prompts + 8, args.prompt_len)[args.prompts:]
-    run_interleaved(engines, {arm: epoch_requests(warm, args, 7) for arm in engines}, "warmup", args.device)
+    run_in_turn(engines, {arm: epoch_requests(warm, args, 7) for arm in engines}, "warmup", args.device)
     flush(engines)
     run_epochs(engines, heldout_prompts(args.prompts, args.prompt_len), args, result)
     result["history"] = {arm: history_stats(engine) for arm, engine in engines.items() if "history" in arm}

@@ -232,10 +232,14 @@ def run_engine(engine: LLMEngine, requests: list[tuple[list[int], object, dict]]
 def run_interleaved(engines: dict[str, LLMEngine], requests: dict[str, list[tuple[list[int], object, dict]]],
                     tag: str, device: str) -> dict[str, Run]:
     """Two (or more) engines stepped in turn, one step each, until all are done: each engine's
-    `Run.seconds` is the time inside its own add_request and step calls. A machine whose speed
-    drifts (a shared host) then slows every arm alike, which back-to-back runs cannot promise.
-    Each step ends with the engine's host copy (a device synchronisation), so arms do not overlap
-    on the device either."""
+    `Run.seconds` is the time inside its own add_request and step calls, each step followed by a
+    device synchronisation inside that time. A machine whose speed drifts (a shared host) then slows
+    every arm alike, which back-to-back runs cannot promise, and arms do not overlap on the device.
+    With overlapped scheduling (the default) a step launches the engine's next one before its sync:
+    the synchronisation runs that step to its end inside this engine's time, so a step costs what the
+    synchronous loop's does (plus overlap's bookkeeping). Ratios between arms hold; an engine's own
+    throughput, and a draft budget's view of its step costs, are those of its synchronous loop: where
+    they matter, `run_in_turn`."""
     outputs = {name: [] for name in engines}
     steps = dict.fromkeys(engines, 0)
     seconds = dict.fromkeys(engines, 0.0)
@@ -250,6 +254,7 @@ def run_interleaved(engines: dict[str, LLMEngine], requests: dict[str, list[tupl
             if engine.has_unfinished():
                 start = time.perf_counter()
                 outputs[name] += engine.step()
+                sync(device)  # (the step launched ahead ends here, not inside the next arm's time)
                 seconds[name] += time.perf_counter() - start
                 steps[name] += 1
     runs = {name: Run(outputs[name], steps[name], seconds[name]) for name in engines}
@@ -258,6 +263,18 @@ def run_interleaved(engines: dict[str, LLMEngine], requests: dict[str, list[tupl
         if errors:
             raise RuntimeError(f"{name}: {len(errors)} sample(s) failed, first: {errors[0]}")
     return runs
+
+
+def run_in_turn(engines: dict[str, LLMEngine], requests: dict[str, list[tuple[list[int], object, dict]]],
+                tag: str, device: str, reverse: bool = False) -> dict[str, Run]:
+    """Each engine's workload run alone to its end (`run_engine`), one engine after another (in
+    reverse order with `reverse`: alternate it between rounds, so no arm always follows the same
+    one). Engines of one process share the device's stream, so stepping them in turn
+    (`run_interleaved`) would put one engine's step launched ahead inside another's time and cost
+    model; here each engine overlaps its own steps as a server does."""
+    order = list(engines)[::-1] if reverse else list(engines)
+    runs = {name: run_engine(engines[name], requests[name], f"{tag}-{name}", device) for name in order}
+    return {name: runs[name] for name in engines}
 
 
 def nearest_median(runs: list[dict], key: str) -> dict:
