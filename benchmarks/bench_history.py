@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="4 prompts x n=2, 2 epochs, 24 tokens (CPU check)")
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--no-overlap", action="store_true", help="every arm with overlapped scheduling off")
     add_workload_args(p, prompts=64, prompt_len=128, output_len=256, out="benchmarks/results/bench_history.json")
     args = p.parse_args()
     if args.quick:
@@ -144,8 +146,8 @@ def history_stats(engine: LLMEngine) -> dict:
 def main() -> None:
     args = parse_args()
     result = dict(args=vars(args), env=environment(args.device), epochs=[])
-    arms = [arm for arm in ARMS if not arm.startswith("dflash") or embedded_draft("dflash")]
-    engines = {arm: build(arm, args) for arm in arms}
+    arms = [arm for arm in args.arms if not arm.startswith("dflash") or embedded_draft("dflash")]
+    engines = {arm: build(arm, args, overlap=not args.no_overlap) for arm in arms}
     warm = heldout_prompts(args.prompts + 8, args.prompt_len)[args.prompts:]
     run_in_turn(engines, {arm: epoch_requests(warm, args, 7) for arm in engines}, "warmup", args.device)
     flush(engines)

@@ -9,6 +9,8 @@ drafters that need host anchors make n+1 wait for the sync, each counted by its 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from overlap_helpers import PROMPTS, SAMPLED, assert_same, overlap_engine, run_steps
 from spec_helpers import DeviceRepeatDrafter, factory_of
@@ -113,3 +115,40 @@ def test_a_confidence_cut_waits_for_the_sync(tiny_random_qwen3, random_drafters)
     (want, _), (got, eng) = runs[False], runs[True]
     assert_same(got, want)
     assert eng.pipeline.sync_steps["drafts"] > 10 and not eng.pipeline.overlapped_drafts
+
+
+class _EveryOther:
+    """A draft budget that verifies full blocks for samples of even length and none for the others:
+    drafted and plain steps mix."""
+
+    def caps(self, running, token_budget, waiting_tokens=0, states=None):
+        return {s: 8 for s in running if s.num_tokens % 2 == 0}
+
+
+def test_a_steps_launch_time_is_billed_to_that_step(tiny_random_qwen3, monkeypatch):
+    """Under overlap the call that syncs step n launches n+1 first: the draft budget's cost model
+    must see a drafted step's launch (its proposal, made slow here by a clock that jumps 1 s in
+    every proposal with drafts) in that step's time, not in the plain step before it."""
+    skew, real = [0.0], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + skew[0])
+    config = EngineConfig(model=str(tiny_random_qwen3), block_size=4, num_kv_blocks=256, max_num_batched_tokens=64,
+                          max_num_seqs=32)
+    drafter = DeviceRepeatDrafter(4)
+    propose = drafter.propose
+
+    def slow_propose(items, block_table, pending=None):
+        skew[0] += 1.0 if any(it.num_draft for it in items) else 0.0
+        return propose(items, block_table, pending)
+
+    drafter.propose = slow_propose
+    eng = build_engine(config, drafter_factory=factory_of(drafter))
+    eng.scheduler.draft_budget = _EveryOther()
+    recorded, record = [], eng.spec_budget.record
+    eng.spec_budget.record = lambda step, acc, seconds, graphed, choice: (
+        recorded.append((any(step.rows.num_draft), seconds)), record(step, acc, seconds, graphed, choice))
+    eng.add_request("s", [PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=30, seed=5, **SAMPLED), n=2)
+    run_steps(eng)
+    drafted = [s for d, s in recorded if d]
+    plain = [s for d, s in recorded if not d]
+    assert eng.pipeline.overlapped > 10 and len(drafted) > 5 and len(plain) > 5
+    assert min(drafted) >= 1.0 and max(plain) < 1.0, (drafted, plain)

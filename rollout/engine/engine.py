@@ -269,12 +269,17 @@ class LLMEngine:
         if self.memory.released:
             return []
         start = time.perf_counter()
-        current = self.pipeline.take() or self._launch(self.pipeline.take_held() or self.scheduler.schedule())
+        current = self.pipeline.take()
+        if current is not None:  # launched by the call before: its launch's host time is its own
+            start -= current.launch_seconds
+        current = current or self._launch(self.pipeline.take_held() or self.scheduler.schedule())
         if current is None:
             self.committer.hand_over_masks()
             return []
         overlaps = self.pipeline.overlaps(current, self.drafter, self.weights.pending)
         after = self._launch_after(current) if overlaps else None
+        if after is not None:  # (the next call counts it)
+            start += after.launch_seconds
         outputs = self._finish(current, start, after.plan if after is not None else self.pipeline.held)
         if after is not None and self.scheduler.has_unfinished():  # else every slot of `after` is discarded
             self._copy_blocks(overlap.advance(self.scheduler, after))
@@ -286,6 +291,7 @@ class LLMEngine:
         capture, the masks' copy started: queued on the device, nothing read back."""
         if not plan:
             return None
+        begin = time.perf_counter()
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
         pending = overlap.pending(plan, prev, self.device) if prev is not None else None
         drafts = self._draft(plan, table, pending)
@@ -296,8 +302,9 @@ class LLMEngine:
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
         choice = self.spec_budget.choices if self.spec_budget is not None else 0
-        return Launched(plan, drafts, step, result, captured, masks, overlap.start_copy(result), self._graphed,
-                        choice)
+        copy = overlap.start_copy(result)
+        return Launched(plan, drafts, step, result, captured, masks, copy, self._graphed, choice,
+                        time.perf_counter() - begin)
 
     def _launch_after(self, current: Launched) -> Launched | None:
         """Step n+1, launched before step n (`current`) syncs (rollout.engine.overlap); held instead
@@ -313,7 +320,11 @@ class LLMEngine:
 
     def _finish(self, current: Launched, start: float, ahead: list[ScheduledSeq] | None) -> list[SampleOutput]:
         """(last step's masks) -> sync -> count drafts -> advance (or accept) -> commit/emit -> truncate
-        drafts -> record. `ahead`: the plan of the step scheduled after this one, launched or held."""
+        drafts -> record. `ahead`: the plan of the step scheduled after this one, launched or held.
+        `start`: where the step's time began (the draft budget's cost model learns it), moved so that
+        the host time of launching a step counts as that step's, whichever call launched it: under
+        overlapped scheduling the call that syncs step n also launches n+1, and a drafted step's launch
+        (its proposal, an eager forward) would otherwise be billed to the plain step before it."""
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
         host = _to_host(current.copy, current.masks)
         plan, step, drafts = current.plan, current.step, current.drafts

@@ -113,6 +113,7 @@ class Launched:
     copy: StepCopy | None  # its results' copy to the host, started at launch; None without entries
     graphed: bool  # its target forward replayed a CUDA graph (the draft budget's cost model reads it)
     choice: int  # the draft budget's choice its plan came from (SpecBudget.choices; 0 without a budget)
+    launch_seconds: float  # host time its launch took (the engine bills it to this step's recorded time)
     advanced: bool = False  # `advance` ran: its sync only commits
 
 
