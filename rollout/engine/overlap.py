@@ -205,7 +205,7 @@ class Pending(NamedTuple):
 
     has: torch.Tensor  # [S] bool: the item's sample has a pending token
     anchor: torch.Tensor  # [S] int64
-    shift: torch.Tensor  # [S] int64
+    shift: torch.Tensor | None  # [S] int64; None when no item's shift can be nonzero (`shifted` False)
     shifted: bool
 
 
@@ -218,9 +218,10 @@ def pending(plan: list[ScheduledSeq], prev: Launched, device: torch.device) -> P
     entry = upload(entries, torch.int64, device)  # [S]
     has = entry >= 0
     entry = entry.clamp(min=0)
+    if not any(item.seq.pending_drafts for item in plan):  # (after a plain step: two ops fewer a step)
+        return Pending(has, prev.result.tokens[entry, 0], None, False)
     shift = prev.result.num_accepted[entry] * has
-    anchor = prev.result.tokens[entry, shift]
-    return Pending(has, anchor, shift, any(item.seq.pending_drafts for item in plan))
+    return Pending(has, prev.result.tokens[entry, shift], shift, True)
 
 
 def fill_pending(step: StepBatch, num_drafts: list[int], pend: Pending) -> None:
