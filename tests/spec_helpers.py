@@ -45,12 +45,7 @@ class RepeatDrafter(Drafter):
 class DeviceRepeatDrafter(RepeatDrafter):
     """RepeatDrafter that proposes from anchors on the device (`Drafter.device_anchors`): a sample
     whose last token is pending (drawn by the step in flight) repeats that token, read from
-    `pending` with no host read, so its steps overlap drafted ones. `proposed` keeps each call's
-    drafts on the host for comparison."""
-
-    def __init__(self, block_size: int):
-        super().__init__(block_size)
-        self.proposed: list[list[int]] = []
+    `pending` with no host read, so its steps overlap drafted ones."""
 
     def overlaps(self) -> bool:
         return True
@@ -64,7 +59,6 @@ class DeviceRepeatDrafter(RepeatDrafter):
         if pending is not None:
             anchors = torch.where(pending.has, pending.anchor, anchors)
         flat = anchors.repeat_interleave(torch.tensor(counts, dtype=torch.int64), output_size=sum(counts))
-        self.proposed.append(flat)  # (read after the run: no host read here)
         return Drafts(flat, counts)
 
 
