@@ -293,12 +293,15 @@ class LLMEngine:
             return None
         begin = time.perf_counter()
         table = padded_block_table([it.seq.block_table for it in plan])  # [S, W] host, for both below
-        pending = overlap.pending(plan, prev, self.device) if prev is not None else None
+        pending = None
+        if prev is not None:  # (the drafter's anchors: when it drafts from the device)
+            anchored = self.drafter is not None and self.drafter.device_anchors()
+            pending = overlap.pending(plan, prev, self.device, anchored and any(it.num_draft for it in plan))
         drafts = self._draft(plan, table, pending)
         step = build_step(plan, drafts.num_per_item, self.config.block_size, self.device, table,
                           self.prefix_planner)
-        if pending is not None:
-            overlap.fill_pending(step, drafts.num_per_item, pending)
+        if prev is not None:
+            overlap.fill_pending(step, drafts.num_per_item, prev, pending)
         result, captured = self._run(step, drafts)
         masks = None if captured is None else self.capture.to_host(captured)
         choice = self.spec_budget.choices if self.spec_budget is not None else 0

@@ -209,25 +209,31 @@ class Pending(NamedTuple):
     shifted: bool
 
 
-def pending(plan: list[ScheduledSeq], prev: Launched, device: torch.device) -> Pending | None:
+def pending(plan: list[ScheduledSeq], prev: Launched, device: torch.device, drafts_ahead: bool) -> Pending | None:
     """The plan's pending tokens and shifts from `prev` (the step in flight), gathered on the device
-    with no host read; None when no item has a pending token."""
+    with no host read, where something needs them: a shift (prev verified drafts of an item's sample)
+    or drafts that the drafter proposes from these anchors (`drafts_ahead`). None otherwise: after a
+    plain step `fill_pending` gathers the tokens it writes itself, no more ops than that."""
+    shifted = any(item.seq.pending_drafts for item in plan)
+    if not (shifted or drafts_ahead):
+        return None
     entries = [item.seq.pending_entry for item in plan]
     if max(entries, default=-1) < 0:
         return None
     entry = upload(entries, torch.int64, device)  # [S]
     has = entry >= 0
     entry = entry.clamp(min=0)
-    if not any(item.seq.pending_drafts for item in plan):  # (after a plain step: two ops fewer a step)
+    if not shifted:
         return Pending(has, prev.result.tokens[entry, 0], None, False)
     shift = prev.result.num_accepted[entry] * has
     return Pending(has, prev.result.tokens[entry, shift], shift, True)
 
 
-def fill_pending(step: StepBatch, num_drafts: list[int], pend: Pending) -> None:
-    """Writes the pending tokens of the step's sequences (drawn by the step in flight, not read back)
-    into its input ids, on the device, and moves the positions of samples whose drafts that step
-    verifies by the drafts it accepted (`shift_positions`)."""
+def fill_pending(step: StepBatch, num_drafts: list[int], prev: Launched, pend: Pending | None) -> None:
+    """Writes the pending tokens of the step's sequences (drawn by `prev`, the step in flight, not
+    read back) into its input ids, on the device: `pend`'s anchors, or without it each one's entry of
+    prev's first token; and moves the positions of samples whose drafts prev verifies by the drafts
+    it accepted (`shift_positions`)."""
     index, source = [], []
     offset = 0
     for i, (item, k) in enumerate(zip(step.tokens.items, num_drafts)):
@@ -236,12 +242,13 @@ def fill_pending(step: StepBatch, num_drafts: list[int], pend: Pending) -> None:
             at = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens  # its input slot
             if 0 <= at < new:
                 index.append(offset + at)
-                source.append(i)
+                source.append(i if pend is not None else seq.pending_entry)
         offset += new + k
     if index:
-        where, item = upload([index, source], torch.int64, step.tokens.input_ids.device)  # [2, P]: one copy
-        step.tokens.input_ids.index_put_((where,), pend.anchor[item])
-    if pend.shifted:
+        where, source = upload([index, source], torch.int64, step.tokens.input_ids.device)  # [2, P]: one copy
+        tokens = pend.anchor[source] if pend is not None else prev.result.tokens[source, 0]
+        step.tokens.input_ids.index_put_((where,), tokens)
+    if pend is not None and pend.shifted:
         shift_positions(step, pend.shift)
 
 
