@@ -101,8 +101,9 @@ class EngineConfig:
                                            default_text="on")
     overlap: bool = option(True, "run every step synchronously: schedule step n+1 only once step n's tokens are "
                            "read back (by default n+1 is scheduled and launched while the device computes n, "
-                           "rollout/engine/overlap.py; steps with drafts or grammar samples, and a draining weight "
-                           "update, run synchronously anyway)", default_text="overlapped")
+                           "rollout/engine/overlap.py, drafted steps too with DFlash / DSpark; grammar samples, "
+                           "penalties after drafts, a draining weight update and drafters that need host "
+                           "anchors run synchronously anyway)", default_text="overlapped")
     weight_staging: str = option("auto", "where a weight update waits for its swap while the engine keeps "
                                  "generating: spare device memory (the swap is a device copy) or host memory "
                                  "(one host-to-device copy per tensor in the swap); auto = the device when the "
