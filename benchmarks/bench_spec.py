@@ -64,14 +64,12 @@ import argparse
 import collections
 import cProfile
 import gc
-import json
 import pstats
 import random
 import statistics
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from common import (
     SHAPES,
@@ -91,6 +89,7 @@ from common import (
     time_ms,
     write_json,
 )
+from spec_goals import ARMS, goals, pooled_rows, print_goals
 
 import rollout
 from rollout.engine.config import EngineConfig
@@ -99,7 +98,6 @@ from rollout.engine.params import SamplingParams
 
 HOST_TOP = 15  # functions listed by --host-profile
 CASES = ("embedded-t1", "embedded-greedy", "8b", "long-tail", "verify-cost")
-ARMS = ("none", "full", "adaptive")
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0, top_k=64)}
 
 
@@ -351,65 +349,6 @@ def case_verify_cost(args: argparse.Namespace, result: dict) -> None:
 # -- goals --------------------------------------------------------------------------------------------
 
 
-def share_interval(full_rounds: list[float], paired_rounds: list[float], resamples: int = 2000) -> str:
-    """The share of full's speedup (as goals computes it) over rounds drawn with replacement (fixed
-    seed): its 5th and 95th percentiles, "lo to hi" (how far one run's share can be trusted). The
-    share is undefined where full blocks do not pay (a ratio over a speedup near 0: call 3 of the
-    eleventh session printed -125,350,000), so resamples whose full speedup is below 1.01 are left
-    out, and their fraction is named."""
-    full, paired = np.asarray(full_rounds), np.asarray(paired_rounds)
-    idx = np.random.default_rng(0).integers(0, len(full), size=(resamples, len(full)))
-    f, p = np.median(full[idx], axis=1), np.median(paired[idx], axis=1)
-    pays = f >= 1.01
-    if not pays.any():
-        return "full never pays"
-    lo, hi = np.percentile((f[pays] * p[pays] - 1) / (f[pays] - 1), [5, 95])
-    left_out = 1 - pays.mean()
-    return f"{lo:.3f} to {hi:.3f}" + (f" ({left_out:.0%} of resamples: full does not pay)" if left_out else "")
-
-
-def goals(rows: list[dict]) -> list[dict]:
-    """Per setting: adaptive / none (goal >= 0.97), adaptive's share of full's speedup where full pays
-    (goal >= 0.95), and for the long tail whether adaptive finished first."""
-    out = []
-    settings = {tuple((k, r[k]) for k in ("case", "spec", "sampling", "batch")) for r in rows}
-    for setting in sorted(settings, key=str):
-        arms = {r["arm"]: r for r in rows if all(r[k] == v for k, v in setting)}
-        if len(arms) < len(ARMS):
-            continue
-        full, adaptive = arms["full"]["vs_none"], arms["adaptive"]["vs_none"]
-        row = dict(setting, full=full, adaptive=adaptive, never_costs=adaptive >= 0.97)
-        if full > 1:  # adaptive's speedup as full's times their paired ratio (rounds' medians of each)
-            kept = full * arms["adaptive"]["vs_full"]
-            row["vs_full"] = arms["adaptive"]["vs_full"]
-            row["share_of_full_speedup"] = (kept - 1) / (full - 1)
-            row["share_90"] = share_interval(arms["full"]["vs_none_rounds"], arms["adaptive"]["vs_full_rounds"])
-            row["keeps_speedup"] = kept >= 1 + 0.95 * (full - 1)
-        if dict(setting)["case"] == "long-tail":  # (paired within rounds, as the share: see the docstring)
-            row["finishes_first"] = adaptive > 1 and arms["adaptive"]["vs_full"] > 1
-        out.append(row)
-    return out
-
-
-def pooled_rows(paths: list[str]) -> list[dict]:
-    """One row per setting and arm over the rounds of every file: its ratio rounds concatenated (in
-    file order) and their medians; the other columns are the first file's."""
-    rows: dict[tuple, dict] = {}
-    for path in paths:
-        with open(path) as f:
-            for r in json.load(f)["rows"]:
-                key = tuple(r[k] for k in ("case", "spec", "sampling", "batch", "arm"))
-                row = rows.setdefault(key, dict(r, vs_none_rounds=[], vs_full_rounds=[], files=0))
-                row["files"] += 1
-                row["vs_none_rounds"] += r["vs_none_rounds"]
-                row["vs_full_rounds"] += r.get("vs_full_rounds", [])
-    for row in rows.values():
-        row["vs_none"] = statistics.median(row["vs_none_rounds"])
-        if row["vs_full_rounds"]:
-            row["vs_full"] = statistics.median(row["vs_full_rounds"])
-    return list(rows.values())
-
-
 def main() -> None:
     args = parse_args()
     if args.pool:
@@ -445,13 +384,6 @@ def main() -> None:
                     ["kernels", "batch", "decode_eager_ms", "verify_eager_ms", "decode_graph_ms", "verify_graph_ms",
                      "verify_over_decode"])
     print(f"wrote {args.out}")
-
-
-def print_goals(rows: list[dict], note: str = "") -> None:
-    print_table("goals (issue 19): adaptive >= 0.97 x none; >= 95% of full's speedup where it pays; the long "
-                f"tail finishes first with adaptive{f' ({note})' if note else ''}", rows,
-                ["case", "spec", "sampling", "batch", "full", "adaptive", "vs_full", "never_costs",
-                 "share_of_full_speedup", "share_90", "keeps_speedup", "finishes_first"])
 
 
 if __name__ == "__main__":

@@ -269,18 +269,13 @@ class LLMEngine:
         if self.memory.released:
             return []
         start = time.perf_counter()
-        current = self.pipeline.take()
-        if current is not None:  # launched by the call before: its launch's host time is its own
-            start -= current.launch_seconds
-        current = current or self._launch(self.pipeline.take_held() or self.scheduler.schedule())
+        current = self.pipeline.take() or self._launch(self.pipeline.take_held() or self.scheduler.schedule())
         if current is None:
             self.committer.hand_over_masks()
             return []
         overlaps = self.pipeline.overlaps(current, self.drafter, self.weights.pending)
         after = self._launch_after(current) if overlaps else None
-        if after is not None:  # (the next call counts it)
-            start += after.launch_seconds
-        outputs = self._finish(current, start, after.plan if after is not None else self.pipeline.held)
+        outputs = self._finish(current, start, after)
         if after is not None and self.scheduler.has_unfinished():  # else every slot of `after` is discarded
             self._copy_blocks(overlap.advance(self.scheduler, after))
             self.pipeline.inflight = after
@@ -321,13 +316,14 @@ class LLMEngine:
             return None
         return self.pipeline.ahead(self._launch(plan, current), current)
 
-    def _finish(self, current: Launched, start: float, ahead: list[ScheduledSeq] | None) -> list[SampleOutput]:
+    def _finish(self, current: Launched, start: float, after: Launched | None) -> list[SampleOutput]:
         """(last step's masks) -> sync -> count drafts -> advance (or accept) -> commit/emit -> truncate
-        drafts -> record. `ahead`: the plan of the step scheduled after this one, launched or held.
-        `start`: where the step's time began (the draft budget's cost model learns it), moved so that
-        the host time of launching a step counts as that step's, whichever call launched it: under
-        overlapped scheduling the call that syncs step n also launches n+1, and a drafted step's launch
-        (its proposal, an eager forward) would otherwise be billed to the plain step before it."""
+        drafts -> record. `after`: the step launched before this one's sync, if any (a step held instead
+        is `pipeline.held`). The step's recorded time (what the draft budget's cost model learns) runs
+        from `start`, the beginning of this call, and holds the host time of its own launch, not of
+        `after`'s, whichever call launched each: under overlapped scheduling the call that syncs step n
+        also launches n+1, and a drafted step's launch (its proposal, an eager forward) would otherwise
+        be billed to the plain step before it."""
         self.committer.hand_over_masks()  # the last step's masks, one step late (rollout.engine.commit)
         host = _to_host(current.copy, current.masks)
         plan, step, drafts = current.plan, current.step, current.drafts
@@ -340,10 +336,11 @@ class LLMEngine:
         else:  # advanced before its results as if it accepted none
             self.scheduler.accept(plan, accepted)
         outputs = self.committer.commit(step.rows, host, current.captured)
-        self.scheduler.truncate_drafts(plan, ahead)
+        self.scheduler.truncate_drafts(plan, after.plan if after is not None else self.pipeline.held)
         if host is not None and self.drafter is not None:
             self.drafter.verified(plan, drafts, accepted)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start + (current.launch_seconds if current.ahead else 0.0)
+        seconds -= after.launch_seconds if after is not None else 0.0
         if self.spec_budget is not None:  # what the step's verification and wall time teach the budget
             self.spec_budget.record(step, host and host.num_accepted, seconds, current.graphed, current.choice)
         if self.drafter is not None:
@@ -360,7 +357,7 @@ class LLMEngine:
         before the one ahead of it syncs), for a drafter that proposes from them."""
         if self.drafter is None:
             return Drafts(self._no_drafts, [0] * len(plan))
-        if pending is not None and self.drafter.device_anchors():
+        if pending is not None:  # (built only for a drafter with device anchors: a shift follows its drafted step)
             return self.drafter.propose(plan, table, pending=pending)
         return self.drafter.propose(plan, table)
 

@@ -64,6 +64,7 @@ the one-step lag of admissions that any overlapped step has.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -115,6 +116,12 @@ class Launched:
     choice: int  # the draft budget's choice its plan came from (SpecBudget.choices; 0 without a budget)
     launch_seconds: float  # host time its launch took (the engine bills it to this step's recorded time)
     advanced: bool = False  # `advance` ran: its sync only commits
+    ahead: bool = False  # launched before the step ahead of it synchronised (by an earlier step() call)
+
+    @functools.cached_property
+    def drafted(self) -> bool:
+        """Some item verifies drafts (read by the pipeline each step: computed once)."""
+        return any(self.drafts.num_per_item)
 
 
 class Pipeline:
@@ -149,9 +156,11 @@ class Pipeline:
         self.sync_steps["drafts next"] += 1
 
     def ahead(self, launched: Launched | None, current: Launched) -> Launched | None:
-        """Step n+1 launched before n's (`current`) sync: counted."""
-        self.overlapped += launched is not None
-        self.overlapped_drafts += launched is not None and any(current.drafts.num_per_item)
+        """Step n+1 launched before n's (`current`) sync: marked and counted."""
+        if launched is not None:
+            launched.ahead = True
+            self.overlapped += 1
+            self.overlapped_drafts += current.drafted
         return launched
 
     def overlaps(self, current: Launched, drafter: Drafter | None, weights_pending: bool) -> bool:
@@ -168,7 +177,7 @@ def sync_reason(current: Launched, enabled: bool, drafter: Drafter | None, weigh
         return "off"
     if drafter is not None and not drafter.overlaps():
         return "drafter"
-    if any(current.drafts.num_per_item):
+    if current.drafted:
         if not drafter.device_anchors():
             return "drafts"
         rows = current.step.rows
@@ -201,12 +210,11 @@ class Pending(NamedTuple):
     """What a step launched before `prev` syncs takes from prev's results, per item of its plan, on
     the device: `anchor` [S], the sample's last token (prev's last committed one, tokens[e, a_e]; 0
     for items without a pending token) and `shift` [S], a_e (its positions from that token on lie a_e
-    further than the host counted; 0 without drafts). `shifted`: some item's shift may be nonzero."""
+    further than the host counted; 0 without drafts; None when no item's sample verified drafts there)."""
 
     has: torch.Tensor  # [S] bool: the item's sample has a pending token
     anchor: torch.Tensor  # [S] int64
-    shift: torch.Tensor | None  # [S] int64; None when no item's shift can be nonzero (`shifted` False)
-    shifted: bool
+    shift: torch.Tensor | None  # [S] int64; None: no item's shift can be nonzero
 
 
 def pending(plan: list[ScheduledSeq], prev: Launched, device: torch.device, drafts_ahead: bool) -> Pending | None:
@@ -224,9 +232,9 @@ def pending(plan: list[ScheduledSeq], prev: Launched, device: torch.device, draf
     has = entry >= 0
     entry = entry.clamp(min=0)
     if not shifted:
-        return Pending(has, prev.result.tokens[entry, 0], None, False)
+        return Pending(has, prev.result.tokens[entry, 0], None)
     shift = prev.result.num_accepted[entry] * has
-    return Pending(has, prev.result.tokens[entry, shift], shift, True)
+    return Pending(has, prev.result.tokens[entry, shift], shift)
 
 
 def fill_pending(step: StepBatch, num_drafts: list[int], prev: Launched, pend: Pending | None) -> None:
@@ -248,7 +256,7 @@ def fill_pending(step: StepBatch, num_drafts: list[int], prev: Launched, pend: P
         where, source = upload([index, source], torch.int64, step.tokens.input_ids.device)  # [2, P]: one copy
         tokens = pend.anchor[source] if pend is not None else prev.result.tokens[source, 0]
         step.tokens.input_ids.index_put_((where,), tokens)
-    if pend is not None and pend.shifted:
+    if pend is not None and pend.shift is not None:
         shift_positions(step, pend.shift)
 
 

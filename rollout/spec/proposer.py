@@ -180,7 +180,7 @@ class BlockDrafter(Drafter):
         ctx_len = max(s.num_computed_tokens + s.pending_drafts for s in seqs)  # (the longest case)
         if pending is not None:
             anchors = torch.where(pending.has[index], pending.anchor[index], anchors)
-            if pending.shifted:
+            if pending.shift is not None:
                 anchor_pos = anchor_pos + pending.shift[index]
         key = self.graphs.key(len(rows), ctx_len) if self.graphs is not None else None
         if key is not None:
