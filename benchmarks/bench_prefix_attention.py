@@ -94,6 +94,16 @@ VARIANTS = {
     "km_lone": LaunchConfig(block_m=32, target_programs=256, keys_major=True,
                             **dict(HEADS, lone_block_n=64, lone_keys_major=True)),
     "km_m128": LaunchConfig(block_m=128, target_programs=256, keys_major=True, **HEADS),
+    # deeper pipelines: a key tile's loads hang off a block-id load, and below 5 stages Triton's
+    # pipeliner waits for every copy at the top of each iteration (async_wait num 0: no overlap)
+    "s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256, **HEADS),
+    "s5n64": LaunchConfig(num_stages=5, target_programs=256, **HEADS),
+    "lone64s5": LaunchConfig(target_programs=256, **dict(HEADS, lone_block_n=64, lone_num_stages=5)),
+    "lone128s5": LaunchConfig(target_programs=256, **dict(HEADS, lone_num_stages=5)),
+    "s5n32_lone64s5": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                                   **dict(HEADS, lone_block_n=64, lone_num_stages=5)),
+    "s5n32_lone32s5": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                                   **dict(HEADS, lone_block_n=32, lone_num_stages=5)),
 }
 
 
