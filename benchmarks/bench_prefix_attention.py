@@ -104,6 +104,11 @@ VARIANTS = {
                                    **dict(HEADS, lone_block_n=64, lone_num_stages=5)),
     "s5n32_lone32s5": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
                                    **dict(HEADS, lone_block_n=32, lone_num_stages=5)),
+    # the defaults before five stages (decode and verify), and the fused layout at five stages
+    "s3": LaunchConfig(target_programs=256, **HEADS),
+    "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
+    "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
+    "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
 }
 
 

@@ -95,6 +95,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after each in-process case, run it again and profile this many steps from the middle of "
                         "its decode (torch.profiler): attention kernels' device ms per step (0 off CUDA)")
+    p.add_argument("--profile-after", type=int, default=0,
+                   help="generated tokens (the fewest of any running sample) before the profiled steps (0: half "
+                        "the output length)")
     p.add_argument("--out", default="benchmarks/results/bench_rl.json")
     args = p.parse_args()
     args.engine_args = dict(_key_value(kv) for kv in args.engine_arg)
@@ -173,20 +176,24 @@ class Costs:
 ATTENTION_KERNELS = ("_attn_kernel", "_merge_kernel", "_item_kernel", "_lone_heads_kernel")  # the Triton ones
 
 
-def profile_attention(engine: LLMEngine, case: dict, prompts, steps: int, device: str) -> dict:
+def profile_attention(engine: LLMEngine, case: dict, prompts, steps: int, device: str, after: int = 0) -> dict:
     """Device ms per step of the attention kernels (triton_attention.py, triton_prefix_attention.py)
-    and of every kernel, over `steps` steps from the middle of a fresh run of the case
-    (common.kernel_us; off CUDA: 0), which is then aborted."""
+    and of every kernel, over `steps` steps of a fresh run of the case once every sample has
+    generated `after` tokens (0: half its output length), with the mean context there
+    (common.kernel_us; off CUDA: 0); the run is then aborted."""
     engine.add_request("profile", prompts, SamplingParams(**sampling_of(case)), n=case["n"], mask=case["mask"])
-    for _ in range(case["output_len"] // 2):
+    after = after or case["output_len"] // 2
+    sched = engine.scheduler
+    while sched.waiting or min((s.num_output_tokens for s in sched.running), default=0) < after:
         engine.step()
+    context = sum(s.num_tokens for s in sched.running) / max(len(sched.running), 1)
     sync(device)
     kernels = kernel_us(engine.step, steps) if device == "cuda" else {}
     engine.abort("profile")
     while engine.has_unfinished():
         engine.step()
     attention = sum(us for name, us in kernels.items() if any(k in name for k in ATTENTION_KERNELS))
-    return dict(attention_ms=attention / 1e3, kernels_ms=sum(kernels.values()) / 1e3)
+    return dict(attention_ms=attention / 1e3, kernels_ms=sum(kernels.values()) / 1e3, profiled_context=context)
 
 
 class StepLog:
@@ -315,7 +322,7 @@ def bench_group(args, dirs: dict, spec: bool, attention: str, cases: list[str], 
                                      for r in records) for unique in (False, True))
             if args.profile_steps:
                 row.update(profile_attention(engine, case, prompts_of(case, vocab, 1), args.profile_steps,
-                                             args.device))
+                                             args.device, args.profile_after))
             rows.append(summary(name, "in_process", attention, case, row, limits[name], engine.kv_blocks()[1]))
             report(rows, result, args)
         del engine
@@ -385,7 +392,7 @@ def main() -> None:
                 bench_group(args, dirs, spec, attention, cases, rows, result)
     result["seconds"] = time.perf_counter() - start
     columns = ["case", "path", "attention", "spec", "mask", "prompts", "n", "prompt_len", "output_len",
-               "tokens_per_s", "over_plain", "steps", "step_ms", "attention_ms", "kernels_ms", "peak_gb",
+               "tokens_per_s", "over_plain", "steps", "step_ms", "attention_ms", "kernels_ms", "profiled_context", "peak_gb",
                "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction", "fraction_unique",
                "service_over_in_process"]
     print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "

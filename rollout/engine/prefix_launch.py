@@ -76,19 +76,22 @@ class LaunchConfigs:
         return self.decode if max_query_len <= 1 else self.verify
 
 
-# Measured on the H200 (benchmarks/results/prefix_attention_notes.md, "Results" and "The lone
-# pass"; ms per layer call, ratio to the plain kernel): lone units' items in a lone pass of their
-# own, in decode steps every head of a token in one program with key tiles of 16 keys x 8 KV heads
-# and lone units cut at 256 keys (32x8x1024 q=1 0.420, 16x16x4096 q=1 0.182, against 0.536 / 0.217
-# with suffixes in the shared launch; uncut, a step of 16 groups beside 128 long sequences alone
-# lost to plain: 1.169, cut 0.966), in verify steps per KV head in tiles of 32 keys, uncut (q=9
-# 0.745 / 0.547 against 0.804 / 0.589; that mixed step 1.005 uncut, 1.172 cut at 256).
+# Measured on the H200 (benchmarks/results/prefix_attention_notes.md, "Results", "The lone pass" and
+# "Five stages"; ms per layer call, ratio to the plain kernel): lone units' items in a lone pass of
+# their own, in decode steps every head of a token in one program with key tiles of 16 keys x 8 KV
+# heads and lone units cut at 256 keys (32x8x1024 q=1 0.420 against 0.536 with suffixes in the shared
+# launch; uncut, a step of 16 groups beside 128 long sequences alone lost to plain: 1.169, cut 0.966),
+# in verify steps per KV head in tiles of 32 keys, uncut (that mixed step 1.005 uncut, 1.172 cut).
+# Five pipeline stages: a key tile's copies hang off its block-id load, and with fewer stages
+# Triton's pipeliner waits for every copy at the top of each iteration, so no copy overlaps the
+# tile before it (decode's shared pass 51 -> 44 us at 32x8x1024, 91 -> 78 at 16x16x4096; with 32-key
+# tiles, whose five stages fit two programs an SM). The all-heads lone pass is faster at two stages.
 DEFAULT_LAUNCH = LaunchConfigs(
-    decode=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
+    decode=LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2,
                         lone_max_keys=256),
-    verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, target_programs=256, fuse_suffix=False,
-                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=2),
+    verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
+                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=5),
 )
 
 
