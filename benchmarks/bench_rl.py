@@ -392,8 +392,8 @@ def main() -> None:
                 bench_group(args, dirs, spec, attention, cases, rows, result)
     result["seconds"] = time.perf_counter() - start
     columns = ["case", "path", "attention", "spec", "mask", "prompts", "n", "prompt_len", "output_len",
-               "tokens_per_s", "over_plain", "steps", "step_ms", "attention_ms", "kernels_ms", "profiled_context", "peak_gb",
-               "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction", "fraction_unique",
+               "tokens_per_s", "over_plain", "steps", "step_ms", "attention_ms", "kernels_ms", "profiled_context",
+               "peak_gb", "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction", "fraction_unique",
                "service_over_in_process"]
     print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "
                 f"(fraction = memory-bound limit / run time; service: in-process limit)", rows, columns)
