@@ -32,6 +32,9 @@ every query head at once: a key tile is whole keys x every KV head (a key's head
 in the cache, one contiguous read instead of one per KV head), and each query row sees the key
 rows of its own KV head.
 
+Each kernel joins the chain of programmatic dependent launches (triton_pdl): it waits for the
+kernel before it first thing, so its launch and start-up overlap that kernel's last programs.
+
 Index arithmetic: virtual keys and positions are int32 (a 64-bit key index per element cost
 registers that spilled); block ids are loaded from int64 tables, so block id x block stride and
 token x row stride are int64 products. The index tensors are views into the step's packed upload,
@@ -46,6 +49,7 @@ import functools
 import torch
 from torch import Tensor
 
+from rollout.engine import triton_pdl
 from rollout.engine.prefix_attention import SharedPrefixPlan
 from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import lone_launch, max_segments
@@ -62,6 +66,7 @@ LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-
 ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
 
 if triton is not None:
+    from rollout.engine.triton_pdl import start as pdl_start
     from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _rows_start, _store_rows
 
     _SHARED, _LONE = tl.constexpr(SHARED_PASS), tl.constexpr(LONE_PASS)  # the kernel's view of the passes
@@ -183,8 +188,9 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+        PASS: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         if PASS == _LONE:  # lone units' items, program p taking every P-th (no queue)
             total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
@@ -226,13 +232,14 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
         the key rows of its own KV head. Program p takes every P-th lone item."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
+        pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1)
         head = tl.arange(0, HEADS_P2)  # [M] the rows
@@ -277,8 +284,9 @@ if triton is not None:
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
         out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr, part_count_ptr, counter_ptr, stride_ot, stride_oh,
-        NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+        NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         if token == 0:  # the item kernel has finished with its work queue: ready for the next layer
             tl.store(counter_ptr, 0)
@@ -329,7 +337,8 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
-        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **triton_pdl.launch(q))
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
@@ -342,7 +351,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"],
-                KEYS_MAJOR=config.lone_keys_major,
+                KEYS_MAJOR=config.lone_keys_major, **triton_pdl.launch(q),
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
@@ -356,7 +365,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEADS_P2=heads_p2, HEAD_DIM=head_dim, num_warps=4 if heads_p2 * head_dim <= 8192 else 8,
-    )
+        **triton_pdl.launch(q))
     return out
 
 
