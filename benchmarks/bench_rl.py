@@ -192,8 +192,9 @@ def profile_attention(engine: LLMEngine, case: dict, prompts, steps: int, device
     engine.abort("profile")
     while engine.has_unfinished():
         engine.step()
-    attention = sum(us for name, us in kernels.items() if any(k in name for k in ATTENTION_KERNELS))
-    return dict(attention_ms=attention / 1e3, kernels_ms=sum(kernels.values()) / 1e3, profiled_context=context)
+    by_kernel = {k: sum(us for name, us in kernels.items() if k in name) / 1e3 for k in ATTENTION_KERNELS}
+    return dict(attention_ms=sum(by_kernel.values()), kernels_ms=sum(kernels.values()) / 1e3,
+                profiled_context=context, attention_kernels_ms={k: ms for k, ms in by_kernel.items() if ms})
 
 
 class StepLog:
