@@ -18,7 +18,9 @@ item count is read on the device, so a CUDA graph replays any plan that fits its
 program waits on a long item while others idle. A shared unit's own keys all precede its rows'
 queries, so its full key tiles skip the causal mask. `_merge_kernel` combines each token's
 partial rows (all its heads in one program) by their log-sum-exp, and resets the counter for the
-next layer.
+next layer. With `LaunchConfig.lone_merges` a lone pass's item that is its token's only lone chunk
+(part_count -n) merges the token's rows itself, once its own are computed: the shared pass, an
+earlier launch, has written the others; the merge kernel skips such tokens.
 
 The lone pass (`LaunchConfig.lone_pass`, and whenever lone units' row tile differs from shared
 units'): one launch runs the shared units' items through the queue, a second the lone units'
