@@ -31,7 +31,6 @@ plain kernel at q = 9.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -110,15 +109,7 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
-    # the defaults with the merge left to the merge kernel (before lone_merges)
-    "no_lone_merge": LaunchConfigs(dataclasses.replace(DEFAULT_LAUNCH.decode, lone_merges=False),
-                                   dataclasses.replace(DEFAULT_LAUNCH.verify, lone_merges=False)),
 }
-
-
-def pair(variant: LaunchConfig | LaunchConfigs) -> LaunchConfigs:
-    """A variant's configs for decode and verify steps: one LaunchConfig serves both."""
-    return variant if isinstance(variant, LaunchConfigs) else LaunchConfigs(variant, variant)
 
 
 def parse_args() -> argparse.Namespace:
@@ -142,7 +133,7 @@ def launches(args) -> dict[str, LaunchConfigs]:
     chosen = {"default": DEFAULT_LAUNCH}
     if args.sweep:
         names = args.variants or list(VARIANTS)
-        chosen.update({name: pair(VARIANTS[name]) for name in names})
+        chosen.update({name: LaunchConfigs(VARIANTS[name], VARIANTS[name]) for name in names})
     return chosen
 
 
@@ -371,7 +362,7 @@ def _compile_one(task):
 
 def _compile(name, q_len, max_gen, shape, device, dtype):
     begin = time.perf_counter()
-    launch = {"default": DEFAULT_LAUNCH, **{k: pair(v) for k, v in VARIANTS.items()}}[name]
+    launch = {"default": DEFAULT_LAUNCH, **{k: LaunchConfigs(v, v) for k, v in VARIANTS.items()}}[name]
     args = argparse.Namespace(max_gen=max_gen)
     step = Step((32, 8, 64, 0), q_len, shape, args, device, dtype)  # 256 sequences, as the timed steps
     step.plain()

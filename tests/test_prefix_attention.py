@@ -46,13 +46,6 @@ LAUNCHES = {
     "lone heads": LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
                                                lone_pass=True, lone_all_heads=True, lone_block_n=16,
                                                lone_max_keys=16),) * 2),
-    # lone items that merge their token's partial rows themselves (lone_merges): both kinds of lone
-    # pass, lone units cut into chunks (those tokens are left to the merge kernel) and not
-    "lone heads, merging": LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1,
-                                                        fuse_suffix=False, lone_pass=True, lone_all_heads=True,
-                                                        lone_block_n=16, lone_max_keys=16, lone_merges=True),) * 2),
-    "lone pass, merging": LaunchConfigs(*(LaunchConfig(fuse_suffix=False, lone_pass=True, lone_block_n=16,
-                                                       lone_merges=True),) * 2),
     # keys-major tiles (scores [keys, rows]) in the shared pass and in both kinds of lone pass
     "keys-major": LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
                                                keys_major=True, lone_pass=True, lone_all_heads=True,
@@ -364,14 +357,3 @@ def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
     assert not tpa._all_heads(config, decode, num_kv_heads=8, head_dim=256)
     assert not tpa._all_heads(config, decode, num_kv_heads=6, head_dim=128)
     assert not tpa._all_heads(DEFAULT_LAUNCH.verify, decode, num_kv_heads=8, head_dim=128)
-
-
-def test_a_lone_item_merges_its_tokens_rows_only_when_it_is_its_tokens_one_lone_chunk():
-    """lone_merges: a group member whose own keys are one lone chunk gets part_count -n (its lone item
-    merges the token's n partial rows after the shared pass); one whose own keys are cut into chunks
-    (lone_max_keys 16) keeps n (the merge kernel), as does every token without lone_merges."""
-    tables, ctx, q_lens = layout(1, 4, 6, [0, 2, 20, 5])  # own keys 1, 3, 21, 6
-    counts = {name: expected_and_plan(tables, ctx, q_lens, 8, 2, launch=LAUNCHES[name])[-1].part_count.tolist()
-              for name in ("lone heads", "lone heads, merging")}
-    assert counts["lone heads"] == [2, 2, 3, 2]
-    assert counts["lone heads, merging"] == [-2, -2, 3, -2]

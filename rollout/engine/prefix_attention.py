@@ -37,8 +37,7 @@ class SharedPrefixPlan:
     segments: Tensor  # [NS, 5] int64 fused suffix segments, fields prefix_items.SEG_FIELDS
     unit_tokens: Tensor  # [U] int64 query tokens of the shared units
     part_start: Tensor  # [T] int64 first partial row of each query token
-    part_count: Tensor  # [T] int64 its partial rows (1: written directly, 0: padding, gets 0; -n: n rows
-    # merged by the token's lone item, config.lone_merges)
+    part_count: Tensor  # [T] int64 its partial rows (1: written directly, 0: padding, gets 0)
     num_partial_rows: int  # host values: rows of the partial-result buffers,
     max_items: int  # at least item_counts[1] (sizes the launch),
     suffix_block_m: int  # the row tile of lone units' items (SharedPrefixPlanner.suffix_block_m),
@@ -111,7 +110,7 @@ def shared_prefix_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
     out = torch.zeros_like(q)
     part_o = q.new_zeros(max(plan.num_partial_rows, 1), num_heads, head_dim, dtype=torch.float32)
     part_lse = torch.full(part_o.shape[:2], float("-inf"), device=q.device)
-    count = plan.part_count.abs()  # [T] (negative: merged by the token's lone item, the same sum)
+    count = plan.part_count  # [T]
     for item in plan.items[: int(plan.item_counts[1])].tolist():
         tokens, heads, o, lse = _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale)
         direct = count[tokens] == 1  # [R]

@@ -20,9 +20,7 @@ Items. A unit's query rows (token x query head of one KV head) are cut into row 
 one item is (unit, chunk, row tile), run once per KV head, shared units' items first, the tiles of
 one chunk adjacent (they read the same keys at about the same time). A query token's partial
 results (one per chunk of each unit covering it) are stored at consecutive *partial rows*; a token
-covered by a single item (part_count 1) is written straight to the output; with
-`config.lone_merges` a token's lone item, when its unit is one chunk after shared partials, merges
-the token's partial rows itself (part_count -count), and the merge kernel skips the token.
+covered by a single item (part_count 1) is written straight to the output.
 """
 
 from __future__ import annotations
@@ -112,12 +110,9 @@ class Slots:
     first_slot: np.ndarray  # [U + L] slot of each unit's first chunk
 
 
-def partial_slots(top, bottom, lone, chunks: np.ndarray, num_shared: int, q: np.ndarray,
-                  lone_merges: bool = False) -> Slots:
+def partial_slots(top, bottom, lone, chunks: np.ndarray, num_shared: int, q: np.ndarray) -> Slots:
     """A token's partial rows: its top unit's chunks, its bottom unit's, then its lone unit's.
-    top, bottom: [S] kept unit of each sequence (-1: none); lone: [L] sequences of the lone units.
-    lone_merges (a lone pass that merges): a token whose lone unit is one chunk, after partial rows
-    of shared units, gets part_count -count: its lone item merges the token's rows."""
+    top, bottom: [S] kept unit of each sequence (-1: none); lone: [L] sequences of the lone units."""
     unit_chunks = chunks[:num_shared]
     top_chunks = lookup(unit_chunks, top, 0)  # [S]
     bottom_chunks = lookup(unit_chunks, bottom, 0)
@@ -128,10 +123,7 @@ def partial_slots(top, bottom, lone, chunks: np.ndarray, num_shared: int, q: np.
     first_slot = np.zeros(num_shared, np.int64)
     has_bottom = bottom >= 0
     first_slot[bottom[has_bottom]] = top_chunks[has_bottom]  # after the top unit's chunks
-    count = per_seq
-    if lone_merges:
-        count = np.where((lone_chunks == 1) & (per_seq > 1), -per_seq, per_seq)
-    return Slots(part_start=np.cumsum(per_token) - per_token, part_count=np.repeat(count, q),
+    return Slots(part_start=np.cumsum(per_token) - per_token, part_count=np.repeat(per_seq, q),
                  num_partial_rows=int(per_token.sum()),
                  first_slot=np.concatenate([first_slot, (top_chunks + bottom_chunks)[lone]]))
 

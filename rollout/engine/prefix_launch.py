@@ -42,10 +42,6 @@ class LaunchConfig:
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
     lone_keys_major: bool = False  # the lone pass's tiles keys-major
-    # A lone item that is its token's only lone chunk merges the token's partial rows itself (the
-    # shared pass has finished: an earlier launch), writing the output: the merge kernel skips the
-    # token. Only with a lone pass (the planner marks such tokens by a negative part_count).
-    lone_merges: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):
@@ -93,9 +89,9 @@ class LaunchConfigs:
 DEFAULT_LAUNCH = LaunchConfigs(
     decode=LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2,
-                        lone_max_keys=256, lone_merges=True),
+                        lone_max_keys=256),
     verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
-                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=5, lone_merges=True),
+                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=5),
 )
 
 

@@ -192,16 +192,14 @@ class SharedPrefixPlanner:
         fits its capacities (no chunks always fits)."""
         num_tokens = int(q.sum())
         chunk = chunk_size(int((arrays.tiles * lens).sum()), self.num_kv_heads, config)
-        lone_pass = lone_launch(config, self.suffix_block_m(int(q.max())))
-        lone_max = config.lone_max_keys if lone_pass else 0
+        lone_max = config.lone_max_keys if lone_launch(config, self.suffix_block_m(int(q.max()))) else 0
         num_shared = len(units.lo)
         while True:
             chunks = np.maximum(1, (lens + chunk // 2) // chunk)  # [U + L] rounded
             if lone_max:  # a lone item is one program's serial work: long ones are cut (balance)
                 chunks[num_shared:] = np.maximum(chunks[num_shared:], -(-lens[num_shared:] // lone_max))
             chunks = np.where(arrays.splittable, chunks, 1)
-            slots = partial_slots(units.top, units.bottom, lone, chunks, len(units.lo), q,
-                                  lone_pass and config.lone_merges)
+            slots = partial_slots(units.top, units.bottom, lone, chunks, len(units.lo), q)
             num_items = int((arrays.tiles * chunks).sum())
             if slots.num_partial_rows <= self.partial_rows_cap(num_tokens) and num_items <= self.items_cap(num_tokens):
                 return chunks, slots

@@ -18,9 +18,7 @@ item count is read on the device, so a CUDA graph replays any plan that fits its
 program waits on a long item while others idle. A shared unit's own keys all precede its rows'
 queries, so its full key tiles skip the causal mask. `_merge_kernel` combines each token's
 partial rows (all its heads in one program) by their log-sum-exp, and resets the counter for the
-next layer. With `LaunchConfig.lone_merges` a lone pass's item that is its token's only lone chunk
-(part_count -n) merges the token's rows itself, once its own are computed: the shared pass, an
-earlier launch, has written the others; the merge kernel skips such tokens.
+next layer.
 
 The lone pass (`LaunchConfig.lone_pass`, and whenever lone units' row tile differs from shared
 units'): one launch runs the shared units' items through the queue, a second the lone units'
@@ -81,7 +79,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEGS: tl.constexpr, FUSED: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, KEYS_MAJOR: tl.constexpr, MERGE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, KEYS_MAJOR: tl.constexpr,
     ):
         """One (item, KV head) pair. CAUSAL False: a shared unit's item, whose own keys all lie
         before its rows' queries (a unit shares keys before its members' first query), so its full
@@ -128,7 +126,7 @@ if triton is not None:
         if KEYS_MAJOR:
             acc = tl.trans(acc)
         _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
-                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, MERGE)
+                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
 
     @triton.jit
     def _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -190,7 +188,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr = False,
+        PASS: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
@@ -210,7 +208,7 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True,
-                    KEYS_MAJOR, MERGE)
+                    KEYS_MAJOR)
             else:  # shared units' items (all items in one launch: the same row tile, lone ones unfused)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
@@ -218,7 +216,7 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
-                    PASS != _SHARED, KEYS_MAJOR, False)
+                    PASS != _SHARED, KEYS_MAJOR)
             if PASS == _LONE:
                 work += tl.num_programs(0)
             else:
@@ -234,7 +232,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
@@ -280,7 +278,7 @@ if triton is not None:
             if KEYS_MAJOR:
                 acc = tl.trans(acc)
             _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                        part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, MERGE)
+                        part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             item += tl.num_programs(0)
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
@@ -293,7 +291,7 @@ if triton is not None:
         if token == 0:  # the item kernel has finished with its work queue: ready for the next layer
             tl.store(counter_ptr, 0)
         count = tl.load(part_count_ptr + token)
-        if (count != 1) & (count >= 0):  # 1: written by its item, < 0: merged by its lone item; 0 (padding): 0
+        if count != 1:  # 1: written by its item; 0 (a graph's padded row): 0
             head = tl.arange(0, HEADS_P2)  # [H]
             head_ok = head < NUM_HEADS
             dims = tl.arange(0, HEAD_DIM)
@@ -353,12 +351,12 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"],
-                KEYS_MAJOR=config.lone_keys_major, MERGE=config.lone_merges, **triton_pdl.launch(q),
+                KEYS_MAJOR=config.lone_keys_major, **triton_pdl.launch(q),
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                                  KEYS_MAJOR=config.lone_keys_major, MERGE=config.lone_merges,
+                                  KEYS_MAJOR=config.lone_keys_major,
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS, KEYS_MAJOR=config.keys_major,

@@ -81,53 +81,19 @@ if triton is not None:
 
     @triton.jit
     def _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
-                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    MERGE: tl.constexpr = False):
+                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
         """The normalised rows to the output where their token has one partial result, else with
-        their log-sum-exp (natural log) to the token's partial row of the item's slot. MERGE (a lone
-        pass, after the shared one): a row whose token's part_count is -n merges the token's other
-        n - 1 partial rows with its own and writes the output."""
+        their log-sum-exp (natural log) to the token's partial row of the item's slot."""
         dims = tl.arange(0, HEAD_DIM)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
         count = tl.load(part_count_ptr + token, mask=row_ok, other=0)
         direct = row_ok & (count == 1)
-        part = row_ok & (count != 1)
-        start = tl.load(part_start_ptr + token, mask=row_ok, other=0)
-        slot = tl.load(item_ptr + 11)
-        if MERGE:
-            here = row_ok & (count < 0)
-            part = part & (count >= 0)
-            o = tl.where(here[:, None], _merged(o, m_i, l_i, here, -count, start, slot, head, part_o_ptr, part_lse_ptr,
-                                                NUM_HEADS, HEAD_DIM), o)
-            direct = direct | here
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
-        base = (start + slot) * NUM_HEADS + head
+        part = row_ok & (count != 1)
+        base = (tl.load(part_start_ptr + token, mask=row_ok, other=0) + tl.load(item_ptr + 11)) * NUM_HEADS + head
         tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
                  mask=part[:, None])
         lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(part_lse_ptr + base, lse, mask=part)
-
-    @triton.jit
-    def _merged(o, m_i, l_i, here, count, start, slot, head, part_o_ptr, part_lse_ptr,
-                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """Rows `here` [M]: their own result (o [M, D] normalised, m_i / l_i in log2 units) merged with
-        the token's other partial rows start .. start + count (all but `slot`) by their log-sum-exp."""
-        dims = tl.arange(0, HEAD_DIM)
-        m = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))  # own lse, base 2
-        weight = tl.where(l_i > 0.0, 1.0, 0.0)
-        acc = o * weight[:, None]
-        for p in range(0, tl.max(tl.where(here, count, 0))):
-            take = here & (p < count) & (count * 0 + slot != p)  # a vector: the interpreter masks by vectors
-            row = (start + p) * NUM_HEADS + head
-            lse = tl.load(part_lse_ptr + row, mask=take, other=float("-inf")) * 1.4426950408889634  # log2 e
-            part = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=take[:, None], other=0.0)
-            m_new = tl.maximum(m, lse)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # partials that saw no key weigh 0
-            alpha = tl.exp2(m - m_ref)
-            w = tl.exp2(lse - m_ref)
-            weight = weight * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * part.to(tl.float32)
-            m = m_new
-        return acc / tl.where(weight > 0.0, weight, 1.0)[:, None]
