@@ -109,6 +109,12 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
+    # around the five-stage decode default: 8 warps, 16-key tiles, two key chunks, four stages
+    "s5n32w8": LaunchConfig(block_n=32, num_stages=5, num_warps=8, target_programs=256, **HEADS),
+    "s5n16": LaunchConfig(block_n=16, num_stages=5, min_chunk=256, target_programs=256, **HEADS),
+    "s5n32_t1024": LaunchConfig(block_n=32, num_stages=5, target_programs=1024, **HEADS),
+    "s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256, **HEADS),
+    "s6n32": LaunchConfig(block_n=32, num_stages=6, target_programs=256, **HEADS),
 }
 
 
