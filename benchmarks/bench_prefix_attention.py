@@ -115,6 +115,15 @@ VARIANTS = {
     "s5n32_t1024": LaunchConfig(block_n=32, num_stages=5, target_programs=1024, **HEADS),
     "s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256, **HEADS),
     "s6n32": LaunchConfig(block_n=32, num_stages=6, target_programs=256, **HEADS),
+    # the all-heads lone pass with its block ids loaded a window at a time: tiles and stages
+    "lone_n64s3": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                               **dict(HEADS, lone_block_n=64, lone_num_stages=3)),
+    "lone_n64s4": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                               **dict(HEADS, lone_block_n=64, lone_num_stages=4)),
+    "lone_n64s3w8": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                                 **dict(HEADS, lone_block_n=64, lone_num_stages=3, lone_num_warps=8)),
+    "lone_n128s3w8": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                                  **dict(HEADS, lone_num_stages=3, lone_num_warps=8)),
 }
 
 

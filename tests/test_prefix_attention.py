@@ -357,3 +357,19 @@ def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
     assert not tpa._all_heads(config, decode, num_kv_heads=8, head_dim=256)
     assert not tpa._all_heads(config, decode, num_kv_heads=6, head_dim=128)
     assert not tpa._all_heads(DEFAULT_LAUNCH.verify, decode, num_kv_heads=8, head_dim=128)
+
+
+@needs_triton
+def test_the_all_heads_lone_pass_reads_long_items_window_by_window():
+    """The all-heads lone pass loads a window of block ids at a time (triton_prefix_attention's
+    WINDOW_BLOCKS: 120 keys at block size 4 and 8 keys a tile): uncut lone items of 151 keys (a
+    group member) and 245 keys (a sequence alone) span two and three windows."""
+    launch = LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
+                                          lone_pass=True, lone_all_heads=True, lone_block_n=16),) * 2)
+    tables, ctx, q_lens = joined(layout(1, 4, 40, [0, 3, 150, 7]), layout(1, 1, 60, [4], tag="b"))
+    q, want, k_cache, v_cache, meta, plan, host = expected_and_plan(tables, ctx, q_lens, 8, 2, launch=launch)
+    lone = host.items[host.num_shared_items:]
+    assert max(lone[:, F["v_hi"]] - lone[:, F["v_lo"]]) > 2 * 120  # the sequence alone: three windows
+    got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
+                                             meta.positions.to(DEVICE), plan, 0.25, out=torch.full_like(q, float("nan")))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

@@ -232,13 +232,17 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr, WINDOW_BLOCKS: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
         the key rows of its own KV head. Program p takes every P-th lone item."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
+        # keys are read in windows whose block ids are loaded once (a key tile's copies then hang off
+        # no load of their own, and the pipeliner can issue them ahead): WB ids, whole tiles
+        WINDOW: tl.constexpr = (WINDOW_BLOCKS - 1) * BLOCK_SIZE // KEYS * KEYS
+        window = tl.arange(0, WINDOW_BLOCKS)
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1)
@@ -261,20 +265,25 @@ if triton is not None:
             if KEYS_MAJOR:
                 acc = tl.zeros([HEAD_DIM, HEADS_P2], tl.float32)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
-                vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
-                key_ok = vk < hi
-                pos = key_lo + vk
-                block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
-                slot = pos % BLOCK_SIZE
-                if KEYS_MAJOR:
-                    seen = mine & (key_ok & (pos <= q_pos))[:, None]
-                else:
-                    seen = mine & (key_ok & (pos <= q_pos))[None, :]
-                m_i, l_i, acc = _row_tile(
-                    q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                    v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
-                    qk_scale, HEAD_DIM, DOT_PRECISION, True, KEYS_MAJOR)
+            for w0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, WINDOW):  # usually one window
+                w_end = tl.minimum(w0 + WINDOW, hi)
+                b0 = (key_lo + w0) // BLOCK_SIZE
+                blocks = tl.load(table + b0 + window, mask=b0 + window <= (key_lo + w_end - 1) // BLOCK_SIZE,
+                                 other=0)  # [WB] int64: the window's block ids, read once
+                for v0 in range(w0, w_end, KEYS):
+                    vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
+                    key_ok = vk < w_end
+                    pos = key_lo + vk
+                    block = tl.gather(blocks, tl.where(key_ok, pos // BLOCK_SIZE - b0, 0), 0)  # [N] int64
+                    slot = pos % BLOCK_SIZE
+                    if KEYS_MAJOR:
+                        seen = mine & (key_ok & (pos <= q_pos))[:, None]
+                    else:
+                        seen = mine & (key_ok & (pos <= q_pos))[None, :]
+                    m_i, l_i, acc = _row_tile(
+                        q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                        v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i,
+                        acc, qk_scale, HEAD_DIM, DOT_PRECISION, True, KEYS_MAJOR)
             if KEYS_MAJOR:
                 acc = tl.trans(acc)
             _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
@@ -351,7 +360,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"],
-                KEYS_MAJOR=config.lone_keys_major, **triton_pdl.launch(q),
+                KEYS_MAJOR=config.lone_keys_major, WINDOW_BLOCKS=WINDOW_BLOCKS, **triton_pdl.launch(q),
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
@@ -369,6 +378,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     return out
 
 
+WINDOW_BLOCKS = 32  # block ids the all-heads lone pass loads at once (its keys in windows of ~31 blocks)
 ALL_HEADS_TILE = 128 * 128  # key rows x head dim of the all-heads kernel's tile at most (measured:
 # 128 x 128, 82 KB of shared memory with two stages; twice that would not fit an H200's 228 KB)
 
