@@ -370,6 +370,7 @@ def test_the_all_heads_lone_pass_reads_long_items_window_by_window():
     q, want, k_cache, v_cache, meta, plan, host = expected_and_plan(tables, ctx, q_lens, 8, 2, launch=launch)
     lone = host.items[host.num_shared_items:]
     assert max(lone[:, F["v_hi"]] - lone[:, F["v_lo"]]) > 2 * 120  # the sequence alone: three windows
+    out = torch.full_like(q, float("nan"))
     got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
-                                             meta.positions.to(DEVICE), plan, 0.25, out=torch.full_like(q, float("nan")))
+                                             meta.positions.to(DEVICE), plan, 0.25, out=out)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
