@@ -115,6 +115,14 @@ VARIANTS = {
     "s5n32_t1024": LaunchConfig(block_n=32, num_stages=5, target_programs=1024, **HEADS),
     "s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256, **HEADS),
     "s6n32": LaunchConfig(block_n=32, num_stages=6, target_programs=256, **HEADS),
+    # with block ids read a window at a time (_window) a tile's copies pipeline from 3 stages
+    "w_s3n32": LaunchConfig(block_n=32, num_stages=3, target_programs=256, **HEADS),
+    "w_s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256, **HEADS),
+    "v_s3n64": LaunchConfig(num_stages=3, target_programs=256, **dict(LONE, lone_block_n=32, lone_num_stages=3)),
+    "v_s3n32": LaunchConfig(block_n=32, num_stages=3, target_programs=256,
+                            **dict(LONE, lone_block_n=32, lone_num_stages=3)),
+    "v_s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256,
+                            **dict(LONE, lone_block_n=32, lone_num_stages=4)),
     # the all-heads lone pass with its block ids loaded a window at a time: tiles and stages
     "lone_n64s3": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
                                **dict(HEADS, lone_block_n=64, lone_num_stages=3)),
