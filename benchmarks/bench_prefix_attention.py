@@ -148,6 +148,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes through Triton's interpreter (CPU check)")
     p.add_argument("--profile", action="store_true",
                    help="also each kernel's device time per call (torch.profiler, eager calls; CUDA only)")
+    p.add_argument("--best", metavar="JSON",
+                   help="print the fastest variants of a sweep's JSON at 32x8x1024 as DECODE,VERIFY (for "
+                        "bench_rl.py --prefix-launch), then exit")
     p.add_argument("--out", default="benchmarks/results/bench_prefix_attention.json")
     return p.parse_args()
 
@@ -418,8 +421,21 @@ def summary(rows: list[dict]) -> list[dict]:
     return best
 
 
+def best_variants(path: str) -> str:
+    """DECODE,VERIFY: the fastest variants of a sweep's JSON at the issue's step, 32 prompts x n=8
+    x 1024 tokens, q=1 and q=9."""
+    import json
+
+    best = {r["q_len"]: r["best"] for r in json.load(open(path))["summary"]
+            if (r["prompts"], r["n"], r["prompt"], r["alone"]) == (32, 8, 1024, 0)}
+    return f"{best[1]},{best[9]}"
+
+
 def main() -> None:
     args = parse_args()
+    if args.best:
+        print(best_variants(args.best))
+        return
     device = "cpu" if args.quick else "cuda"
     dtype = torch.float32 if args.quick else torch.bfloat16
     chosen = launches(args)

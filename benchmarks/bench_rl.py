@@ -98,6 +98,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-after", type=int, default=0,
                    help="generated tokens (the fewest of any running sample) before the profiled steps (0: half "
                         "the output length)")
+    p.add_argument("--prefix-launch", metavar="DECODE[,VERIFY]",
+                   help="shared-prefix attention's launch: variants of bench_prefix_attention.VARIANTS (or "
+                        "'default') for decode and verify steps (one name: both)")
     p.add_argument("--out", default="benchmarks/results/bench_rl.json")
     args = p.parse_args()
     args.engine_args = dict(_key_value(kv) for kv in args.engine_arg)
@@ -377,8 +380,24 @@ def make_dirs(args, root: Path) -> dict:
     return dirs
 
 
+def use_prefix_launch(names: str | None) -> None:
+    """Engines built after this use the named launch variants (--prefix-launch) for shared-prefix
+    attention (prefix_plan.planner_for reads prefix_launch.DEFAULT_LAUNCH when an engine is built)."""
+    if not names:
+        return
+    from bench_prefix_attention import VARIANTS
+
+    from rollout.engine import prefix_launch
+    decode, verify = (names.split(",") * 2)[:2]
+    pick = lambda name, default: default if name == "default" else VARIANTS[name]  # noqa: E731
+    prefix_launch.DEFAULT_LAUNCH = prefix_launch.LaunchConfigs(pick(decode, prefix_launch.DEFAULT_LAUNCH.decode),
+                                                               pick(verify, prefix_launch.DEFAULT_LAUNCH.verify))
+    print(f"shared-prefix launch: {prefix_launch.DEFAULT_LAUNCH}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
+    use_prefix_launch(args.prefix_launch)
     bandwidth = copy_bandwidth(args.device, (64 << 20) if args.quick else (4 << 30))
     rate = matmul_rate(args.device)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, matmul {rate / 1e12:.1f} TFLOP/s", flush=True)

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rollout.engine import prefix_launch  # DEFAULT_LAUNCH read when an engine is built (benchmarks set it)
 from rollout.engine.prefix_items import (
     ITEM_FIELDS,
     SEG_FIELDS,
@@ -377,4 +378,4 @@ def planner_for(enabled: bool, backend: str, block_size: int, model_config) -> S
     if not enabled or backend != "triton":
         return None
     groups = model_config.num_attention_heads // model_config.num_key_value_heads
-    return SharedPrefixPlanner(block_size, groups, model_config.num_key_value_heads)
+    return SharedPrefixPlanner(block_size, groups, model_config.num_key_value_heads, prefix_launch.DEFAULT_LAUNCH)
