@@ -109,29 +109,6 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
-    # around the five-stage decode default: 8 warps, 16-key tiles, two key chunks, four stages
-    "s5n32w8": LaunchConfig(block_n=32, num_stages=5, num_warps=8, target_programs=256, **HEADS),
-    "s5n16": LaunchConfig(block_n=16, num_stages=5, min_chunk=256, target_programs=256, **HEADS),
-    "s5n32_t1024": LaunchConfig(block_n=32, num_stages=5, target_programs=1024, **HEADS),
-    "s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256, **HEADS),
-    "s6n32": LaunchConfig(block_n=32, num_stages=6, target_programs=256, **HEADS),
-    # with block ids read a window at a time (_window) a tile's copies pipeline from 3 stages
-    "w_s3n32": LaunchConfig(block_n=32, num_stages=3, target_programs=256, **HEADS),
-    "w_s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256, **HEADS),
-    "v_s3n64": LaunchConfig(num_stages=3, target_programs=256, **dict(LONE, lone_block_n=32, lone_num_stages=3)),
-    "v_s3n32": LaunchConfig(block_n=32, num_stages=3, target_programs=256,
-                            **dict(LONE, lone_block_n=32, lone_num_stages=3)),
-    "v_s4n32": LaunchConfig(block_n=32, num_stages=4, target_programs=256,
-                            **dict(LONE, lone_block_n=32, lone_num_stages=4)),
-    # the all-heads lone pass with its block ids loaded a window at a time: tiles and stages
-    "lone_n64s3": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
-                               **dict(HEADS, lone_block_n=64, lone_num_stages=3)),
-    "lone_n64s4": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
-                               **dict(HEADS, lone_block_n=64, lone_num_stages=4)),
-    "lone_n64s3w8": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
-                                 **dict(HEADS, lone_block_n=64, lone_num_stages=3, lone_num_warps=8)),
-    "lone_n128s3w8": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
-                                  **dict(HEADS, lone_num_stages=3, lone_num_warps=8)),
 }
 
 

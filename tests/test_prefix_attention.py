@@ -357,22 +357,3 @@ def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
     assert not tpa._all_heads(config, decode, num_kv_heads=8, head_dim=256)
     assert not tpa._all_heads(config, decode, num_kv_heads=6, head_dim=128)
     assert not tpa._all_heads(DEFAULT_LAUNCH.verify, decode, num_kv_heads=8, head_dim=128)
-
-
-@needs_triton
-@pytest.mark.parametrize("all_heads", [True, False], ids=["all-heads lone pass", "per-head lone pass"])
-def test_key_loops_read_long_ranges_window_by_window(all_heads):
-    """Key loops load a window of block ids at a time (triton_prefix_attention's _window; at block
-    size 4: 496 keys of a shared unit, 120 / 112 of a lone item): a 520-key shared prompt spans two
-    windows, uncut lone items of 151 keys (a group member) and 245 keys (a sequence alone) two and
-    three."""
-    launch = LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
-                                          lone_pass=True, lone_all_heads=all_heads, lone_block_n=16),) * 2)
-    tables, ctx, q_lens = joined(layout(1, 4, 130, [0, 3, 150, 7]), layout(1, 1, 60, [4], tag="b"))
-    q, want, k_cache, v_cache, meta, plan, host = expected_and_plan(tables, ctx, q_lens, 8, 2, launch=launch)
-    spans = host.items[:, F["v_hi"]] - host.items[:, F["v_lo"]]
-    assert spans[: host.num_shared_items].max() > 496 and spans[host.num_shared_items:].max() > 2 * 120
-    out = torch.full_like(q, float("nan"))
-    got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
-                                             meta.positions.to(DEVICE), plan, 0.25, out=out)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

@@ -79,7 +79,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEGS: tl.constexpr, FUSED: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, KEYS_MAJOR: tl.constexpr, WINDOW_BLOCKS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, KEYS_MAJOR: tl.constexpr,
     ):
         """One (item, KV head) pair. CAUSAL False: a shared unit's item, whose own keys all lie
         before its rows' queries (a unit shares keys before its members' first query), so its full
@@ -97,34 +97,27 @@ if triton is not None:
         v_base = v_ptr + kv_head * stride_vh
         table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
         own_hi = tl.minimum(v_hi, range_len)
-        # loop 1: the unit's own keys, a window of block ids at a time (usually one), full tiles of a
-        # shared unit first (no mask)
-        WINDOW: tl.constexpr = (WINDOW_BLOCKS - 1) * BLOCK_SIZE // BLOCK_N * BLOCK_N  # keys, whole tiles
-        tl.static_assert(WINDOW >= BLOCK_N)
-        for w0 in range(v_lo, own_hi, WINDOW):
-            w_end = tl.minimum(w0 + WINDOW, own_hi)
-            b0, blocks = _window(table, key_lo, w0, w_end, BLOCK_SIZE, WINDOW_BLOCKS)
-            masked_lo = w0
-            if not CAUSAL:
-                masked_lo = w0 + (w_end - w0) // BLOCK_N * BLOCK_N
-                for v0 in range(w0, masked_lo, BLOCK_N):
-                    pos = key_lo + v0 + tl.arange(0, BLOCK_N)
-                    block = tl.gather(blocks, pos // BLOCK_SIZE - b0, 0)  # [N] int64
-                    m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, pos >= 0, row_ok[:, None], m_i, l_i,
-                                              acc, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM,
-                                              BLOCK_SIZE, DOT_PRECISION, False, KEYS_MAJOR)
-            for v0 in range(masked_lo, w_end, BLOCK_N):
-                vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
-                key_ok = vk < w_end
-                pos = key_lo + vk
-                block = tl.gather(blocks, tl.where(key_ok, pos // BLOCK_SIZE - b0, 0), 0)  # [N] int64
-                if KEYS_MAJOR:
-                    seen = key_ok[:, None] & (pos[:, None] <= q_pos[None, :])  # [N, M]
-                else:
-                    seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [M, N]
-                m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
-                                          stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
-                                          DOT_PRECISION, True, KEYS_MAJOR)
+        masked_lo = v_lo  # loop 1: the unit's own keys, full tiles of a shared unit first (no mask)
+        if not CAUSAL:
+            masked_lo = v_lo + (own_hi - v_lo) // BLOCK_N * BLOCK_N
+            for v0 in range(v_lo, masked_lo, BLOCK_N):
+                pos = key_lo + v0 + tl.arange(0, BLOCK_N)
+                block = tl.load(table + pos // BLOCK_SIZE)  # [N] int64
+                m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, pos >= 0, row_ok[:, None], m_i, l_i, acc,
+                                          qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
+                                          DOT_PRECISION, False, KEYS_MAJOR)
+        for v0 in range(masked_lo, own_hi, BLOCK_N):
+            vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
+            key_ok = vk < own_hi
+            pos = key_lo + vk
+            block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
+            if KEYS_MAJOR:
+                seen = key_ok[:, None] & (pos[:, None] <= q_pos[None, :])  # [N, M]
+            else:
+                seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [M, N]
+            m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION,
+                                      True, KEYS_MAJOR)
         if FUSED:  # loop 2: the row tile's fused suffix segments (none: an empty range)
             m_i, l_i, acc = _segment_keys(
                 item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, tl.maximum(v_lo, range_len), v_hi,
@@ -147,16 +140,6 @@ if triton is not None:
         indirect = (tl.load(item_ptr + 3) + tl.zeros([BLOCK_M], tl.int64)) != 0  # the interpreter masks by vectors
         token = tl.load(unit_tokens_ptr + tok_start + local, mask=row_ok & indirect, other=0)
         return tl.where(indirect, token, tok_start + local), kv_head * GROUPS + rows % GROUPS, row_ok
-
-    @triton.jit
-    def _window(table, key_lo, w0, w_end, BLOCK_SIZE: tl.constexpr, WINDOW_BLOCKS: tl.constexpr):
-        """The block ids of keys w0 .. w_end (virtual; positions key_lo + v) of a block-table row, read
-        at once: (the first one's index in the row, ids [WINDOW_BLOCKS] int64, 0 past the window).
-        A key tile then takes its ids from registers (tl.gather), not from a load of its own, so the
-        pipeliner can issue its copies ahead."""
-        b0 = (key_lo + w0) // BLOCK_SIZE
-        index = tl.arange(0, WINDOW_BLOCKS)
-        return b0, tl.load(table + b0 + index, mask=b0 + index <= (key_lo + w_end - 1) // BLOCK_SIZE, other=0)
 
     @triton.jit
     def _segment_keys(item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, lo, hi, k_base, v_base, m_i, l_i, acc,
@@ -205,7 +188,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr, WINDOW_BLOCKS: tl.constexpr,
+        PASS: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
@@ -225,7 +208,7 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True,
-                    KEYS_MAJOR, WINDOW_BLOCKS)
+                    KEYS_MAJOR)
             else:  # shared units' items (all items in one launch: the same row tile, lone ones unfused)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
@@ -233,7 +216,7 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
-                    PASS != _SHARED, KEYS_MAJOR, WINDOW_BLOCKS)
+                    PASS != _SHARED, KEYS_MAJOR)
             if PASS == _LONE:
                 work += tl.num_programs(0)
             else:
@@ -249,15 +232,13 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr, WINDOW_BLOCKS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
         the key rows of its own KV head. Program p takes every P-th lone item."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
-        WINDOW: tl.constexpr = (WINDOW_BLOCKS - 1) * BLOCK_SIZE // KEYS * KEYS  # keys a window (_window), whole tiles
-        tl.static_assert(WINDOW >= KEYS)
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1)
@@ -280,23 +261,20 @@ if triton is not None:
             if KEYS_MAJOR:
                 acc = tl.zeros([HEAD_DIM, HEADS_P2], tl.float32)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            for w0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, WINDOW):  # usually one window
-                w_end = tl.minimum(w0 + WINDOW, hi)
-                b0, blocks = _window(table, key_lo, w0, w_end, BLOCK_SIZE, WINDOW_BLOCKS)
-                for v0 in range(w0, w_end, KEYS):
-                    vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
-                    key_ok = vk < w_end
-                    pos = key_lo + vk
-                    block = tl.gather(blocks, tl.where(key_ok, pos // BLOCK_SIZE - b0, 0), 0)  # [N] int64
-                    slot = pos % BLOCK_SIZE
-                    if KEYS_MAJOR:
-                        seen = mine & (key_ok & (pos <= q_pos))[:, None]
-                    else:
-                        seen = mine & (key_ok & (pos <= q_pos))[None, :]
-                    m_i, l_i, acc = _row_tile(
-                        q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                        v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i,
-                        acc, qk_scale, HEAD_DIM, DOT_PRECISION, True, KEYS_MAJOR)
+            for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
+                vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
+                key_ok = vk < hi
+                pos = key_lo + vk
+                block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
+                slot = pos % BLOCK_SIZE
+                if KEYS_MAJOR:
+                    seen = mine & (key_ok & (pos <= q_pos))[:, None]
+                else:
+                    seen = mine & (key_ok & (pos <= q_pos))[None, :]
+                m_i, l_i, acc = _row_tile(
+                    q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                    v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
+                    qk_scale, HEAD_DIM, DOT_PRECISION, True, KEYS_MAJOR)
             if KEYS_MAJOR:
                 acc = tl.trans(acc)
             _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
@@ -364,8 +342,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
-                               KEYS_MAJOR=config.keys_major, WINDOW_BLOCKS=SHARED_WINDOW_BLOCKS,
-                               num_warps=config.num_warps, num_stages=config.num_stages)
+                               KEYS_MAJOR=config.keys_major, num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _lone_heads_kernel[(lone,)](
@@ -374,16 +351,15 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"],
-                KEYS_MAJOR=config.lone_keys_major, WINDOW_BLOCKS=LONE_WINDOW_BLOCKS, **triton_pdl.launch(q),
+                KEYS_MAJOR=config.lone_keys_major, **triton_pdl.launch(q),
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                                  KEYS_MAJOR=config.lone_keys_major, WINDOW_BLOCKS=LONE_WINDOW_BLOCKS,
+                                  KEYS_MAJOR=config.lone_keys_major,
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS, KEYS_MAJOR=config.keys_major,
-                               WINDOW_BLOCKS=SHARED_WINDOW_BLOCKS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
@@ -393,9 +369,6 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     return out
 
 
-# block ids a key loop loads at once (_window): a shared unit's prompt in one window (2,032 keys at
-# block 16), a lone item's (at most 256 keys in decode) likewise
-SHARED_WINDOW_BLOCKS, LONE_WINDOW_BLOCKS = 128, 32
 ALL_HEADS_TILE = 128 * 128  # key rows x head dim of the all-heads kernel's tile at most (measured:
 # 128 x 128, 82 KB of shared memory with two stages; twice that would not fit an H200's 228 KB)
 
