@@ -82,18 +82,6 @@ VARIANTS = {
     # the decode default with lone units cut shorter (measured: no faster; the notes say why)
     "cut64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=64, **LONE),
     "cut128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=128, **LONE),
-    # keys-major tiles (scores [keys, rows]: a group's 32 decode rows unpadded, half the accumulator),
-    # with more key chunks (programs an SM) and in the lone pass; HEADS: the decode default's lone pass
-    "km": LaunchConfig(target_programs=256, keys_major=True, **HEADS),
-    "km_m32": LaunchConfig(block_m=32, target_programs=256, keys_major=True, **HEADS),
-    "km_m32_t512": LaunchConfig(block_m=32, target_programs=512, keys_major=True, **HEADS),
-    "km_m32_t1024": LaunchConfig(block_m=32, target_programs=1024, keys_major=True, **HEADS),
-    "km_m32_w8": LaunchConfig(block_m=32, num_warps=8, target_programs=256, keys_major=True, **HEADS),
-    "km_m32_n32s4": LaunchConfig(block_m=32, block_n=32, num_stages=4, target_programs=512, keys_major=True, **HEADS),
-    "t512": LaunchConfig(target_programs=512, **HEADS),
-    "km_lone": LaunchConfig(block_m=32, target_programs=256, keys_major=True,
-                            **dict(HEADS, lone_block_n=64, lone_keys_major=True)),
-    "km_m128": LaunchConfig(block_m=128, target_programs=256, keys_major=True, **HEADS),
     # deeper pipelines: a key tile's loads hang off a block-id load, and below 5 stages Triton's
     # pipeliner waits for every copy at the top of each iteration (async_wait num 0: no overlap)
     "s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256, **HEADS),

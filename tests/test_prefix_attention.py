@@ -46,12 +46,6 @@ LAUNCHES = {
     "lone heads": LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
                                                lone_pass=True, lone_all_heads=True, lone_block_n=16,
                                                lone_max_keys=16),) * 2),
-    # keys-major tiles (scores [keys, rows]) in the shared pass and in both kinds of lone pass
-    "keys-major": LaunchConfigs(*(LaunchConfig(block_n=16, min_chunk=16, target_programs=1, fuse_suffix=False,
-                                               keys_major=True, lone_pass=True, lone_all_heads=True,
-                                               lone_block_n=16, lone_keys_major=True, lone_max_keys=16),) * 2),
-    "keys-major, fused": LaunchConfigs(*(LaunchConfig(block_m=16, block_n=16, min_chunk=16, keys_major=True,
-                                                      lone_block_n=16, lone_keys_major=True),) * 2),
 }
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")

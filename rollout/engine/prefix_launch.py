@@ -29,7 +29,6 @@ class LaunchConfig:
     min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
-    keys_major: bool = False  # shared units' tiles keys-major: scores [keys, rows] (triton_prefix_tiles)
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
@@ -41,7 +40,6 @@ class LaunchConfig:
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
-    lone_keys_major: bool = False  # the lone pass's tiles keys-major
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):

@@ -33,7 +33,7 @@ in the cache, one contiguous read instead of one per KV head), and each query ro
 rows of its own KV head.
 
 Each kernel joins the chain of programmatic dependent launches (triton_pdl): it waits for the
-kernel before it first thing, so its launch and start-up overlap that kernel's last programs.
+kernel before it first thing, so its launch and start-up may overlap that kernel's last programs.
 
 Index arithmetic: virtual keys and positions are int32 (a 64-bit key index per element cost
 registers that spilled); block ids are loaded from int64 tables, so block id x block stride and
@@ -79,11 +79,11 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEGS: tl.constexpr, FUSED: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     ):
         """One (item, KV head) pair. CAUSAL False: a shared unit's item, whose own keys all lie
         before its rows' queries (a unit shares keys before its members' first query), so its full
-        key tiles need no mask. KEYS_MAJOR: keys-major tiles (triton_prefix_tiles)."""
+        key tiles need no mask."""
         key_lo = tl.load(item_ptr + 5).to(tl.int32)  # the fields of prefix_items.ITEM_FIELDS, int64
         range_len = tl.load(item_ptr + 6).to(tl.int32)
         v_lo = tl.load(item_ptr + 7).to(tl.int32)
@@ -91,8 +91,6 @@ if triton is not None:
         token, head, row_ok = _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS, BLOCK_M)
         q_pos = tl.load(positions_ptr + token, mask=row_ok, other=0).to(tl.int32)
         q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_M)
-        if KEYS_MAJOR:
-            acc = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)
         k_base = k_ptr + kv_head * stride_kh
         v_base = v_ptr + kv_head * stride_vh
         table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
@@ -105,26 +103,20 @@ if triton is not None:
                 block = tl.load(table + pos // BLOCK_SIZE)  # [N] int64
                 m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, pos >= 0, row_ok[:, None], m_i, l_i, acc,
                                           qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
-                                          DOT_PRECISION, False, KEYS_MAJOR)
+                                          DOT_PRECISION, False)
         for v0 in range(masked_lo, own_hi, BLOCK_N):
             vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
             key_ok = vk < own_hi
             pos = key_lo + vk
             block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
-            if KEYS_MAJOR:
-                seen = key_ok[:, None] & (pos[:, None] <= q_pos[None, :])  # [N, M]
-            else:
-                seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [M, N]
+            seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
             m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
-                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION,
-                                      True, KEYS_MAJOR)
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
         if FUSED:  # loop 2: the row tile's fused suffix segments (none: an empty range)
             m_i, l_i, acc = _segment_keys(
                 item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, tl.maximum(v_lo, range_len), v_hi,
                 k_base, v_base, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION, KEYS_MAJOR)
-        if KEYS_MAJOR:
-            acc = tl.trans(acc)
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION)
         _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
                     part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
 
@@ -145,7 +137,7 @@ if triton is not None:
     def _segment_keys(item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, lo, hi, k_base, v_base, m_i, l_i, acc,
                       qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      MAX_SEGS: tl.constexpr, DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+                      MAX_SEGS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """Virtual keys lo .. hi of the item's fused segments: each key's segment (the last whose
         v_start it reaches), block-table row and position come from the tile's segments held in
         registers [S]; a key is seen by the rows of its segment's tokens, up to their positions."""
@@ -166,13 +158,9 @@ if triton is not None:
             pos = vk + tl.sum(tl.where(hit, s_off[None, :], 0), 1)
             row = tl.sum(tl.where(hit, s_row[None, :], 0), 1)  # [N] int64
             block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=key_ok, other=0)
-            if KEYS_MAJOR:
-                seen = key_ok[:, None] & (seg[:, None] == row_seg[None, :]) & (pos[:, None] <= q_pos[None, :])
-            else:
-                seen = key_ok[None, :] & (seg[None, :] == row_seg[:, None]) & (pos[None, :] <= q_pos[:, None])
+            seen = key_ok[None, :] & (seg[None, :] == row_seg[:, None]) & (pos[None, :] <= q_pos[:, None])
             m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
-                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION,
-                                      True, KEYS_MAJOR)
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
         return m_i, l_i, acc
 
     @triton.jit(do_not_specialize=["stride_bt"],
@@ -188,7 +176,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
+        PASS: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
@@ -207,8 +195,7 @@ if triton is not None:
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True,
-                    KEYS_MAJOR)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True)
             else:  # shared units' items (all items in one launch: the same row tile, lone ones unfused)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
@@ -216,7 +203,7 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
-                    PASS != _SHARED, KEYS_MAJOR)
+                    PASS != _SHARED)
             if PASS == _LONE:
                 work += tl.num_programs(0)
             else:
@@ -232,7 +219,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, KEYS_MAJOR: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
@@ -246,10 +233,7 @@ if triton is not None:
         row_ok = head < NUM_HEADS
         kv_row = tl.arange(0, BLOCK_N)  # [N] key rows: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
         kv_head = kv_row % NUM_KV_HEADS
-        if KEYS_MAJOR:
-            mine = kv_head[:, None] == (head // GROUPS)[None, :]  # [N, M]
-        else:
-            mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
+        mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
         item = num_shared + tl.program_id(0)
         while item < total:
             item_ptr = items_ptr + item * NUM_FIELDS
@@ -258,8 +242,6 @@ if triton is not None:
             hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
             q_pos = tl.load(positions_ptr + tl.load(item_ptr)).to(tl.int32)
             q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
-            if KEYS_MAJOR:
-                acc = tl.zeros([HEAD_DIM, HEADS_P2], tl.float32)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
             for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
                 vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
@@ -267,16 +249,11 @@ if triton is not None:
                 pos = key_lo + vk
                 block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
                 slot = pos % BLOCK_SIZE
-                if KEYS_MAJOR:
-                    seen = mine & (key_ok & (pos <= q_pos))[:, None]
-                else:
-                    seen = mine & (key_ok & (pos <= q_pos))[None, :]
+                seen = mine & (key_ok & (pos <= q_pos))[None, :]
                 m_i, l_i, acc = _row_tile(
                     q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
                     v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
-                    qk_scale, HEAD_DIM, DOT_PRECISION, True, KEYS_MAJOR)
-            if KEYS_MAJOR:
-                acc = tl.trans(acc)
+                    qk_scale, HEAD_DIM, DOT_PRECISION)
             _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                         part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             item += tl.num_programs(0)
@@ -342,7 +319,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
-                               KEYS_MAJOR=config.keys_major, num_warps=config.num_warps, num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _lone_heads_kernel[(lone,)](
@@ -350,16 +327,14 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 plan.part_count, positions, block_tables, scale * LOG2E, *strides,
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
-                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"],
-                KEYS_MAJOR=config.lone_keys_major, **triton_pdl.launch(q),
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **triton_pdl.launch(q),
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                                  KEYS_MAJOR=config.lone_keys_major,
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
-        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS, KEYS_MAJOR=config.keys_major,
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](

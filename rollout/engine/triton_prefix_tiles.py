@@ -2,13 +2,7 @@
 paged kernel; triton_prefix_attention.py: the shared-prefix item kernel and the all-heads lone
 kernel): a tile of query rows with an empty online softmax, one tile of keys into its running
 (max, sum, accumulator), and the store of those rows, to the output or to their token's partial
-row. Scores are in base 2: callers pass the softmax scale times LOG2E.
-
-Keys-major tiles (KEYS_MAJOR): the scores are computed as K Q^T, [keys, rows], and the accumulator
-held as [D, rows] (V^T P^T). The key tile is then the matrix unit's M side (64 or more on Hopper's
-warpgroup MMA) and the query rows its N side (any multiple of 8): a group's 32 decode rows need no
-padding to 64, and the accumulator takes half the registers. The caller passes `seen` as [keys,
-rows] and transposes the accumulator back before the store."""
+row. Scores are in base 2: callers pass the softmax scale times LOG2E."""
 
 from __future__ import annotations
 
@@ -36,47 +30,37 @@ if triton is not None:
     def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr = True, KEYS_MAJOR: tl.constexpr = False):
+                  MASKED: tl.constexpr = True):
         """One tile of keys (block [N] int64 and pos [N] of each) into the online softmax of the
-        rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32 ([D, M] keys-major)."""
+        rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32."""
         return _row_tile(q, k_base + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks,
                          v_base + block * stride_vb + (pos % BLOCK_SIZE) * stride_vs, key_ok, seen, m_i, l_i, acc,
-                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED, KEYS_MAJOR)
+                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED)
 
     @triton.jit
     def _row_tile(q, k_row, v_row, key_ok, seen, m_i, l_i, acc, qk_scale,
-                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
-                  KEYS_MAJOR: tl.constexpr = False):
+                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
         """One tile of key rows (k_row / v_row [N]: each row's first element) into the online
         softmax of the rows of q [M, D], a key row counting for the rows `seen` [M, N] gives it
-        (MASKED False: every row sees every key row, all valid; key_ok and seen are not read).
-        KEYS_MAJOR: seen is [N, M] and acc [D, M] (the module docstring)."""
+        (MASKED False: every row sees every key row, all valid; key_ok and seen are not read)."""
         dims = tl.arange(0, HEAD_DIM)
         if MASKED:
             k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
         else:
             k = tl.load(k_row[:, None] + dims[None, :])
-        axis: tl.constexpr = 0 if KEYS_MAJOR else 1  # the keys' axis of the scores
-        if KEYS_MAJOR:
-            scores = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [N, M]
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
         alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - tl.expand_dims(m_ref, axis))
-        l_i = l_i * alpha + tl.sum(p, axis)
+        p = tl.exp2(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
         else:
             v = tl.load(v_row[:, None] + dims[None, :])
-        if KEYS_MAJOR:
-            pv = tl.dot(tl.trans(v), p.to(v.dtype), input_precision=DOT_PRECISION)  # [D, M]
-            acc = acc * alpha[None, :] + pv.to(tl.float32)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         return m_new, l_i, acc
 
     @triton.jit
