@@ -119,10 +119,12 @@ class ShareRule:
 # samples' own tokens uniform in [1, 150]:
 # - decode: wins at n=8 / 256 (0.803), n=8 / 512 (0.592), n=4 / 1024 (0.607), n=8 / 1024 (0.426),
 #   n=16 / 4096 (0.182); n=2 / 1024 only just (0.940): left to the plain kernel.
-# - verify (q=9): wins at n=4 / 1024 (0.836), n=8 / 512 (0.921), n=8 / 1024 (0.741), n=16 / 4096
-#   (0.550); loses at n=8 / 256 (1.152) and n=2 / 1024 (1.027); nothing measured past q=9.
+# - verify (q=9): wins at n=4 / 1024 (0.836), n=8 / 1024 (0.741), n=16 / 4096 (0.550); loses at
+#   n=8 / 256 (1.152) and n=2 / 1024 (1.027); nothing measured past q=9. n=8 / 512 won then (0.921)
+#   and loses at five stages (1.089, sixteenth session, call 3: the plain kernel's verify got
+#   faster, 0.40 -> 0.32 ms at 32x8x1024), where n=4 / 1024 still wins (0.948): 1024 keys.
 SHARE_RULE = ShareRule(decode=GroupRule(min_members=4, min_keys=256),
-                       verify=GroupRule(min_members=4, min_keys=512), max_verify_query_len=9)
+                       verify=GroupRule(min_members=4, min_keys=1024), max_verify_query_len=9)
 
 
 MAX_FUSED_SEGMENTS = 32  # past this many segments a row tile's lookup spills registers: suffixes read alone
