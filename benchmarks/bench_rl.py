@@ -184,10 +184,13 @@ def profile_attention(engine: LLMEngine, case: dict, prompts, steps: int, device
     and of every kernel, over `steps` steps of a fresh run of the case once every sample has
     generated `after` tokens (0: half its output length), with the mean context there
     (common.kernel_us; off CUDA: 0); the run is then aborted."""
-    engine.add_request("profile", prompts, SamplingParams(**sampling_of(case)), n=case["n"], mask=case["mask"])
     after = after or case["output_len"] // 2
+    if after >= case["output_len"]:
+        raise SystemExit(f"--profile-after {after} must be below the case's output length {case['output_len']}")
+    engine.add_request("profile", prompts, SamplingParams(**sampling_of(case)), n=case["n"], mask=case["mask"])
     sched = engine.scheduler
-    while sched.waiting or min((s.num_output_tokens for s in sched.running), default=0) < after:
+    while engine.has_unfinished() and (
+            sched.waiting or min((s.num_output_tokens for s in sched.running), default=0) < after):
         engine.step()
     context = sum(s.num_tokens for s in sched.running) / max(len(sched.running), 1)
     sync(device)

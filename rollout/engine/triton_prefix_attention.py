@@ -303,6 +303,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("shared_prefix_attention_triton needs the head dimension contiguous")
     out = torch.empty_like(q) if out is None else out
+    pdl = triton_pdl.launch(q)  # the same for the step's three launches
     part_o, part_lse, counter = plan.buffers(q)
     config, groups = plan.config, num_heads // num_kv_heads
     pairs = plan.max_items * num_kv_heads  # at least the step's (item, KV head) pairs
@@ -314,8 +315,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
-        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **triton_pdl.launch(q))
+        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
@@ -327,7 +327,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 plan.part_count, positions, block_tables, scale * LOG2E, *strides,
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
-                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **triton_pdl.launch(q),
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
@@ -340,7 +340,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEADS_P2=heads_p2, HEAD_DIM=head_dim, num_warps=4 if heads_p2 * head_dim <= 8192 else 8,
-        **triton_pdl.launch(q))
+        **pdl)
     return out
 
 
