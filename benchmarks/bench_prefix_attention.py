@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 if "--quick" in sys.argv:  # the interpreter must be chosen before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 from common import environment, kernel_us, print_table, write_json  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
-from rollout.engine.prefix_attention import plan_to_device  # noqa: E402
+from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device  # noqa: E402
 from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs, ShareRule  # noqa: E402
 from rollout.engine.prefix_plan import SharedPrefixPlanner  # noqa: E402
 from rollout.engine.triton_attention import paged_attention_triton  # noqa: E402
@@ -97,6 +98,13 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
+    # the defaults with the grids before they were sized to what the device holds at once (8 queue
+    # programs and 32 lone ones an SM: a CUDA graph's capacity-sized plan left thousands idle)
+    "grid_before": replace(DEFAULT_LAUNCH.decode, programs_per_sm=8, lone_programs_per_sm=32),
+    "grid_before_verify": replace(DEFAULT_LAUNCH.verify, programs_per_sm=8, lone_programs_per_sm=32),
+    # decode's lone units cut shorter, measured again with those grids
+    "lone_cut64": replace(DEFAULT_LAUNCH.decode, lone_max_keys=64),
+    "lone_cut32": replace(DEFAULT_LAUNCH.decode, lone_max_keys=32),
 }
 
 
@@ -113,6 +121,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes through Triton's interpreter (CPU check)")
     p.add_argument("--profile", action="store_true",
                    help="also each kernel's device time per call (torch.profiler, eager calls; CUDA only)")
+    p.add_argument("--graph-plan", action="store_true",
+                   help="shared plans as the engine's CUDA graphs hold them (buffers and launches sized for capacity)")
     p.add_argument("--best", metavar="JSON",
                    help="print the fastest variants of a sweep's JSON at 32x8x1024 as DECODE,VERIFY (for "
                         "bench_rl.py --prefix-launch), then exit")
@@ -241,6 +251,19 @@ class Step:
             planner.plan(*plan_args)
         return host, (time.perf_counter() - begin) / max(repeats, 1) * 1e3
 
+    def device_plan(self, host, launch: LaunchConfigs, device: str, graph_plan: bool):
+        """The host plan on the device: as planned, or (graph_plan) in a CUDA graph's static
+        buffers for this step's token count, whose launches are sized for their capacity."""
+        plan = plan_to_device(host, torch.device(device))
+        if not graph_plan:
+            return plan
+        heads, kv_heads, _ = self.shape
+        tokens = len(self.meta.positions)
+        planner = SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads, launch, FORCED)
+        static = StaticSharedPrefix(planner, tokens, torch.device(device))
+        static.load(plan, tokens)
+        return static.plan(tokens, self.q_len)
+
     def shared_fn(self, plan):
         def run(out=None):
             return shared_prefix_attention_triton(self.q, self.k_cache, self.v_cache, self.meta.block_tables,
@@ -264,7 +287,7 @@ def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
             fns = {"plain": lambda out=None, step=step: step.plain()}
             for name, launch in chosen.items():
                 host, _ = step.planned(launch, repeats=0)
-                fns[name] = step.shared_fn(plan_to_device(host, torch.device("cuda")))
+                fns[name] = step.shared_fn(step.device_plan(host, launch, "cuda", args.graph_plan))
             for name, fn in fns.items():
                 fn()
                 kernels = kernel_us(fn, calls=20, by_grid=True)
@@ -291,7 +314,7 @@ def measure(step: Step, name: str, launch: LaunchConfigs | None, args, device: s
         host, host_ms = step.planned(launch, repeats=1 if args.quick else 20)
         if host is None:
             return dict(row, ms=float("nan"), note="nothing to share")
-        fn = step.shared_fn(plan_to_device(host, torch.device(device)))
+        fn = step.shared_fn(step.device_plan(host, launch, device, args.graph_plan))
         row.update(items=len(host.items), partial_rows=host.num_partial_rows, plan_host_ms=host_ms)
     row["ms"], row["spread_ms"] = call_ms(fn, device, calls, args.repeats)
     row["GBps_unique"] = step.unique_bytes / row["ms"] / 1e6
