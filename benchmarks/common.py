@@ -335,10 +335,9 @@ def eager_step_kernels(engine: LLMEngine, add_requests, device: str = "cuda") ->
 
 
 
-def kernel_us(run, calls: int, by_grid: bool = False) -> dict[str, float]:
-    """Device microseconds per call of each CUDA kernel that `calls` calls of `run()` launch, kernels
-    replayed by CUDA graphs included (torch.profiler's trace), keyed by kernel name (and launch grid
-    with by_grid: two launches of one kernel with different grids are told apart)."""
+def kernel_trace(run, calls: int) -> list[dict]:
+    """The CUDA kernels that `calls` calls of `run()` launch, kernels replayed by CUDA graphs
+    included, in start order (torch.profiler's trace events: name, ts and dur in us, args.grid)."""
     import os
     import tempfile
 
@@ -353,9 +352,37 @@ def kernel_us(run, calls: int, by_grid: bool = False) -> dict[str, float]:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def kernel_us(run, calls: int, by_grid: bool = False, trace: list[dict] | None = None) -> dict[str, float]:
+    """Device microseconds per call of each CUDA kernel that `calls` calls of `run()` launch (or of
+    a `trace` of them), keyed by kernel name (and launch grid with by_grid: two launches of one
+    kernel with different grids are told apart). A kernel launched with programmatic dependent
+    launch may start before the one ahead of it ends and wait for it: its time includes that wait."""
     totals: dict[str, float] = {}
-    for e in events:
-        if e.get("cat") == "kernel":
-            name = f"{e['name']} grid {e.get('args', {}).get('grid')}" if by_grid else e["name"]
-            totals[name] = totals.get(name, 0.0) + e["dur"] / calls
+    for e in kernel_trace(run, calls) if trace is None else trace:
+        name = f"{e['name']} grid {e.get('args', {}).get('grid')}" if by_grid else e["name"]
+        totals[name] = totals.get(name, 0.0) + e["dur"] / calls
     return totals
+
+
+def path_us(trace: list[dict], names: tuple[str, ...], calls: int) -> float:
+    """Device microseconds per call that runs of consecutive kernels named in `names` add to the
+    stream: from the end of the kernel before each run (its start, for a run that opens the trace)
+    to the last end in the run. Unlike summed kernel times, this does not count a kernel's wait
+    for the one ahead of it (programmatic dependent launch), nor count overlapping kernels twice."""
+    total, run_start, run_end, prev_end = 0.0, None, 0.0, None
+    for e in trace:
+        end = e["ts"] + e["dur"]
+        if any(n in e["name"] for n in names):
+            if run_start is None:
+                run_start = e["ts"] if prev_end is None else prev_end
+            run_end = max(run_end, end)
+        elif run_start is not None:
+            total += run_end - run_start
+            run_start, run_end = None, 0.0
+        prev_end = end if prev_end is None else max(prev_end, end)
+    if run_start is not None:
+        total += run_end - run_start
+    return total / calls
