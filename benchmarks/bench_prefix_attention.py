@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 if "--quick" in sys.argv:  # the interpreter must be chosen before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -98,11 +97,6 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
-    # the defaults with the grids before they were sized to what the device holds at once (8 queue
-    # programs and 32 lone ones an SM): the lone pass then launches only once the shared pass's last
-    # programs start, near its end
-    "grid_before": replace(DEFAULT_LAUNCH.decode, programs_per_sm=8, lone_programs_per_sm=32),
-    "grid_before_verify": replace(DEFAULT_LAUNCH.verify, programs_per_sm=8, lone_programs_per_sm=32),
 }
 
 

@@ -40,10 +40,6 @@ class LaunchConfig:
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
-    # Programs launched per SM by the shared units' queue and by the lone pass: 0, as many as fit at
-    # once (triton_grid.resident_programs); more only start once others end, and exit finding no work.
-    programs_per_sm: int = 0
-    lone_programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):
@@ -53,9 +49,6 @@ class LaunchConfig:
         for warps, stages in ((self.num_warps, self.num_stages), (self.lone_num_warps, self.lone_num_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
-        if self.programs_per_sm < 0 or self.lone_programs_per_sm < 0:
-            raise ValueError(f"programs_per_sm and lone_programs_per_sm must be >= 0 (0: as many as fit), got "
-                             f"{self.programs_per_sm}, {self.lone_programs_per_sm}")
         if self.lone_max_keys and self.lone_max_keys < self.block_n:
             raise ValueError(f"lone_max_keys must be 0 (no cap) or >= block_n, got {self.lone_max_keys}")
         if self.target_programs < 1 or self.min_chunk < self.block_n:

@@ -16,11 +16,6 @@ lazily (torch makes the RoPE table on first use, so RoPE reads it after its wait
 everything else comes after the wait, so the values every kernel computes are those of launches
 without PDL (bench_engine.py --compare no-pdl checks the tokens are identical).
 
-A kernel independent of the one just before it (it reads nothing that one writes, and writes
-nothing that one reads or writes) may instead call `start_early(PDL)` first and `finish(PDL)` last:
-it runs beside that kernel (on the SMs it leaves free), and waits for it before its own programs
-end, so its completion still implies its predecessor's and the kernel after it may rely on both.
-
 `ENABLED` (read at each launch, so a benchmark can flip it; CUDA graphs record what was launched)
 turns it on for CUDA tensors; the interpreter never sees it.
 """
@@ -62,19 +57,6 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def start_early(PDL: tl.constexpr):
-        """Let the next kernel launch, without waiting for the previous one (the module's rule for a
-        kernel independent of it: `finish` must end every program)."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def finish(PDL: tl.constexpr):
-        """Wait for the previous kernel before this program ends (after `start_early`)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
 
 
 def launch(like: Tensor) -> dict:

@@ -12,13 +12,13 @@ ranges reach a query's own position), then the fused suffix segments of its row 
 each key's segment, block-table row and position come from the tile's few segments held in
 registers, and a key is seen only by its own sequence's rows). A row whose token has one partial
 result (part_count 1) is written to the output, the others' normalised output and log-sum-exp to
-the token's partial row `slot`. The programs (as many as the device holds at once: triton_grid)
-take (item, KV head) pairs from a work queue, an atomic counter, shared units' items first, until
-the queue is empty: the item count is read on the device, so a CUDA graph replays any plan that
-fits its buffers, and no program waits on a long item while others idle. A shared unit's own keys
-all precede its rows' queries, so its full key tiles skip the causal mask. `_merge_kernel`
-combines each token's partial rows (all its heads in one program) by their log-sum-exp, and resets
-the counter for the next layer.
+the token's partial row `slot`. The programs (a fixed number per SM) take (item, KV head) pairs
+from a work queue, an atomic counter, shared units' items first, until the queue is empty: the
+item count is read on the device, so a CUDA graph replays any plan that fits its buffers, and no
+program waits on a long item while others idle. A shared unit's own keys all precede its rows'
+queries, so its full key tiles skip the causal mask. `_merge_kernel` combines each token's
+partial rows (all its heads in one program) by their log-sum-exp, and resets the counter for the
+next layer.
 
 The lone pass (`LaunchConfig.lone_pass`, and whenever lone units' row tile differs from shared
 units'): one launch runs the shared units' items through the queue, a second the lone units'
@@ -32,13 +32,9 @@ every query head at once: a key tile is whole keys x every KV head (a key's head
 in the cache, one contiguous read instead of one per KV head), and each query row sees the key
 rows of its own KV head.
 
-Each kernel joins the chain of programmatic dependent launches (triton_pdl): the shared pass and
-the merge wait for the kernel before them first thing (the merge reads its token's plan rows
-before), so their launch and start-up may overlap that kernel's last programs. The lone pass
-neither reads nor writes what the shared pass does: it starts without waiting and waits for the
-shared pass as its programs end, so it runs on the SMs the shared pass leaves free, from its
-tail on. Both launch as many programs as the device holds at once (triton_grid): a queue needs
-no more, and the lone pass can only launch once every program of the shared pass has started.
+Each kernel joins the chain of programmatic dependent launches (triton_pdl): it waits for the
+kernel before it first thing (the merge reads its token's plan rows before), so its launch and
+start-up may overlap that kernel's last programs.
 
 Index arithmetic: virtual keys and positions are int32 (a 64-bit key index per element cost
 registers that spilled); block ids are loaded from int64 tables, so block id x block stride and
@@ -49,6 +45,8 @@ parity), nor is the block table's width.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -56,7 +54,6 @@ from rollout.engine import triton_pdl
 from rollout.engine.prefix_attention import SharedPrefixPlan
 from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import lone_launch, max_segments
-from rollout.engine.triton_grid import resident_programs
 from rollout.engine.triton_prefix_tiles import LOG2E
 
 try:
@@ -65,12 +62,12 @@ try:
 except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependency
     triton = None
 
+PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
+LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-th item)
 ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
 
 if triton is not None:
-    from rollout.engine.triton_pdl import finish as pdl_finish
     from rollout.engine.triton_pdl import start as pdl_start
-    from rollout.engine.triton_pdl import start_early as pdl_start_early
     from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _rows_start, _store_rows
 
     _SHARED, _LONE = tl.constexpr(SHARED_PASS), tl.constexpr(LONE_PASS)  # the kernel's view of the passes
@@ -182,10 +179,7 @@ if triton is not None:
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PASS: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PASS == _LONE:  # beside the shared pass, which it neither reads nor writes (triton_pdl)
-            pdl_start_early(PDL)
-        else:
-            pdl_start(PDL)
+        pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         if PASS == _LONE:  # lone units' items, program p taking every P-th (no queue)
             total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
@@ -215,8 +209,6 @@ if triton is not None:
                 work += tl.num_programs(0)
             else:
                 work = tl.atomic_add(counter_ptr, 1)
-        if PASS == _LONE:
-            pdl_finish(PDL)
 
     @triton.jit(do_not_specialize=["stride_bt"],
                 do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "part_start_ptr", "part_count_ptr",
@@ -235,7 +227,7 @@ if triton is not None:
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
         the key rows of its own KV head. Program p takes every P-th lone item."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
-        pdl_start_early(PDL)  # beside the shared pass, which it neither reads nor writes (triton_pdl)
+        pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1)
         head = tl.arange(0, HEADS_P2)  # [M] the rows
@@ -266,7 +258,6 @@ if triton is not None:
             _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                         part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             item += tl.num_programs(0)
-        pdl_finish(PDL)
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
@@ -326,25 +317,26 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
-    shared_pass = dict(constants, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages)
+    queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
-        shared_pass["PASS"] = SHARED_PASS
-        _launch(_item_kernel, pairs, config.programs_per_sm, args, shared_pass, q.device)
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
+                               num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
-            lone_args = (q, k_cache, v_cache, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
-                         plan.part_count, positions, block_tables, scale * LOG2E, *strides)
-            lone_options = dict(
+            lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
+            _lone_heads_kernel[(lone,)](
+                q, k_cache, v_cache, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
+                plan.part_count, positions, block_tables, scale * LOG2E, *strides,
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
-            _launch(_lone_heads_kernel, plan.max_items, config.lone_programs_per_sm, lone_args, lone_options, q.device)
         else:
-            lone_options = dict(constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                                num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
-            _launch(_item_kernel, pairs, config.lone_programs_per_sm, args, lone_options, q.device)
+            lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
+            _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
+                                  num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
-        _launch(_item_kernel, pairs, config.programs_per_sm, args, dict(shared_pass, PASS=ALL_ITEMS), q.device)
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
+                               num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
@@ -365,14 +357,14 @@ def _all_heads(config, plan: SharedPrefixPlan, num_kv_heads: int, head_dim: int)
             and config.lone_block_n % num_kv_heads == 0 and config.lone_block_n * head_dim <= ALL_HEADS_TILE)
 
 
-def _launch(kernel, work: int, per_sm: int, args: tuple, options: dict, device: torch.device) -> None:
-    """Launch a persistent item kernel with at most `work` programs (its upper bound of work
-    units), `per_sm` on every SM, or (0) as many as the device holds at once."""
-    if per_sm and device.type == "cuda":
-        programs = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        programs = resident_programs(kernel, device, args, options)
-    kernel[(max(1, min(work, programs)),)](*args, **options)
+@functools.cache
+def _resident_programs(device: torch.device, per_sm: int) -> int:
+    """Programs of one item-kernel launch: `per_sm` on every SM (the queue's take work until it is
+    empty; a lone pass's take every P-th item). The interpreter runs programs one after another:
+    two suffice."""
+    if device.type != "cuda":
+        return 2
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compiled_variants() -> int:
