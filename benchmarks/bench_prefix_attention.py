@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 if "--quick" in sys.argv:  # the interpreter must be chosen before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -98,12 +97,6 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
-    # decode's lone pass through the TMA: key tiles of lone_block_n // 8 keys of one block x 8 KV heads
-    # read as one box (no per-row addresses); at 5 stages two boxes of K and V are in flight
-    "tma64s5": replace(DEFAULT_LAUNCH.decode, lone_tma=True, lone_block_n=64, lone_num_stages=5),
-    "tma32s5": replace(DEFAULT_LAUNCH.decode, lone_tma=True, lone_block_n=32, lone_num_stages=5),
-    "tma64s5w8": replace(DEFAULT_LAUNCH.decode, lone_tma=True, lone_block_n=64, lone_num_stages=5, lone_num_warps=8),
-    "tma64s3": replace(DEFAULT_LAUNCH.decode, lone_tma=True, lone_block_n=64, lone_num_stages=3),
 }
 
 

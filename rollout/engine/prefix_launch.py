@@ -40,7 +40,6 @@ class LaunchConfig:
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
-    lone_tma: bool = False  # all heads: key tiles of one block's keys read as one box by the TMA
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):

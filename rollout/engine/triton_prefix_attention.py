@@ -59,7 +59,6 @@ from rollout.engine.triton_prefix_tiles import LOG2E
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependency
     triton = None
 
@@ -69,14 +68,7 @@ ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kerne
 
 if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
-    from rollout.engine.triton_prefix_tiles import (
-        _key_tile,
-        _row_tile,
-        _rows_start,
-        _store_rows,
-        _tile_scores,
-        _tile_update,
-    )
+    from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _rows_start, _store_rows
 
     _SHARED, _LONE = tl.constexpr(SHARED_PASS), tl.constexpr(LONE_PASS)  # the kernel's view of the passes
 
@@ -267,52 +259,6 @@ if triton is not None:
                         part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             item += tl.num_programs(0)
 
-    @triton.jit(do_not_specialize=["stride_bt"],
-                do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "part_start_ptr", "part_count_ptr",
-                                                "positions_ptr", "block_tables_ptr"])
-    def _lone_tma_kernel(
-        q_ptr, k_desc, v_desc, out_ptr, part_o_ptr, part_lse_ptr, items_ptr, item_counts_ptr, part_start_ptr,
-        part_count_ptr, positions_ptr, block_tables_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_bt, NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_KEYS: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """_lone_heads_kernel with key tiles aligned to the cache's blocks and read by the tensor
-        memory accelerator: a tile is TILE_KEYS keys of one block x every KV head, one contiguous
-        [TILE_KEYS * NUM_KV_HEADS, HEAD_DIM] box of the cache viewed as rows (block, slot, KV head),
-        at a row the tile's block id gives (no per-row address). Keys of the box outside the item's
-        range are masked (their values zeroed: a stale slot must not reach the sum)."""
-        TILE_ROWS: tl.constexpr = TILE_KEYS * NUM_KV_HEADS
-        pdl_start(PDL)
-        num_shared = tl.load(item_counts_ptr)
-        total = tl.load(item_counts_ptr + 1)
-        head = tl.arange(0, HEADS_P2)  # [M] the rows
-        row_ok = head < NUM_HEADS
-        kv_row = tl.arange(0, TILE_ROWS)  # [N] key rows: key kv_row // NUM_KV_HEADS of the tile, its KV head
-        mine = (head // GROUPS)[:, None] == (kv_row % NUM_KV_HEADS)[None, :]  # [M, N]
-        item = num_shared + tl.program_id(0)
-        while item < total:
-            item_ptr = items_ptr + item * NUM_FIELDS
-            token = tl.load(item_ptr) + tl.zeros([HEADS_P2], tl.int64)  # [M] lone items: the step's token, direct
-            key_lo = tl.load(item_ptr + 5).to(tl.int32)
-            lo = key_lo + tl.load(item_ptr + 7).to(tl.int32)  # the item's positions lo .. hi
-            hi = key_lo + tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
-            q_pos = tl.load(positions_ptr + tl.load(item_ptr)).to(tl.int32)
-            q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
-            table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            for p0 in range(lo // TILE_KEYS * TILE_KEYS, hi, TILE_KEYS):
-                block = tl.load(table + p0 // BLOCK_SIZE).to(tl.int32)
-                box = (block * BLOCK_SIZE + p0 % BLOCK_SIZE) * NUM_KV_HEADS
-                pos = p0 + kv_row // NUM_KV_HEADS  # [N]
-                key_ok = (pos >= lo) & (pos < hi)
-                scores = _tile_scores(q, k_desc.load([box, 0]), mine & (key_ok & (pos <= q_pos))[None, :], qk_scale,
-                                      DOT_PRECISION)
-                v = tl.where(key_ok[:, None], v_desc.load([box, 0]), 0.0)
-                m_i, l_i, acc = _tile_update(scores, v, m_i, l_i, acc, DOT_PRECISION)
-            _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                        part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
-            item += tl.num_programs(0)
-
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
         out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr, part_count_ptr, counter_ptr, stride_ot, stride_oh,
@@ -377,23 +323,13 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                                num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
-            heads = dict(NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim,
-                         HEADS_P2=max(16, triton.next_power_of_2(num_heads)), BLOCK_SIZE=block_size,
-                         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **pdl,
-                         num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
-            tile_keys = config.lone_block_n // num_kv_heads
-            if config.lone_tma and block_size % tile_keys == 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
-                k_desc, v_desc = (TensorDescriptor.from_tensor(c.view(-1, head_dim), [config.lone_block_n, head_dim])
-                                  for c in (k_cache, v_cache))
-                _lone_tma_kernel[(lone,)](
-                    q, k_desc, v_desc, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
-                    plan.part_count, positions, block_tables, scale * LOG2E, *strides[:4], block_tables.stride(0),
-                    TILE_KEYS=tile_keys, **heads)
-            else:
-                _lone_heads_kernel[(lone,)](
-                    q, k_cache, v_cache, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
-                    plan.part_count, positions, block_tables, scale * LOG2E, *strides, BLOCK_N=config.lone_block_n,
-                    **heads)
+            _lone_heads_kernel[(lone,)](
+                q, k_cache, v_cache, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
+                plan.part_count, positions, block_tables, scale * LOG2E, *strides,
+                NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
+                GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **pdl,
+                num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
@@ -435,7 +371,7 @@ def compiled_variants() -> int:
     """Variants of this module's kernels compiled so far (see triton_ops.compiled_variants)."""
     if triton is None:
         return 0
-    kernels = (_item_kernel, _lone_heads_kernel, _lone_tma_kernel, _merge_kernel)
+    kernels = (_item_kernel, _lone_heads_kernel, _merge_kernel)
     return sum(len(cache[0]) for k in kernels for cache in getattr(k, "device_caches", {}).values())
 
 

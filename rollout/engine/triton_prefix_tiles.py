@@ -48,30 +48,18 @@ if triton is not None:
             k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
         else:
             k = tl.load(k_row[:, None] + dims[None, :])
-        scores = _tile_scores(q, k, seen, qk_scale, DOT_PRECISION, MASKED)
-        if MASKED:
-            v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_row[:, None] + dims[None, :])
-        return _tile_update(scores, v, m_i, l_i, acc, DOT_PRECISION)
-
-    @triton.jit
-    def _tile_scores(q, k, seen, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
-        """Scores [M, N] in log2 units of the rows of q [M, D] against keys k [N, D], -inf where a
-        row does not see a key (MASKED)."""
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
-        return scores
-
-    @triton.jit
-    def _tile_update(scores, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-        """The online softmax (m, l [M], acc [M, D]) after a tile of scores [M, N] and values v [N, D]."""
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_row[:, None] + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         return m_new, l_i, acc
 
