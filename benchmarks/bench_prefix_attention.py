@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 if "--quick" in sys.argv:  # the interpreter must be chosen before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -97,6 +98,13 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
+    # decode's default with registers capped (ptxas .maxnreg; Triton 3.6 for sm_90: the shared body 253
+    # registers, 168 with 80 bytes of spills = three programs an SM; the lone pass at 64 key rows holds
+    # 41 KB of shared memory, so 128 registers (96 bytes of spills at 128 rows) would fit four)
+    "r168": replace(DEFAULT_LAUNCH.decode, maxnreg=168),
+    "r160": replace(DEFAULT_LAUNCH.decode, maxnreg=160),
+    "lone64r128": replace(DEFAULT_LAUNCH.decode, lone_block_n=64, lone_maxnreg=128),
+    "r168_lone64r128": replace(DEFAULT_LAUNCH.decode, maxnreg=168, lone_block_n=64, lone_maxnreg=128),
 }
 
 

@@ -47,6 +47,7 @@ LAUNCHES = {
                                                lone_pass=True, lone_all_heads=True, lone_block_n=16,
                                                lone_max_keys=16),) * 2),
 }
+LAUNCHES["register caps"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, maxnreg=168, lone_maxnreg=128),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 
@@ -173,7 +174,7 @@ POISON_CASES = {  # blocks of 8 keys: lone ranges start at, and inside, a block
 
 
 @needs_triton
-@pytest.mark.parametrize("launch", ["lone heads", "lone pass"])
+@pytest.mark.parametrize("launch", ["lone heads", "lone pass", "register caps"])
 @pytest.mark.parametrize("name", list(POISON_CASES))
 @pytest.mark.parametrize("slack", [False, True], ids=["", "planned for longer contexts"])
 def test_no_slot_outside_a_sequence_reaches_its_sum(name, launch, slack):

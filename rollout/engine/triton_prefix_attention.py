@@ -318,9 +318,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
+    shared_regs, lone_regs = ({"maxnreg": n} if n else {} for n in (config.maxnreg, config.lone_maxnreg))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
-                               num_warps=config.num_warps, num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _lone_heads_kernel[(lone,)](
@@ -329,14 +330,14 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **pdl,
-                num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
+                num_warps=config.lone_num_warps, num_stages=config.lone_num_stages, **lone_regs)
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                                  num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
+                                  num_warps=config.lone_num_warps, num_stages=config.lone_num_stages, **lone_regs)
     else:  # one row tile for both kinds of item: one launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
-                               num_warps=config.num_warps, num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
