@@ -100,7 +100,7 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with registers capped (ptxas .maxnreg; Triton 3.6 for sm_90: the shared body 253
     # registers, 168 with 80 bytes of spills = three programs an SM; the lone pass at 64 key rows holds
-    # 41 KB of shared memory, so 128 registers (96 bytes of spills at 128 rows) would fit four)
+    # 45 KB of shared memory, so 128 registers (64 bytes of spills) would fit four)
     "r168": replace(DEFAULT_LAUNCH.decode, maxnreg=168),
     "r160": replace(DEFAULT_LAUNCH.decode, maxnreg=160),
     "lone64r128": replace(DEFAULT_LAUNCH.decode, lone_block_n=64, lone_maxnreg=128),
