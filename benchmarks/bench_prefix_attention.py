@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 if "--quick" in sys.argv:  # the interpreter must be chosen before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,10 +42,11 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is fir
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import environment, kernel_us, print_table, write_json  # noqa: E402
+from prefix_variants import VARIANTS  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
 from rollout.engine.prefix_attention import StaticSharedPrefix, plan_to_device  # noqa: E402
-from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig, LaunchConfigs, ShareRule  # noqa: E402
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfigs, ShareRule  # noqa: E402
 from rollout.engine.prefix_plan import SharedPrefixPlanner  # noqa: E402
 from rollout.engine.triton_attention import paged_attention_triton  # noqa: E402
 from rollout.engine.triton_prefix_attention import shared_prefix_attention_triton  # noqa: E402
@@ -62,50 +62,6 @@ QUICK_CROSSOVER = [(1, 4, 64, 3)]
 FORCED = ShareRule()  # every group shared: what the kernel variants are timed with
 KEY = ("prompts", "n", "prompt", "alone", "q_len")  # a step's fields in every row
 MAX_ERROR = 2e-2  # bf16 operands against float32: ~1e-3 expected; more is a wrong result
-# The sweep: one LaunchConfig for both kinds of step (predictions: prefix_attention_notes.md).
-# The first sweep (fused layouts, tile shapes) is recorded in the notes; these time the lone pass:
-# suffixes and sequences alone in a second, lean launch (LaunchConfig.lone_pass). Variants measured
-# and dropped (other lone tiles and warps, m32 shared tiles beside a lone pass): the notes.
-SEPARATE = dict(fuse_suffix=False)
-LONE = dict(SEPARATE, lone_pass=True)
-HEADS = dict(LONE, lone_all_heads=True, lone_block_n=128, lone_max_keys=256)
-VARIANTS = {
-    "separate": LaunchConfig(**SEPARATE),  # the default before the lone pass (then one launch; now two)
-    "fused": LaunchConfig(),
-    "m32t128": LaunchConfig(block_m=32, target_programs=128, **SEPARATE),
-    "lone": LaunchConfig(lone_block_n=32, **LONE),  # lone pass m16 n32 w4 s2: 96 registers (5 CTAs / SM)
-    "lone_t256": LaunchConfig(target_programs=256, lone_block_n=32, **LONE),
-    # decode: every head of a lone item in one program, key tiles of lone_block_n // 8 keys x 8 KV heads
-    "heads": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, **LONE),
-    "heads_s3": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_stages=3, **LONE),
-    "heads_n32": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=32, **LONE),
-    "heads_n128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, **LONE),
-    # the decode default with lone units cut shorter (measured: no faster; the notes say why)
-    "cut64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=64, **LONE),
-    "cut128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=128, **LONE),
-    # deeper pipelines: a key tile's loads hang off a block-id load, and below 5 stages Triton's
-    # pipeliner waits for every copy at the top of each iteration (async_wait num 0: no overlap)
-    "s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256, **HEADS),
-    "s5n64": LaunchConfig(num_stages=5, target_programs=256, **HEADS),
-    "lone64s5": LaunchConfig(target_programs=256, **dict(HEADS, lone_block_n=64, lone_num_stages=5)),
-    "lone128s5": LaunchConfig(target_programs=256, **dict(HEADS, lone_num_stages=5)),
-    "s5n32_lone64s5": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
-                                   **dict(HEADS, lone_block_n=64, lone_num_stages=5)),
-    "s5n32_lone32s5": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
-                                   **dict(HEADS, lone_block_n=32, lone_num_stages=5)),
-    # the defaults before five stages (decode and verify), and the fused layout at five stages
-    "s3": LaunchConfig(target_programs=256, **HEADS),
-    "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
-    "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
-    "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
-    # decode's default with registers capped (ptxas .maxnreg; Triton 3.6 for sm_90: the shared body 253
-    # registers, 168 with 80 bytes of spills = three programs an SM; the lone pass at 64 key rows holds
-    # 45 KB of shared memory, so 128 registers (64 bytes of spills) would fit four)
-    "r168": replace(DEFAULT_LAUNCH.decode, maxnreg=168),
-    "r160": replace(DEFAULT_LAUNCH.decode, maxnreg=160),
-    "lone64r128": replace(DEFAULT_LAUNCH.decode, lone_block_n=64, lone_maxnreg=128),
-    "r168_lone64r128": replace(DEFAULT_LAUNCH.decode, maxnreg=168, lone_block_n=64, lone_maxnreg=128),
-}
 
 
 def parse_args() -> argparse.Namespace:
@@ -240,10 +196,14 @@ class Step:
         return "plain" if SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads).plan(*self.plan_args()) is None \
             else "shared"
 
+    def planner(self, launch: LaunchConfigs) -> SharedPrefixPlanner:
+        """A planner for this step's shape that shares every group (FORCED)."""
+        heads, kv_heads, _ = self.shape
+        return SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads, launch, FORCED)
+
     def planned(self, launch: LaunchConfigs, repeats: int):
         """(host plan with every group shared, host ms per plan)."""
-        heads, kv_heads, _ = self.shape
-        planner = SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads, launch, FORCED)
+        planner = self.planner(launch)
         plan_args = self.plan_args()
         host = planner.plan(*plan_args)
         begin = time.perf_counter()
@@ -257,10 +217,8 @@ class Step:
         plan = plan_to_device(host, torch.device(device))
         if not graph_plan:
             return plan
-        heads, kv_heads, _ = self.shape
         tokens = len(self.meta.positions)
-        planner = SharedPrefixPlanner(BLOCK, heads // kv_heads, kv_heads, launch, FORCED)
-        static = StaticSharedPrefix(planner, tokens, torch.device(device))
+        static = StaticSharedPrefix(self.planner(launch), tokens, torch.device(device))
         static.load(plan, tokens)
         return static.plan(tokens, self.q_len)
 

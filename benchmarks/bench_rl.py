@@ -55,9 +55,11 @@ from common import (
     write_config_dir,
     write_json,
 )
+from prefix_variants import VARIANTS
 
 import rollout.engine.engine as engine_module
 from rollout import build_engine
+from rollout.engine import prefix_launch
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -101,7 +103,7 @@ def parse_args() -> argparse.Namespace:
                    help="generated tokens (the fewest of any running sample) before the profiled steps (0: half "
                         "the output length)")
     p.add_argument("--prefix-launch", metavar="DECODE[,VERIFY]",
-                   help="shared-prefix attention's launch: variants of bench_prefix_attention.VARIANTS (or "
+                   help="shared-prefix attention's launch: variants of prefix_variants.VARIANTS (or "
                         "'default') for decode and verify steps (one name: both)")
     p.add_argument("--out", default="benchmarks/results/bench_rl.json")
     args = p.parse_args()
@@ -394,9 +396,6 @@ def use_prefix_launch(names: str | None) -> None:
     attention (prefix_plan.planner_for reads prefix_launch.DEFAULT_LAUNCH when an engine is built)."""
     if not names:
         return
-    from bench_prefix_attention import VARIANTS
-
-    from rollout.engine import prefix_launch
     decode, verify = (names.split(",") * 2)[:2]
     pick = lambda name, default: default if name == "default" else VARIANTS[name]  # noqa: E731
     prefix_launch.DEFAULT_LAUNCH = prefix_launch.LaunchConfigs(pick(decode, prefix_launch.DEFAULT_LAUNCH.decode),

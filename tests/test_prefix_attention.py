@@ -47,6 +47,7 @@ LAUNCHES = {
                                                lone_pass=True, lone_all_heads=True, lone_block_n=16,
                                                lone_max_keys=16),) * 2),
 }
+# the lone-heads launch with ptxas register caps (the interpreter runs it as is: the launch path only)
 LAUNCHES["register caps"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, maxnreg=168, lone_maxnreg=128),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")

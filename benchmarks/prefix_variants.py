@@ -1,0 +1,55 @@
+"""The shared-prefix launch variants the benchmarks time: one LaunchConfig each, for decode and
+verify steps alike (bench_prefix_attention.py --sweep / --variants; bench_rl.py --prefix-launch).
+Names stay once measured, so the commands in BENCHMARKS.md still run. Host only: importing it
+touches no device and chooses no Triton mode."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig
+
+# The sweep: one LaunchConfig for both kinds of step (predictions: prefix_attention_notes.md).
+# The first sweep (fused layouts, tile shapes) is recorded in the notes; these time the lone pass:
+# suffixes and sequences alone in a second, lean launch (LaunchConfig.lone_pass). Variants measured
+# and dropped (other lone tiles and warps, m32 shared tiles beside a lone pass): the notes.
+SEPARATE = dict(fuse_suffix=False)
+LONE = dict(SEPARATE, lone_pass=True)
+HEADS = dict(LONE, lone_all_heads=True, lone_block_n=128, lone_max_keys=256)
+VARIANTS = {
+    "separate": LaunchConfig(**SEPARATE),  # the default before the lone pass (then one launch; now two)
+    "fused": LaunchConfig(),
+    "m32t128": LaunchConfig(block_m=32, target_programs=128, **SEPARATE),
+    "lone": LaunchConfig(lone_block_n=32, **LONE),  # lone pass m16 n32 w4 s2: 96 registers (5 CTAs / SM)
+    "lone_t256": LaunchConfig(target_programs=256, lone_block_n=32, **LONE),
+    # decode: every head of a lone item in one program, key tiles of lone_block_n // 8 keys x 8 KV heads
+    "heads": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, **LONE),
+    "heads_s3": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=64, lone_num_stages=3, **LONE),
+    "heads_n32": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=32, **LONE),
+    "heads_n128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, **LONE),
+    # the decode default with lone units cut shorter (measured: no faster; the notes say why)
+    "cut64": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=64, **LONE),
+    "cut128": LaunchConfig(target_programs=256, lone_all_heads=True, lone_block_n=128, lone_max_keys=128, **LONE),
+    # deeper pipelines: a key tile's loads hang off a block-id load, and below 5 stages Triton's
+    # pipeliner waits for every copy at the top of each iteration (async_wait num 0: no overlap)
+    "s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256, **HEADS),
+    "s5n64": LaunchConfig(num_stages=5, target_programs=256, **HEADS),
+    "lone64s5": LaunchConfig(target_programs=256, **dict(HEADS, lone_block_n=64, lone_num_stages=5)),
+    "lone128s5": LaunchConfig(target_programs=256, **dict(HEADS, lone_num_stages=5)),
+    "s5n32_lone64s5": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                                   **dict(HEADS, lone_block_n=64, lone_num_stages=5)),
+    "s5n32_lone32s5": LaunchConfig(block_n=32, num_stages=5, target_programs=256,
+                                   **dict(HEADS, lone_block_n=32, lone_num_stages=5)),
+    # the defaults before five stages (decode and verify), and the fused layout at five stages
+    "s3": LaunchConfig(target_programs=256, **HEADS),
+    "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
+    "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
+    "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
+    # decode's default with registers capped (ptxas .maxnreg; Triton 3.6 for sm_90: the shared body 253
+    # registers, 168 with 80 bytes of spills = three programs an SM; the lone pass at 64 key rows holds
+    # 45 KB of shared memory, so 128 registers (64 bytes of spills) would fit four)
+    "r168": replace(DEFAULT_LAUNCH.decode, maxnreg=168),
+    "r160": replace(DEFAULT_LAUNCH.decode, maxnreg=160),
+    "lone64r128": replace(DEFAULT_LAUNCH.decode, lone_block_n=64, lone_maxnreg=128),
+    "r168_lone64r128": replace(DEFAULT_LAUNCH.decode, maxnreg=168, lone_block_n=64, lone_maxnreg=128),
+}
