@@ -45,11 +45,6 @@ VARIANTS = {
     "s3_verify": LaunchConfig(target_programs=256, **dict(LONE, lone_block_n=32)),
     "fused_s5n32": LaunchConfig(block_n=32, num_stages=5, target_programs=256),
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
-    # decode's default with registers capped (ptxas .maxnreg; Triton 3.6 for sm_90: the shared body 253
-    # registers, 168 with 80 bytes of spills = three programs an SM; the lone pass at 64 key rows holds
-    # 45 KB of shared memory, so 128 registers (64 bytes of spills) would fit four)
-    "r168": replace(DEFAULT_LAUNCH.decode, maxnreg=168),
-    "r160": replace(DEFAULT_LAUNCH.decode, maxnreg=160),
-    "lone64r128": replace(DEFAULT_LAUNCH.decode, lone_block_n=64, lone_maxnreg=128),
-    "r168_lone64r128": replace(DEFAULT_LAUNCH.decode, maxnreg=168, lone_block_n=64, lone_maxnreg=128),
+    # decode's default with the merge kernel after the lone pass (before the lone pass merged)
+    "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
 }

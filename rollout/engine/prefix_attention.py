@@ -33,7 +33,7 @@ class SharedPrefixPlan:
     query tokens have part_count 0."""
 
     item_counts: Tensor  # [2] int64: shared units' items, all items
-    items: Tensor  # [>= item_counts[1], 12] int64, fields prefix_items.ITEM_FIELDS
+    items: Tensor  # [>= item_counts[1], 13] int64, fields prefix_items.ITEM_FIELDS
     segments: Tensor  # [NS, 5] int64 fused suffix segments, fields prefix_items.SEG_FIELDS
     unit_tokens: Tensor  # [U] int64 query tokens of the shared units
     part_start: Tensor  # [T] int64 first partial row of each query token
@@ -43,7 +43,7 @@ class SharedPrefixPlan:
     suffix_block_m: int  # the row tile of lone units' items (SharedPrefixPlanner.suffix_block_m),
     max_query_len: int  # the step's longest query (for a graph: the one it was captured for),
     config: LaunchConfig  # and the launch parameters the plan was cut for
-    _buffers: tuple[Tensor, Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    _buffers: tuple[Tensor, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_host(cls, host: HostPlan, tensors: PlanArrays) -> SharedPrefixPlan:
@@ -54,15 +54,17 @@ class SharedPrefixPlan:
                    num_partial_rows=host.num_partial_rows, max_items=len(host.items),
                    suffix_block_m=host.suffix_block_m, max_query_len=host.max_query_len, config=host.config)
 
-    def buffers(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def buffers(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Allocated once per step and reused by every layer: the partial results o [P, Hq, D] in
-        q's dtype and lse [P, Hq] float32 (q: [T, Hq, D]), and the kernel's work counter [1]
-        (0 before each layer: the merge kernel resets it)."""
+        q's dtype and lse [P, Hq] float32 (q: [T, Hq, D]), the item kernel's work counter [1] and
+        each token's count of finished lone chunks [T] (0 before each layer: the pass that last
+        reads them resets them)."""
         if self._buffers is None:
             rows = max(self.num_partial_rows, 1)
             self._buffers = (q.new_empty(rows, q.shape[1], q.shape[2]),
                              torch.empty(rows, q.shape[1], dtype=torch.float32, device=q.device),
-                             torch.zeros(1, dtype=torch.int32, device=q.device))
+                             torch.zeros(1, dtype=torch.int32, device=q.device),
+                             torch.zeros(q.shape[0], dtype=torch.int32, device=q.device))
         return self._buffers
 
 

@@ -34,9 +34,10 @@ from rollout.engine.prefix_launch import LaunchConfig, max_segments
 # one work item: tokens tok_start .. tok_start + tok_count (of unit_tokens when indirect, else of
 # the step), query rows row0 .. row0 + block_m of them; the unit's keys: positions key_lo .. key_lo
 # + range_len of block-table row table_row; its virtual keys v_lo .. v_hi (see the docstring);
-# fused segments seg_start .. seg_start + seg_count; partial slot `slot` of each token not direct
+# fused segments seg_start .. seg_start + seg_count; partial slot `slot` of each token not direct; the
+# unit's `chunks` (items of one row tile: a decode step's lone pass merges a token when its last one ends)
 ITEM_FIELDS = ("tok_start", "tok_count", "row0", "indirect", "table_row", "key_lo", "range_len", "v_lo", "v_hi",
-               "seg_start", "seg_count", "slot")
+               "seg_start", "seg_count", "slot", "chunks")
 SEG_FIELDS = ("v_start", "table_row", "pos_offset", "tok_lo", "tok_hi")
 
 
@@ -129,7 +130,7 @@ def partial_slots(top, bottom, lone, chunks: np.ndarray, num_shared: int, q: np.
 
 
 def work_items(units: UnitArrays, chunks, span, tile_total, tile_segs, first_slot, groups: int) -> np.ndarray:
-    """[W, 12] items (ITEM_FIELDS): per unit, per key chunk of span[unit] virtual keys, per row
+    """[W, 13] items (ITEM_FIELDS): per unit, per key chunk of span[unit] virtual keys, per row
     tile; a lone unit's tiles stop at their last query's position. tile_total, tile_segs ([2,
     tiles]: first segment, segments): per row tile over all units."""
     tiles = units.tiles
@@ -146,7 +147,7 @@ def work_items(units: UnitArrays, chunks, span, tile_total, tile_segs, first_slo
     v_hi = np.minimum(np.minimum(v_lo + span[unit], tile_total[tile]), causal)
     return np.stack([units.tok_start[unit], units.tok_count[unit], row0, units.indirect[unit], units.table_row[unit],
                      units.key_lo[unit], units.range_len[unit], v_lo, v_hi, tile_segs[0, tile], tile_segs[1, tile],
-                     first_slot[unit] + c], axis=1).astype(np.int64)
+                     first_slot[unit] + c, chunks[unit]], axis=1).astype(np.int64)
 
 
 def _local_index(counts: np.ndarray) -> np.ndarray:

@@ -40,11 +40,8 @@ class LaunchConfig:
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
-    # Registers a thread may hold (ptxas' .maxnreg), for the shared units' launch and the lone pass; 0:
-    # the compiler's choice. The shared body takes 253 where its key loop needs ~157 (the epilogue's
-    # stores decide): 168 fits three programs an SM for 80 bytes of spills (prefix_attention_notes).
-    maxnreg: int = 0
-    lone_maxnreg: int = 0
+    lone_merge: bool = True  # the all-heads lone pass merges each token's partial results (no merge
+    # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):
@@ -54,10 +51,6 @@ class LaunchConfig:
         for warps, stages in ((self.num_warps, self.num_stages), (self.lone_num_warps, self.lone_num_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
-        for name in ("maxnreg", "lone_maxnreg"):
-            value = getattr(self, name)
-            if value and not 24 <= value <= 255:
-                raise ValueError(f"{name} must be 0 (the compiler's choice) or in [24, 255], got {value}")
         if self.lone_max_keys and self.lone_max_keys < self.block_n:
             raise ValueError(f"lone_max_keys must be 0 (no cap) or >= block_n, got {self.lone_max_keys}")
         if self.target_programs < 1 or self.min_chunk < self.block_n:

@@ -81,7 +81,7 @@ class PlanArrays(NamedTuple):
     (rollout.engine.transfer.upload_groups; `items` arrives flat)."""
 
     item_counts: np.ndarray  # [2] shared units' items, all items
-    items: np.ndarray  # [W, 12] fields ITEM_FIELDS
+    items: np.ndarray  # [W, 13] fields ITEM_FIELDS
     segments: np.ndarray  # [NS, 5] fields SEG_FIELDS
     unit_tokens: np.ndarray  # [U]
     part_start: np.ndarray  # [T]
@@ -92,7 +92,7 @@ class PlanArrays(NamedTuple):
 class HostPlan:
     """One step's shared-prefix plan as host arrays (uploaded with the step's other indices)."""
 
-    items: np.ndarray  # [W, 12] int64, fields ITEM_FIELDS, shared units' items first
+    items: np.ndarray  # [W, 13] int64, fields ITEM_FIELDS, shared units' items first
     num_shared_items: int  # items[:num_shared_items] have config.block_m rows, the rest suffix_block_m
     config: LaunchConfig
     suffix_block_m: int

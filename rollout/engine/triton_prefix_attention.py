@@ -30,7 +30,11 @@ block ids, keys), which more programs in flight hide. Each of its programs takes
 (no queue). In a decode step (`lone_all_heads`) `_lone_heads_kernel` runs a lone item's token with
 every query head at once: a key tile is whole keys x every KV head (a key's heads lie side by side
 in the cache, one contiguous read instead of one per KV head), and each query row sees the key
-rows of its own KV head.
+rows of its own KV head. There every token has a lone unit (suffixes unfused), so that pass also
+merges (`LaunchConfig.lone_merge`): the shared pass has finished, and a token's only lone chunk
+merges its shared partial rows with its own rows still in registers (no partial row written and
+read back, no merge kernel); where a lone unit is cut into chunks, the last chunk to finish (a
+per-token count of finished chunks) merges them all.
 
 Each kernel joins the chain of programmatic dependent launches (triton_pdl): it waits for the
 kernel before it first thing (the merge reads its token's plan rows before), so its launch and
@@ -210,22 +214,24 @@ if triton is not None:
             else:
                 work = tl.atomic_add(counter_ptr, 1)
 
-    @triton.jit(do_not_specialize=["stride_bt"],
+    @triton.jit(do_not_specialize=["stride_bt", "num_tokens"],
                 do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "part_start_ptr", "part_count_ptr",
                                                 "positions_ptr", "block_tables_ptr"])
     def _lone_heads_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, items_ptr, item_counts_ptr, part_start_ptr,
-        part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, tickets_ptr, items_ptr,
+        item_counts_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
-        the key rows of its own KV head. Program p takes every P-th lone item."""
+        the key rows of its own KV head. Program p takes every P-th lone item. MERGE: every token
+        has a lone unit, and this pass merges its partial results (_finish_token) in place of the
+        merge kernel, whose other duties it takes on too (the work counter, padded rows)."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
@@ -235,13 +241,17 @@ if triton is not None:
         kv_row = tl.arange(0, BLOCK_N)  # [N] key rows: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
         kv_head = kv_row % NUM_KV_HEADS
         mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
+        if MERGE:
+            _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, row_ok, stride_ot, stride_oh,
+                          HEADS_P2, HEAD_DIM)
         item = num_shared + tl.program_id(0)
         while item < total:
             item_ptr = items_ptr + item * NUM_FIELDS
-            token = tl.load(item_ptr) + tl.zeros([HEADS_P2], tl.int64)  # [M] lone items: the step's token, direct
+            tok = tl.load(item_ptr)  # lone items of a decode step: one token of the step, direct
+            token = tok + tl.zeros([HEADS_P2], tl.int64)  # [M]
             key_lo = tl.load(item_ptr + 5).to(tl.int32)
             hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
-            q_pos = tl.load(positions_ptr + tl.load(item_ptr)).to(tl.int32)
+            q_pos = tl.load(positions_ptr + tok).to(tl.int32)
             q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
             for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
@@ -255,9 +265,101 @@ if triton is not None:
                     q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
                     v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
                     qk_scale, HEAD_DIM, DOT_PRECISION)
-            _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                        part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
+            if MERGE:
+                _finish_token(item_ptr, tok, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
+                              tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
+                              HEAD_DIM)
+            else:
+                _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
+                            part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             item += tl.num_programs(0)
+
+    @triton.jit
+    def _finish_token(item_ptr, tok, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, tickets_ptr,
+                      part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                      HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """A lone item's rows (every head of token `tok`; online softmax m, l in log2 units) into the
+        output, merged with the token's other partial results: those of the shared pass are done
+        (this pass waited for it). The token's only lone chunk merges them with its own rows held
+        in registers; of several chunks each stores its rows, and the last to finish (a count of
+        finished chunks per token, reset for the next layer) merges them all."""
+        count = tl.load(part_count_ptr + tok)
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
+        if count == 1:  # the token's only partial result: no merge
+            _store_out(out_ptr, tok, head, head_ok, o, stride_ot, stride_oh, HEAD_DIM)
+        else:
+            lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            start = tl.load(part_start_ptr + tok)
+            own = tl.load(item_ptr + 11)
+            chunks = tl.load(item_ptr + 12)
+            if chunks == 1:  # its own rows weigh 1 against the running max lse
+                m, l_sum, merged = _merge_partials(part_o_ptr, part_lse_ptr, start, count, own, head, head_ok, lse,
+                                                   tl.where(lse == float("-inf"), 0.0, 1.0), o, NUM_HEADS, HEAD_DIM,
+                                                   "")
+                _store_out(out_ptr, tok, head, head_ok, merged / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None],
+                           stride_ot, stride_oh, HEAD_DIM)
+            else:
+                base = (start + own) * NUM_HEADS + head
+                dims = tl.arange(0, HEAD_DIM)
+                tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
+                         mask=head_ok[:, None])
+                tl.store(part_lse_ptr + base, lse, mask=head_ok)
+                tl.debug_barrier()  # every thread's rows stored before the count says so (release)
+                if tl.atomic_add(tickets_ptr + tok, 1) == chunks - 1:  # acquire: the other chunks' rows are in
+                    tl.store(tickets_ptr + tok, 0)
+                    m, l_sum, merged = _merge_partials(  # loads past L1: rows other SMs stored
+                        part_o_ptr, part_lse_ptr, start, count, -1, head, head_ok,
+                        tl.full([HEADS_P2], float("-inf"), tl.float32), tl.zeros([HEADS_P2], tl.float32),
+                        tl.zeros([HEADS_P2, HEAD_DIM], tl.float32), NUM_HEADS, HEAD_DIM, ".cg")
+                    _store_out(out_ptr, tok, head, head_ok, merged / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None],
+                               stride_ot, stride_oh, HEAD_DIM)
+
+    @triton.jit
+    def _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, head_ok, stride_ot, stride_oh,
+                      HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """What the merge kernel does besides merging, for a pass that merges in its place (after its
+        wait): reset the item kernel's work counter for the next layer, and write 0 to the rows of
+        tokens with no partial result (a CUDA graph's padding), program p taking every P-th token."""
+        if tl.program_id(0) == 0:
+            tl.store(counter_ptr, 0)
+        t = tl.program_id(0).to(tl.int64)
+        while t < num_tokens:
+            if tl.load(part_count_ptr + t) == 0:
+                _store_out(out_ptr, t, head, head_ok, tl.zeros([HEADS_P2, HEAD_DIM], tl.float32),
+                           stride_ot, stride_oh, HEAD_DIM)
+            t += tl.num_programs(0)
+
+    @triton.jit
+    def _merge_in(m, l_sum, acc, lse, o):
+        """One partial result (lse [H], natural log; o [H, D] normalised, float32) into a running
+        merge: max m, sum of weights l_sum [H], weighted sum acc [H, D]."""
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # partials that saw no key weigh 0
+        alpha = tl.exp(m - m_ref)
+        weight = tl.exp(lse - m_ref)
+        return m_new, l_sum * alpha + weight, acc * alpha[:, None] + weight[:, None] * o
+
+    @triton.jit
+    def _merge_partials(part_o_ptr, part_lse_ptr, start, count, skip, head, head_ok, m, l_sum, acc,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+        """A token's partial rows start .. start + count, but for row start + skip, into a running merge."""
+        dims = tl.arange(0, HEAD_DIM)
+        for p in range(0, count):
+            base = (start + p) * NUM_HEADS + head  # [H]
+            ok = head_ok & (head * 0 + p != skip)  # [H] (the interpreter masks by vectors)
+            lse = tl.load(part_lse_ptr + base, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+            o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0,
+                        cache_modifier=CACHE)
+            m, l_sum, acc = _merge_in(m, l_sum, acc, lse, o.to(tl.float32))
+        return m, l_sum, acc
+
+    @triton.jit
+    def _store_out(out_ptr, token, head, head_ok, o, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+        """Rows o [H, D] of one token's heads to the output."""
+        dims = tl.arange(0, HEAD_DIM)
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
@@ -273,24 +375,12 @@ if triton is not None:
         if count != 1:  # 1: written by its item; 0 (a graph's padded row): 0
             head = tl.arange(0, HEADS_P2)  # [H]
             head_ok = head < NUM_HEADS
-            dims = tl.arange(0, HEAD_DIM)
-            m = tl.full([HEADS_P2], float("-inf"), tl.float32)
-            l_sum = tl.zeros([HEADS_P2], tl.float32)
-            acc = tl.zeros([HEADS_P2, HEAD_DIM], tl.float32)
-            for p in range(0, count):
-                base = (start + p) * NUM_HEADS + head  # [H]
-                lse = tl.load(part_lse_ptr + base, mask=head_ok, other=float("-inf"))
-                o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=head_ok[:, None], other=0.0)
-                m_new = tl.maximum(m, lse)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # partials that saw no key weigh 0
-                alpha = tl.exp(m - m_ref)
-                weight = tl.exp(lse - m_ref)
-                l_sum = l_sum * alpha + weight
-                acc = acc * alpha[:, None] + weight[:, None] * o.to(tl.float32)
-                m = m_new
-            out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
-            tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            m, l_sum, acc = _merge_partials(part_o_ptr, part_lse_ptr, start, count, -1, head, head_ok,
+                                            tl.full([HEADS_P2], float("-inf"), tl.float32),
+                                            tl.zeros([HEADS_P2], tl.float32),
+                                            tl.zeros([HEADS_P2, HEAD_DIM], tl.float32), NUM_HEADS, HEAD_DIM, "")
+            _store_out(out_ptr, token, head, head_ok, acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None],
+                       stride_ot, stride_oh, HEAD_DIM)
 
 
 def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -305,7 +395,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         raise ValueError("shared_prefix_attention_triton needs the head dimension contiguous")
     out = torch.empty_like(q) if out is None else out
     pdl = triton_pdl.launch(q)  # the same for the step's three launches
-    part_o, part_lse, counter = plan.buffers(q)
+    part_o, part_lse, counter, tickets = plan.buffers(q)
     config, groups = plan.config, num_heads // num_kv_heads
     pairs = plan.max_items * num_kv_heads  # at least the step's (item, KV head) pairs
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -318,26 +408,28 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
-    shared_regs, lone_regs = ({"maxnreg": n} if n else {} for n in (config.maxnreg, config.lone_maxnreg))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
-                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
+                               num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
+            merge = config.lone_merge and not config.fuse_suffix  # every token has a lone unit
             _lone_heads_kernel[(lone,)](
-                q, k_cache, v_cache, out, part_o, part_lse, plan.items, plan.item_counts, plan.part_start,
-                plan.part_count, positions, block_tables, scale * LOG2E, *strides,
+                q, k_cache, v_cache, out, part_o, part_lse, counter, tickets, plan.items, plan.item_counts,
+                plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E, num_tokens, *strides,
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
-                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], **pdl,
-                num_warps=config.lone_num_warps, num_stages=config.lone_num_stages, **lone_regs)
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge, **pdl,
+                num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
+            if merge:
+                return out
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                                  num_warps=config.lone_num_warps, num_stages=config.lone_num_stages, **lone_regs)
+                                  num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
-                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
+                               num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
