@@ -47,7 +47,4 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # decode's default with the lone pass waiting for the shared pass first thing (before lone_early)
-    "lone_late": replace(DEFAULT_LAUNCH.decode, lone_early=False),
-    "lone_late_merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_early=False, lone_merge=False),
 }

@@ -42,8 +42,6 @@ class LaunchConfig:
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
     lone_merge: bool = True  # the all-heads lone pass merges each token's partial results (no merge
     # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
-    lone_early: bool = True  # the all-heads lone pass reads its keys while the shared pass's last
-    # programs run (PDL), and waits for it only to merge (or before its programs end)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):

@@ -16,11 +16,6 @@ lazily (torch makes the RoPE table on first use, so RoPE reads it after its wait
 everything else comes after the wait, so the values every kernel computes are those of launches
 without PDL (bench_engine.py --compare no-pdl checks the tokens are identical).
 
-A kernel that does part of its work independently of the kernel just before it (reading nothing
-that one writes, writing nothing that one reads or writes) may run that part before its wait: it
-calls `wait(PDL)` where it first needs the previous kernel's results, and `start(PDL)` before each
-program ends, so its completion still implies its predecessor's.
-
 `ENABLED` (read at each launch, so a benchmark can flip it; CUDA graphs record what was launched)
 turns it on for CUDA tensors; the interpreter never sees it.
 """
@@ -62,13 +57,6 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def wait(PDL: tl.constexpr):
-        """Wait for the previous kernel (its results visible), in a kernel that started its
-        independent work before (the module's rule); returns at once after the first time."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
 
 
 def launch(like: Tensor) -> dict:

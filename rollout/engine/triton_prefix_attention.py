@@ -72,7 +72,6 @@ ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kerne
 
 if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
-    from rollout.engine.triton_pdl import wait as pdl_wait
     from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _rows_start, _store_rows
 
     _SHARED, _LONE = tl.constexpr(SHARED_PASS), tl.constexpr(LONE_PASS)  # the kernel's view of the passes
@@ -225,19 +224,16 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
         the key rows of its own KV head. Program p takes every P-th lone item. MERGE: every token
         has a lone unit, and this pass merges its partial results (_finish_token) in place of the
-        merge kernel, whose other duties it takes on too (the work counter, padded rows). EARLY: it
-        reads and writes nothing the shared pass does until it merges, so it waits for that pass
-        only there (triton_pdl's rule for independent work) and runs beside its last programs."""
+        merge kernel, whose other duties it takes on too (the work counter, padded rows)."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
-        if not EARLY:
-            pdl_start(PDL)
+        pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1)
         head = tl.arange(0, HEADS_P2)  # [M] the rows
@@ -245,6 +241,9 @@ if triton is not None:
         kv_row = tl.arange(0, BLOCK_N)  # [N] key rows: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
         kv_head = kv_row % NUM_KV_HEADS
         mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
+        if MERGE:
+            _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, row_ok, stride_ot, stride_oh,
+                          HEADS_P2, HEAD_DIM)
         item = num_shared + tl.program_id(0)
         while item < total:
             item_ptr = items_ptr + item * NUM_FIELDS
@@ -267,7 +266,6 @@ if triton is not None:
                     v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
                     qk_scale, HEAD_DIM, DOT_PRECISION)
             if MERGE:
-                pdl_wait(PDL)  # the shared pass's partial rows
                 _finish_token(item_ptr, tok, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
                               HEAD_DIM)
@@ -275,11 +273,6 @@ if triton is not None:
                 _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                             part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             item += tl.num_programs(0)
-        if EARLY:
-            pdl_start(PDL)  # a program ends after the shared pass: the kernel after may rely on both
-        if MERGE:
-            _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, row_ok, stride_ot, stride_oh,
-                          HEADS_P2, HEAD_DIM)
 
     @triton.jit
     def _finish_token(item_ptr, tok, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, tickets_ptr,
@@ -426,8 +419,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E, num_tokens, *strides,
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
-                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge,
-                EARLY=config.lone_early, **pdl,
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge, **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
             if merge:
                 return out
