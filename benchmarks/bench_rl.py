@@ -21,11 +21,15 @@ KV). Steps are recorded by a light hook on build_step
 (its items' token counts and context lengths; a few integer sums per item). The service path uses
 the in-process limit of the same case (its steps are not visible from here). `--engine-arg
 key=value` passes EngineConfig fields to both paths (e.g. max_num_batched_tokens=8192), so
-settings can be compared side by side.
+settings can be compared side by side. `--rounds N` runs the attention settings N times, in reverse
+order every other round (runs of the same code differ by a few percent between engines), and adds
+each measure's median over the rounds and the ratio of the medians (shared / plain).
 
     python benchmarks/bench_rl.py --device cuda                        # all cases, ~8 min on an H200
     python benchmarks/bench_rl.py --device cuda --cases a b --paths in_process
     python benchmarks/bench_rl.py --device cpu --quick                 # a tiny shape: checks the script
+    python benchmarks/bench_rl.py --device cuda --cases a --paths in_process --attention shared plain \
+        --profile-steps 16 --profile-after 76 --rounds 3             # issue 24's goal step, 3 rounds
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +97,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
     p.add_argument("--attention", nargs="+", default=["shared"], choices=ATTENTION,
                    help="shared-prefix attention on (shared) and / or off (plain): one engine each, side by side")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the attention settings this many times, alternating their order; report medians")
     p.add_argument("--draft-block", type=int, default=8, help="the untrained DFlash drafter's block (case c)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an EngineConfig field for both paths, e.g. max_num_batched_tokens=8192 (repeatable)")
@@ -320,9 +327,10 @@ def serve_flags(fields: dict) -> list[str]:
 
 
 def bench_group(args, dirs: dict, spec: bool, attention: str, cases: list[str], rows: list[dict],
-                result: dict) -> None:
+                result: dict, round_: int = 0) -> None:
     """One drafter and attention setting: the in-process engine's cases, then the server's (each
-    after a warm-up run of the first case's workload, `--warmup-tokens` long, on other prompts)."""
+    after a warm-up run of the first case's workload, `--warmup-tokens` long, on other prompts);
+    its rows tagged with `round_`."""
     fields = engine_config(args, dirs, spec, attention)
     workloads = {name: case_workload(name, args.quick) for name in cases}
     warmup = dict(workloads[cases[0]], output_len=args.warmup_tokens)
@@ -338,7 +346,8 @@ def bench_group(args, dirs: dict, spec: bool, attention: str, cases: list[str], 
             if args.profile_steps:
                 row.update(profile_attention(engine, case, prompts_of(case, vocab, 1), args.profile_steps,
                                              args.device, args.profile_after))
-            rows.append(summary(name, "in_process", attention, case, row, limits[name], engine.kv_blocks()[1]))
+            rows.append(summary(name, "in_process", attention, case, dict(row, round=round_), limits[name],
+                                engine.kv_blocks()[1]))
             report(rows, result, args)
         del engine
         free_memory()
@@ -347,7 +356,8 @@ def bench_group(args, dirs: dict, spec: bool, attention: str, cases: list[str], 
             _, seen = run_service(server, 0, warmup, prompts_of(warmup, vocab, 99), args.device)
             for name, case in workloads.items():
                 row, seen = run_service(server, seen, case, prompts_of(case, vocab, 1), args.device)
-                rows.append(summary(name, "service", attention, case, row, limits.get(name), None))
+                rows.append(summary(name, "service", attention, case, dict(row, round=round_), limits.get(name),
+                                    None))
                 report(rows, result, args)
 
 
@@ -371,11 +381,42 @@ def report(rows: list[dict], result: dict, args) -> None:
         ins = next((r for r in same if r["path"] == "in_process" and r["attention"] == row["attention"]), None)
         if row["path"] == "service" and ins is not None:
             row["service_over_in_process"] = row["tokens_per_s"] / ins["tokens_per_s"]
-        plain = next((r for r in same if r["path"] == row["path"] and r["attention"] == "plain"), None)
+        plains = [r for r in same if r["path"] == row["path"] and r["attention"] == "plain"]
+        plain = next((r for r in plains if r["round"] == row["round"]), plains[0] if plains else None)
         if plain is not None:
             row["over_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
     result["rows"] = rows
+    if args.rounds > 1:
+        result["medians"] = medians(rows)
     write_json(args.out, result)
+
+
+MEDIAN_KEYS = ("tokens_per_s", "step_ms", "attention_ms", "attention_path_ms")
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per case, path and attention setting: each measure's median over the rounds, the spread of
+    attention on the stream, and the ratio of the medians to plain's."""
+    arms: dict[tuple, list[dict]] = {}
+    for row in rows:
+        arms.setdefault((row["case"], row["path"], row["attention"]), []).append(row)
+    out = []
+    for (case, path, attention), runs in arms.items():
+        arm = dict(case=case, path=path, attention=attention, rounds=len(runs))
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in runs if key in r]
+            if values:
+                arm[key] = statistics.median(values)
+                arm[f"{key}_spread"] = max(values) - min(values)
+        out.append(arm)
+    for arm in out:
+        plain = next((a for a in out if a["case"] == arm["case"] and a["path"] == arm["path"]
+                      and a["attention"] == "plain"), None)
+        if plain is not None and "attention_path_ms" in arm:
+            arm["path_over_plain"] = arm["attention_path_ms"] / plain["attention_path_ms"]
+        if plain is not None:
+            arm["over_plain"] = arm["tokens_per_s"] / plain["tokens_per_s"]
+    return out
 
 
 def make_dirs(args, root: Path) -> dict:
@@ -416,16 +457,21 @@ def main() -> None:
         dirs = make_dirs(args, Path(tmp))
         for spec in (False, True):
             cases = [c for c in args.cases if CASES[c]["spec"] == spec]
-            for attention in args.attention if cases else ():
-                bench_group(args, dirs, spec, attention, cases, rows, result)
+            for round_ in range(args.rounds if cases else 0):
+                for attention in args.attention[::-1] if round_ % 2 else args.attention:
+                    bench_group(args, dirs, spec, attention, cases, rows, result, round_)
     result["seconds"] = time.perf_counter() - start
-    columns = ["case", "path", "attention", "spec", "mask", "prompts", "n", "prompt_len", "output_len",
+    columns = ["case", "path", "attention", "round", "spec", "mask", "prompts", "n", "prompt_len", "output_len",
                "tokens_per_s", "over_plain", "steps", "step_ms", "attention_ms", "attention_path_ms", "kernels_ms",
                "profiled_context", "peak_gb", "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction",
                "fraction_unique", "service_over_in_process"]
     print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "
                 f"(fraction = memory-bound limit / run time; service: in-process limit)", rows, columns)
     report(rows, result, args)
+    if args.rounds > 1:
+        print_table(f"medians over {args.rounds} rounds (ratios: of the medians, to plain's)", result["medians"],
+                    ["case", "path", "attention", "rounds", *MEDIAN_KEYS, "attention_path_ms_spread",
+                     "path_over_plain", "over_plain"])
     print(f"wrote {args.out} in {result['seconds']:.0f} s")
 
 
