@@ -1,5 +1,6 @@
 """Shared-prefix attention, device side: the plan the kernel reads (`SharedPrefixPlan`), its static
-buffers for CUDA graphs (`StaticSharedPrefix`), and the torch reference of the computation.
+buffers for CUDA graphs (`StaticSharedPrefix`), and the torch reference of the computation. What it
+promises (plain attention's output): docs/attention.md.
 
 A step whose sequences share leading KV blocks (prefix_plan.py says how they are found and cut into
 work items) attends in two passes. Pass 1 runs every work item: the query rows of a unit's tokens
