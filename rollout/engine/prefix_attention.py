@@ -8,7 +8,8 @@ against a key range of one block-table row, with an online softmax, giving a par
 (token, query head): the normalised output o and the log-sum-exp lse of its scores. Pass 2 merges
 each token's partial results: out = sum_p exp(lse_p - m) o_p / sum_p exp(lse_p - m), m = max lse_p
 (the split-KV merge of flash-decoding). A token with one partial result was written directly by
-pass 1; a token with none (a padded row of a CUDA graph) gets 0.
+pass 1; a token with none (a padded row of a CUDA graph) gets 0. (The Triton kernels of a decode
+step fold pass 2 into their last pass: triton_prefix_attention.py.)
 
 `shared_prefix_attention_reference` is that computation in plain torch, item by item: the tests
 compare it and the Triton kernel (triton_prefix_attention.py) with plain paged attention.
