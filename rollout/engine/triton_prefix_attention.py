@@ -394,7 +394,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("shared_prefix_attention_triton needs the head dimension contiguous")
     out = torch.empty_like(q) if out is None else out
-    pdl = triton_pdl.launch(q)  # the same for the step's three launches
+    pdl = triton_pdl.launch(q)  # the same for every launch of the step
     part_o, part_lse, counter, tickets = plan.buffers(q)
     config, groups = plan.config, num_heads // num_kv_heads
     pairs = plan.max_items * num_kv_heads  # at least the step's (item, KV head) pairs
