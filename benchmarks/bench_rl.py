@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -47,24 +46,24 @@ import torch
 from bench_service import engine_periods
 from common import (
     SHAPES,
+    arm_medians,
     copy_bandwidth,
     environment,
     free_memory,
     kernel_trace,
     kernel_us,
+    matmul_rate,
     path_us,
     print_table,
     sync,
-    time_ms,
     weight_bytes,
     write_config_dir,
     write_json,
 )
-from prefix_variants import VARIANTS
+from prefix_variants import use_prefix_launch
 
 import rollout.engine.engine as engine_module
 from rollout import build_engine
-from rollout.engine import prefix_launch
 from rollout.engine.config import EngineConfig
 from rollout.engine.engine import LLMEngine
 from rollout.engine.kv import bytes_per_block
@@ -138,13 +137,6 @@ def case_workload(name: str, quick: bool) -> dict:
         scale = 2 if name in ("d", "e") else 1
         case.update(QUICK, prompt_len=QUICK["prompt_len"] * scale, output_len=QUICK["output_len"] * scale)
     return case
-
-
-def matmul_rate(device: str) -> float:
-    """FLOP/s of a large square matmul in the engine's dtype (bfloat16 on CUDA)."""
-    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (256, torch.float32)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return 2 * n**3 / (time_ms(lambda: a @ b, device, iters=10) / 1e3)
 
 
 @dataclasses.dataclass
@@ -395,20 +387,9 @@ MEDIAN_KEYS = ("tokens_per_s", "step_ms", "attention_ms", "attention_path_ms")
 
 
 def medians(rows: list[dict]) -> list[dict]:
-    """Per case, path and attention setting: each measure's median over the rounds, the spread of
-    attention on the stream, and the ratio of the medians to plain's."""
-    arms: dict[tuple, list[dict]] = {}
-    for row in rows:
-        arms.setdefault((row["case"], row["path"], row["attention"]), []).append(row)
-    out = []
-    for (case, path, attention), runs in arms.items():
-        arm = dict(case=case, path=path, attention=attention, rounds=len(runs))
-        for key in MEDIAN_KEYS:
-            values = [r[key] for r in runs if key in r]
-            if values:
-                arm[key] = statistics.median(values)
-                arm[f"{key}_spread"] = max(values) - min(values)
-        out.append(arm)
+    """Per case, path and attention setting: each measure's median over the rounds, its spread, and
+    the ratios of the medians to plain's."""
+    out = arm_medians(rows, ("case", "path", "attention"), MEDIAN_KEYS)
     for arm in out:
         plain = next((a for a in out if a["case"] == arm["case"] and a["path"] == arm["path"]
                       and a["attention"] == "plain"), None)
@@ -430,18 +411,6 @@ def make_dirs(args, root: Path) -> dict:
         del target
         free_memory()
     return dirs
-
-
-def use_prefix_launch(names: str | None) -> None:
-    """Engines built after this use the named launch variants (--prefix-launch) for shared-prefix
-    attention (prefix_plan.planner_for reads prefix_launch.DEFAULT_LAUNCH when an engine is built)."""
-    if not names:
-        return
-    decode, verify = (names.split(",") * 2)[:2]
-    pick = lambda name, default: default if name == "default" else VARIANTS[name]  # noqa: E731
-    prefix_launch.DEFAULT_LAUNCH = prefix_launch.LaunchConfigs(pick(decode, prefix_launch.DEFAULT_LAUNCH.decode),
-                                                               pick(verify, prefix_launch.DEFAULT_LAUNCH.verify))
-    print(f"shared-prefix launch: {prefix_launch.DEFAULT_LAUNCH}", flush=True)
 
 
 def main() -> None:

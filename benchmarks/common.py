@@ -165,6 +165,13 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     return 2 * nbytes / (ms / 1e3)
 
 
+def matmul_rate(device: str) -> float:
+    """FLOP/s of a large square matmul in the engine's dtype (bfloat16 on CUDA)."""
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (256, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / (time_ms(lambda: a @ b, device, iters=10) / 1e3)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters (tied ones counted once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -275,6 +282,24 @@ def run_in_turn(engines: dict[str, LLMEngine], requests: dict[str, list[tuple[li
     order = list(engines)[::-1] if reverse else list(engines)
     runs = {name: run_engine(engines[name], requests[name], f"{tag}-{name}", device) for name in order}
     return {name: runs[name] for name in engines}
+
+
+def arm_medians(rows: list[dict], by: tuple[str, ...], keys: tuple[str, ...]) -> list[dict]:
+    """Rows of repeated runs grouped by the fields `by` (in first-seen order): per group its runs
+    (`rounds`), and each of `keys` the rows have, its median and its spread (max - min)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[f] for f in by), []).append(row)
+    out = []
+    for group, runs in groups.items():
+        arm = dict(zip(by, group, strict=True), rounds=len(runs))
+        for key in keys:
+            values = [r[key] for r in runs if key in r]
+            if values:
+                arm[key] = statistics.median(values)
+                arm[f"{key}_spread"] = max(values) - min(values)
+        out.append(arm)
+    return out
 
 
 def nearest_median(runs: list[dict], key: str) -> dict:

@@ -1,5 +1,6 @@
 """The shared-prefix launch variants the benchmarks time: one LaunchConfig each, for decode and
-verify steps alike (bench_prefix_attention.py --sweep / --variants; bench_rl.py --prefix-launch).
+verify steps alike (bench_prefix_attention.py --sweep / --variants), and `use_prefix_launch`, which
+makes engines built after it use named variants (bench_rl.py --prefix-launch).
 Names stay once measured, so the commands in BENCHMARKS.md still run. Host only: importing it
 touches no device and chooses no Triton mode."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rollout.engine import prefix_launch
 from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfig
 
 # The sweep: one LaunchConfig for both kinds of step (predictions: prefix_attention_notes.md).
@@ -48,3 +50,15 @@ VARIANTS = {
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
 }
+
+
+def use_prefix_launch(names: str | None) -> None:
+    """Engines built after this use the named launch variants (--prefix-launch) for shared-prefix
+    attention (prefix_plan.planner_for reads prefix_launch.DEFAULT_LAUNCH when an engine is built)."""
+    if not names:
+        return
+    decode, verify = (names.split(",") * 2)[:2]
+    pick = lambda name, default: default if name == "default" else VARIANTS[name]  # noqa: E731
+    prefix_launch.DEFAULT_LAUNCH = prefix_launch.LaunchConfigs(pick(decode, prefix_launch.DEFAULT_LAUNCH.decode),
+                                                               pick(verify, prefix_launch.DEFAULT_LAUNCH.verify))
+    print(f"shared-prefix launch: {prefix_launch.DEFAULT_LAUNCH}", flush=True)

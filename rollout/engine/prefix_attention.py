@@ -63,10 +63,10 @@ class SharedPrefixPlan:
         reads them resets them)."""
         if self._buffers is None:
             rows = max(self.num_partial_rows, 1)
+            counts = torch.zeros(1 + q.shape[0], dtype=torch.int32, device=q.device)  # one allocation
             self._buffers = (q.new_empty(rows, q.shape[1], q.shape[2]),
-                             torch.empty(rows, q.shape[1], dtype=torch.float32, device=q.device),
-                             torch.zeros(1, dtype=torch.int32, device=q.device),
-                             torch.zeros(q.shape[0], dtype=torch.int32, device=q.device))
+                             torch.empty(rows, q.shape[1], dtype=torch.float32, device=q.device), counts[:1],
+                             counts[1:])
         return self._buffers
 
 

@@ -72,7 +72,16 @@ ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kerne
 
 if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
-    from rollout.engine.triton_prefix_tiles import _key_tile, _row_tile, _rows_start, _store_rows
+    from rollout.engine.triton_prefix_tiles import (
+        _key_tile,
+        _merge_partials,
+        _row_tile,
+        _rows_result,
+        _rows_start,
+        _store_merged,
+        _store_out,
+        _store_rows,
+    )
 
     _SHARED, _LONE = tl.constexpr(SHARED_PASS), tl.constexpr(LONE_PASS)  # the kernel's view of the passes
 
@@ -266,7 +275,7 @@ if triton is not None:
                     v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
                     qk_scale, HEAD_DIM, DOT_PRECISION)
             if MERGE:
-                _finish_token(item_ptr, tok, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
+                _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
                               HEAD_DIM)
             else:
@@ -275,45 +284,31 @@ if triton is not None:
             item += tl.num_programs(0)
 
     @triton.jit
-    def _finish_token(item_ptr, tok, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, tickets_ptr,
-                      part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+    def _finish_token(item_ptr, tok, token, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
+                      tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
                       HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """A lone item's rows (every head of token `tok`; online softmax m, l in log2 units) into the
-        output, merged with the token's other partial results: those of the shared pass are done
-        (this pass waited for it). The token's only lone chunk merges them with its own rows held
-        in registers; of several chunks each stores its rows, and the last to finish (a count of
+        """A lone item's rows (every head of token `tok`, `token` [H] its copies) into the output,
+        merged with the token's other partial results: those of the shared pass are done (this pass
+        waited for it). The token's only lone chunk merges them with its own rows held in
+        registers; of several chunks each stores its rows, and the last to finish (a count of
         finished chunks per token, reset for the next layer) merges them all."""
         count = tl.load(part_count_ptr + tok)
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
-        if count == 1:  # the token's only partial result: no merge
-            _store_out(out_ptr, tok, head, head_ok, o, stride_ot, stride_oh, HEAD_DIM)
-        else:
-            lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-            start = tl.load(part_start_ptr + tok)
-            own = tl.load(item_ptr + 11)
-            chunks = tl.load(item_ptr + 12)
-            if chunks == 1:  # its own rows weigh 1 against the running max lse
-                m, l_sum, merged = _merge_partials(part_o_ptr, part_lse_ptr, start, count, own, head, head_ok, lse,
-                                                   tl.where(lse == float("-inf"), 0.0, 1.0), o, NUM_HEADS, HEAD_DIM,
-                                                   "")
-                _store_out(out_ptr, tok, head, head_ok, merged / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None],
-                           stride_ot, stride_oh, HEAD_DIM)
-            else:
-                base = (start + own) * NUM_HEADS + head
-                dims = tl.arange(0, HEAD_DIM)
-                tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
-                         mask=head_ok[:, None])
-                tl.store(part_lse_ptr + base, lse, mask=head_ok)
+        start = tl.load(part_start_ptr + tok)
+        if (count != 1) & (tl.load(item_ptr + 12) == 1):  # one lone chunk: its own rows weigh 1 against
+            o, lse = _rows_result(m_i, l_i, acc)  # their lse as the running max
+            _, l_sum, merged = _merge_partials(part_o_ptr, part_lse_ptr, start, count, tl.load(item_ptr + 11), head,
+                                               head_ok, lse, tl.where(lse == float("-inf"), 0.0, 1.0), o,
+                                               NUM_HEADS, HEAD_DIM, "")
+            _store_out(out_ptr, tok, head, head_ok, l_sum, merged, stride_ot, stride_oh, HEAD_DIM)
+        else:  # the output (the token's only partial result), or the chunk's partial row
+            _store_rows(item_ptr, token, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
+                        part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
+            if count != 1:
                 tl.debug_barrier()  # every thread's rows stored before the count says so (release)
-                if tl.atomic_add(tickets_ptr + tok, 1) == chunks - 1:  # acquire: the other chunks' rows are in
+                if tl.atomic_add(tickets_ptr + tok, 1) == tl.load(item_ptr + 12) - 1:  # acquire: all chunks in
                     tl.store(tickets_ptr + tok, 0)
-                    m, l_sum, merged = _merge_partials(  # loads past L1: rows other SMs stored
-                        part_o_ptr, part_lse_ptr, start, count, -1, head, head_ok,
-                        tl.full([HEADS_P2], float("-inf"), tl.float32), tl.zeros([HEADS_P2], tl.float32),
-                        tl.zeros([HEADS_P2, HEAD_DIM], tl.float32), NUM_HEADS, HEAD_DIM, ".cg")
-                    _store_out(out_ptr, tok, head, head_ok, merged / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None],
-                               stride_ot, stride_oh, HEAD_DIM)
+                    _store_merged(part_o_ptr, part_lse_ptr, start, count, tok, head, head_ok, out_ptr, stride_ot,
+                                  stride_oh, NUM_HEADS, HEADS_P2, HEAD_DIM, ".cg")  # past L1: other SMs' rows
 
     @triton.jit
     def _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, head_ok, stride_ot, stride_oh,
@@ -326,40 +321,9 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         while t < num_tokens:
             if tl.load(part_count_ptr + t) == 0:
-                _store_out(out_ptr, t, head, head_ok, tl.zeros([HEADS_P2, HEAD_DIM], tl.float32),
-                           stride_ot, stride_oh, HEAD_DIM)
+                _store_out(out_ptr, t, head, head_ok, tl.zeros([HEADS_P2], tl.float32),
+                           tl.zeros([HEADS_P2, HEAD_DIM], tl.float32), stride_ot, stride_oh, HEAD_DIM)
             t += tl.num_programs(0)
-
-    @triton.jit
-    def _merge_in(m, l_sum, acc, lse, o):
-        """One partial result (lse [H], natural log; o [H, D] normalised, float32) into a running
-        merge: max m, sum of weights l_sum [H], weighted sum acc [H, D]."""
-        m_new = tl.maximum(m, lse)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # partials that saw no key weigh 0
-        alpha = tl.exp(m - m_ref)
-        weight = tl.exp(lse - m_ref)
-        return m_new, l_sum * alpha + weight, acc * alpha[:, None] + weight[:, None] * o
-
-    @triton.jit
-    def _merge_partials(part_o_ptr, part_lse_ptr, start, count, skip, head, head_ok, m, l_sum, acc,
-                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
-        """A token's partial rows start .. start + count, but for row start + skip, into a running merge."""
-        dims = tl.arange(0, HEAD_DIM)
-        for p in range(0, count):
-            base = (start + p) * NUM_HEADS + head  # [H]
-            ok = head_ok & (head * 0 + p != skip)  # [H] (the interpreter masks by vectors)
-            lse = tl.load(part_lse_ptr + base, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-            o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0,
-                        cache_modifier=CACHE)
-            m, l_sum, acc = _merge_in(m, l_sum, acc, lse, o.to(tl.float32))
-        return m, l_sum, acc
-
-    @triton.jit
-    def _store_out(out_ptr, token, head, head_ok, o, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
-        """Rows o [H, D] of one token's heads to the output."""
-        dims = tl.arange(0, HEAD_DIM)
-        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
@@ -375,12 +339,8 @@ if triton is not None:
         if count != 1:  # 1: written by its item; 0 (a graph's padded row): 0
             head = tl.arange(0, HEADS_P2)  # [H]
             head_ok = head < NUM_HEADS
-            m, l_sum, acc = _merge_partials(part_o_ptr, part_lse_ptr, start, count, -1, head, head_ok,
-                                            tl.full([HEADS_P2], float("-inf"), tl.float32),
-                                            tl.zeros([HEADS_P2], tl.float32),
-                                            tl.zeros([HEADS_P2, HEAD_DIM], tl.float32), NUM_HEADS, HEAD_DIM, "")
-            _store_out(out_ptr, token, head, head_ok, acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None],
-                       stride_ot, stride_oh, HEAD_DIM)
+            _store_merged(part_o_ptr, part_lse_ptr, start, count, token, head, head_ok, out_ptr, stride_ot, stride_oh,
+                          NUM_HEADS, HEADS_P2, HEAD_DIM, "")
 
 
 def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

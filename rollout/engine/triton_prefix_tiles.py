@@ -2,7 +2,8 @@
 paged kernel; triton_prefix_attention.py: the shared-prefix item kernel and the all-heads lone
 kernel): a tile of query rows with an empty online softmax, one tile of keys into its running
 (max, sum, accumulator), and the store of those rows, to the output or to their token's partial
-row. Scores are in base 2: callers pass the softmax scale times LOG2E."""
+row; and the merge of a token's partial rows by their log-sum-exp. Scores are in base 2: callers
+pass the softmax scale times LOG2E."""
 
 from __future__ import annotations
 
@@ -64,13 +65,20 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _rows_result(m_i, l_i, acc):
+        """The rows' normalised output [M, D] and log-sum-exp [M] (natural log); a row that saw no
+        key: 0 and -inf."""
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        return acc / l_safe[:, None], lse
+
+    @triton.jit
     def _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
                     part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
         """The normalised rows to the output where their token has one partial result, else with
         their log-sum-exp (natural log) to the token's partial row of the item's slot."""
         dims = tl.arange(0, HEAD_DIM)
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]  # a row that saw no key: 0, lse -inf
+        o, lse = _rows_result(m_i, l_i, acc)
         count = tl.load(part_count_ptr + token, mask=row_ok, other=0)
         direct = row_ok & (count == 1)
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -79,5 +87,49 @@ if triton is not None:
         base = (tl.load(part_start_ptr + token, mask=row_ok, other=0) + tl.load(item_ptr + 11)) * NUM_HEADS + head
         tl.store(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], o.to(part_o_ptr.dtype.element_ty),
                  mask=part[:, None])
-        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(part_lse_ptr + base, lse, mask=part)
+
+    @triton.jit
+    def _merge_in(m, l_sum, acc, lse, o):
+        """One partial result (lse [H], natural log; o [H, D] normalised, float32) into a running
+        merge: max m, sum of weights l_sum [H], weighted sum acc [H, D]."""
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # partials that saw no key weigh 0
+        alpha = tl.exp(m - m_ref)
+        weight = tl.exp(lse - m_ref)
+        return m_new, l_sum * alpha + weight, acc * alpha[:, None] + weight[:, None] * o
+
+    @triton.jit
+    def _merge_partials(part_o_ptr, part_lse_ptr, start, count, skip, head, head_ok, m, l_sum, acc,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+        """A token's partial rows start .. start + count, but for row start + skip, into a running
+        merge (heads `head` [H] of them)."""
+        dims = tl.arange(0, HEAD_DIM)
+        for p in range(0, count):
+            base = (start + p) * NUM_HEADS + head  # [H]
+            ok = head_ok & (head * 0 + p != skip)  # [H] (the interpreter masks by vectors)
+            lse = tl.load(part_lse_ptr + base, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+            o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0,
+                        cache_modifier=CACHE)
+            m, l_sum, acc = _merge_in(m, l_sum, acc, lse, o.to(tl.float32))
+        return m, l_sum, acc
+
+    @triton.jit
+    def _store_merged(part_o_ptr, part_lse_ptr, start, count, token, head, head_ok, out_ptr, stride_ot, stride_oh,
+                      NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      CACHE: tl.constexpr):
+        """A token's partial rows start .. start + count merged into its output rows (0 for none)."""
+        _, l_sum, acc = _merge_partials(part_o_ptr, part_lse_ptr, start, count, -1, head, head_ok,
+                                        tl.full([HEADS_P2], float("-inf"), tl.float32),
+                                        tl.zeros([HEADS_P2], tl.float32), tl.zeros([HEADS_P2, HEAD_DIM], tl.float32),
+                                        NUM_HEADS, HEAD_DIM, CACHE)
+        _store_out(out_ptr, token, head, head_ok, l_sum, acc, stride_ot, stride_oh, HEAD_DIM)
+
+    @triton.jit
+    def _store_out(out_ptr, token, head, head_ok, l_sum, acc, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+        """One token's merged rows (acc [H, D] over weights l_sum [H]; 0 where nothing weighed) to
+        the output."""
+        dims = tl.arange(0, HEAD_DIM)
+        o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
