@@ -49,6 +49,14 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
+    # the shared pass at 168 registers (three programs an SM; spills outside the key loops only), with
+    # its keys cut into more chunks so that the third program has work (tN: target_programs; pairs at
+    # 32x8x1024 / 16x16x4096 decode: t256 256 / 256, t768 512 / 640, t1152 768 / 896, t1536 1024 / 640)
+    "r168": replace(DEFAULT_LAUNCH.decode, maxnreg=168),
+    "r168_t768": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=768),
+    "r168_t1152": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=1152),
+    "r168_t1536": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=1536),
+    "t1152": replace(DEFAULT_LAUNCH.decode, target_programs=1152),
 }
 
 

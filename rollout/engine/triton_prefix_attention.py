@@ -131,6 +131,11 @@ if triton is not None:
                 item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, tl.maximum(v_lo, range_len), v_hi,
                 k_base, v_base, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION)
+        # The rows' tokens and heads again, past a barrier the compiler does not move loads across: else
+        # it keeps their copies in the stores' layout live through the key loops (sm_90, Triton 3.6:
+        # 253 registers against 204, and 168, three programs an SM, spill inside the loops).
+        tl.debug_barrier()
+        token, head, row_ok = _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS, BLOCK_M)
         _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
                     part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
 
@@ -368,9 +373,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
+    shared_regs = {"maxnreg": config.maxnreg} if config.maxnreg else {}
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
-                               num_warps=config.num_warps, num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             merge = config.lone_merge and not config.fuse_suffix  # every token has a lone unit
@@ -389,7 +395,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
-                               num_warps=config.num_warps, num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
