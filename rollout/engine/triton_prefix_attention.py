@@ -112,12 +112,16 @@ if triton is not None:
         masked_lo = v_lo  # loop 1: the unit's own keys, full tiles of a shared unit first (no mask)
         if not CAUSAL:
             masked_lo = v_lo + (own_hi - v_lo) // BLOCK_N * BLOCK_N
+            vk = v_lo + tl.arange(0, BLOCK_N)
+            block = tl.load(table + (key_lo + vk) // BLOCK_SIZE, mask=vk < masked_lo, other=0)  # [N] int64
             for v0 in range(v_lo, masked_lo, BLOCK_N):
                 pos = key_lo + v0 + tl.arange(0, BLOCK_N)
-                block = tl.load(table + pos // BLOCK_SIZE)  # [N] int64
+                nxt = v0 + BLOCK_N + tl.arange(0, BLOCK_N)
+                next_block = tl.load(table + (key_lo + nxt) // BLOCK_SIZE, mask=nxt < masked_lo, other=0)
                 m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, pos >= 0, row_ok[:, None], m_i, l_i, acc,
                                           qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
                                           DOT_PRECISION, False)
+                block = next_block
         for v0 in range(masked_lo, own_hi, BLOCK_N):
             vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
             key_ok = vk < own_hi
@@ -268,17 +272,21 @@ if triton is not None:
             q_pos = tl.load(positions_ptr + tok).to(tl.int32)
             q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
+            lo = tl.load(item_ptr + 7).to(tl.int32)
+            vk = lo + kv_row // NUM_KV_HEADS
+            block = tl.load(table + (key_lo + vk) // BLOCK_SIZE, mask=vk < hi, other=0)  # [N] int64
+            for v0 in range(lo, hi, KEYS):
                 vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
                 key_ok = vk < hi
                 pos = key_lo + vk
-                block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
+                next_block = tl.load(table + (pos + KEYS) // BLOCK_SIZE, mask=vk + KEYS < hi, other=0)
                 slot = pos % BLOCK_SIZE
                 seen = mine & (key_ok & (pos <= q_pos))[None, :]
                 m_i, l_i, acc = _row_tile(
                     q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
                     v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
                     qk_scale, HEAD_DIM, DOT_PRECISION)
+                block = next_block
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
