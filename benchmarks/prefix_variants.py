@@ -57,16 +57,16 @@ VARIANTS = {
     "r168_t1152": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=1152),
     "r168_t1536": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=1536),
     "t1152": replace(DEFAULT_LAUNCH.decode, target_programs=1152),
-    # block ids of the next key tile loaded one iteration ahead (a loop-carried vector): the pipeliner
-    # then keeps copies in flight from 3 stages (shared pass and decode's lone pass); the stages and
-    # tiles that this opens
-    "ids_s3": replace(DEFAULT_LAUNCH.decode, num_stages=3),
-    "ids_s4": replace(DEFAULT_LAUNCH.decode, num_stages=4),
-    "ids_lone128s3": replace(DEFAULT_LAUNCH.decode, lone_num_stages=3),
-    "ids_lone64s3": replace(DEFAULT_LAUNCH.decode, lone_block_n=64, lone_num_stages=3),
-    "ids_lone64s4": replace(DEFAULT_LAUNCH.decode, lone_block_n=64, lone_num_stages=4),
-    "ids_lone32s4": replace(DEFAULT_LAUNCH.decode, lone_block_n=32, lone_num_stages=4),
-    "ids_lone32s5": replace(DEFAULT_LAUNCH.decode, lone_block_n=32, lone_num_stages=5),
+    # the per-KV-head lone pass (92 registers) beside the shared pass: two shared programs an SM (204
+    # registers each) leave room for one of its programs, which reads suffixes while they read prompts
+    "early": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=32, lone_num_stages=2,
+                     lone_early=True, programs_per_sm=2),
+    "early_n64": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=64, lone_num_stages=2,
+                         lone_early=True, programs_per_sm=2),
+    "early_q8": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=32, lone_num_stages=2,
+                        lone_early=True),
+    "late_n32": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=32, lone_num_stages=2,
+                        programs_per_sm=2),
 }
 
 

@@ -241,7 +241,7 @@ def test_suffixes_are_read_alone_where_a_tile_could_hold_too_many_sequences():
 
 
 @pytest.mark.parametrize("field, value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("min_chunk", 16),
-                                          ("maxnreg", 8), ("maxnreg", 256)])
+                                          ("maxnreg", 8), ("maxnreg", 256), ("programs_per_sm", 0)])
 def test_launch_parameters_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         LaunchConfig(**{field: value})

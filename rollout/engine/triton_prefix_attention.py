@@ -66,7 +66,6 @@ try:
 except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependency
     triton = None
 
-PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
 LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-th item)
 ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
 
@@ -112,16 +111,12 @@ if triton is not None:
         masked_lo = v_lo  # loop 1: the unit's own keys, full tiles of a shared unit first (no mask)
         if not CAUSAL:
             masked_lo = v_lo + (own_hi - v_lo) // BLOCK_N * BLOCK_N
-            vk = v_lo + tl.arange(0, BLOCK_N)
-            block = tl.load(table + (key_lo + vk) // BLOCK_SIZE, mask=vk < masked_lo, other=0)  # [N] int64
             for v0 in range(v_lo, masked_lo, BLOCK_N):
                 pos = key_lo + v0 + tl.arange(0, BLOCK_N)
-                nxt = v0 + BLOCK_N + tl.arange(0, BLOCK_N)
-                next_block = tl.load(table + (key_lo + nxt) // BLOCK_SIZE, mask=nxt < masked_lo, other=0)
+                block = tl.load(table + pos // BLOCK_SIZE)  # [N] int64
                 m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, pos >= 0, row_ok[:, None], m_i, l_i, acc,
                                           qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
                                           DOT_PRECISION, False)
-                block = next_block
         for v0 in range(masked_lo, own_hi, BLOCK_N):
             vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
             key_ok = vk < own_hi
@@ -199,9 +194,10 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, PDL: tl.constexpr,
+        PASS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
     ):
-        pdl_start(PDL)
+        if not EARLY:
+            pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         if PASS == _LONE:  # lone units' items, program p taking every P-th (no queue)
             total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
@@ -231,6 +227,8 @@ if triton is not None:
                 work += tl.num_programs(0)
             else:
                 work = tl.atomic_add(counter_ptr, 1)
+        if EARLY:  # a lone pass begun beside the shared pass: each program ends after it (triton_pdl)
+            pdl_start(PDL)
 
     @triton.jit(do_not_specialize=["stride_bt", "num_tokens"],
                 do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "part_start_ptr", "part_count_ptr",
@@ -272,21 +270,17 @@ if triton is not None:
             q_pos = tl.load(positions_ptr + tok).to(tl.int32)
             q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            lo = tl.load(item_ptr + 7).to(tl.int32)
-            vk = lo + kv_row // NUM_KV_HEADS
-            block = tl.load(table + (key_lo + vk) // BLOCK_SIZE, mask=vk < hi, other=0)  # [N] int64
-            for v0 in range(lo, hi, KEYS):
+            for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
                 vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
                 key_ok = vk < hi
                 pos = key_lo + vk
-                next_block = tl.load(table + (pos + KEYS) // BLOCK_SIZE, mask=vk + KEYS < hi, other=0)
+                block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
                 slot = pos % BLOCK_SIZE
                 seen = mine & (key_ok & (pos <= q_pos))[None, :]
                 m_i, l_i, acc = _row_tile(
                     q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
                     v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
                     qk_scale, HEAD_DIM, DOT_PRECISION)
-                block = next_block
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
@@ -380,10 +374,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
-    queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
+    queue = max(1, min(pairs, _resident_programs(q.device, config.programs_per_sm)))
     shared_regs = {"maxnreg": config.maxnreg} if config.maxnreg else {}
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
-        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS, EARLY=False,
                                num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
@@ -400,9 +394,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
+                                  EARLY=config.lone_early and bool(pdl["PDL"]),
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
-        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS, EARLY=False,
                                num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
