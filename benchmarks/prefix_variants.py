@@ -49,24 +49,6 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # the shared pass at 168 registers (three programs an SM; spills outside the key loops only), with
-    # its keys cut into more chunks so that the third program has work (tN: target_programs; pairs at
-    # 32x8x1024 / 16x16x4096 decode: t256 256 / 256, t768 512 / 640, t1152 768 / 896, t1536 1024 / 640)
-    "r168": replace(DEFAULT_LAUNCH.decode, maxnreg=168),
-    "r168_t768": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=768),
-    "r168_t1152": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=1152),
-    "r168_t1536": replace(DEFAULT_LAUNCH.decode, maxnreg=168, target_programs=1536),
-    "t1152": replace(DEFAULT_LAUNCH.decode, target_programs=1152),
-    # the per-KV-head lone pass (92 registers) beside the shared pass: two shared programs an SM (204
-    # registers each) leave room for one of its programs, which reads suffixes while they read prompts
-    "early": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=32, lone_num_stages=2,
-                     lone_early=True, programs_per_sm=2),
-    "early_n64": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=64, lone_num_stages=2,
-                         lone_early=True, programs_per_sm=2),
-    "early_q8": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=32, lone_num_stages=2,
-                        lone_early=True),
-    "late_n32": replace(DEFAULT_LAUNCH.decode, lone_all_heads=False, lone_block_n=32, lone_num_stages=2,
-                        programs_per_sm=2),
 }
 
 

@@ -48,11 +48,6 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
-# the lone pass beside the shared pass (on a GPU with PDL: its programs wait for the shared pass as they end)
-LAUNCHES["lone pass, early"] = LaunchConfigs(*(replace(LAUNCHES["lone pass"].decode, lone_early=True,
-                                                       programs_per_sm=2),) * 2)
-# the shared pass capped at 168 registers (on a GPU: spills, three programs an SM)
-LAUNCHES["lone heads, 168 registers"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, maxnreg=168),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 

@@ -26,8 +26,6 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3  # software-pipelining depth of the key loads
     target_programs: int = 512  # cut key ranges into chunks until about this many (item, KV head) pairs
-    programs_per_sm: int = 8  # programs of the shared units' launch per SM (more than fit at once: the
-    # queue balances; with lone_early, those that fit, so that the lone pass's programs follow at once)
     min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
@@ -42,14 +40,6 @@ class LaunchConfig:
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
-    lone_early: bool = False  # the per-KV-head lone pass runs beside the shared pass (PDL): it reads and
-    # writes nothing that pass does, and its programs wait for it only as they end. Its programs fit an
-    # SM beside two of the shared pass (m16 n32 w4 s2: 92 registers, sm_90) and read suffixes while
-    # the shared pass reads prompts.
-    # Registers a thread of the shared units' launch may hold (ptxas' .maxnreg; 0: the compiler's
-    # choice). At 168 three programs of m64 n32 w4 s5 fit an SM (by registers and by shared memory),
-    # and the spills (sm_90, Triton 3.6: 40 bytes) lie outside the key loops.
-    maxnreg: int = 0
     lone_merge: bool = True  # the all-heads lone pass merges each token's partial results (no merge
     # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
 
@@ -61,10 +51,6 @@ class LaunchConfig:
         for warps, stages in ((self.num_warps, self.num_stages), (self.lone_num_warps, self.lone_num_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
-        if self.programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
-        if self.maxnreg and not 24 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg must be 0 (the compiler's choice) or in [24, 255], got {self.maxnreg}")
         if self.lone_max_keys and self.lone_max_keys < self.block_n:
             raise ValueError(f"lone_max_keys must be 0 (no cap) or >= block_n, got {self.lone_max_keys}")
         if self.target_programs < 1 or self.min_chunk < self.block_n:

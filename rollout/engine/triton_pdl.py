@@ -16,10 +16,6 @@ lazily (torch makes the RoPE table on first use, so RoPE reads it after its wait
 everything else comes after the wait, so the values every kernel computes are those of launches
 without PDL (bench_engine.py --compare no-pdl checks the tokens are identical).
 
-A kernel whose work is independent of the kernel just before it (reading nothing that one writes,
-writing nothing that one reads or writes) may do it all before its wait: it calls `start(PDL)` as
-each program ends instead, so its completion still implies its predecessor's.
-
 `ENABLED` (read at each launch, so a benchmark can flip it; CUDA graphs record what was launched)
 turns it on for CUDA tensors; the interpreter never sees it.
 """

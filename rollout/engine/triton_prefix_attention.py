@@ -66,6 +66,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependency
     triton = None
 
+PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
 LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-th item)
 ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
 
@@ -132,7 +133,7 @@ if triton is not None:
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION)
         # The rows' tokens and heads again, past a barrier the compiler does not move loads across: else
         # it keeps their copies in the stores' layout live through the key loops (sm_90, Triton 3.6:
-        # 253 registers against 204, and 168, three programs an SM, spill inside the loops).
+        # 253 registers against 204; no faster at two programs an SM, session 19, call 1).
         tl.debug_barrier()
         token, head, row_ok = _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS, BLOCK_M)
         _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
@@ -194,10 +195,9 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+        PASS: tl.constexpr, PDL: tl.constexpr,
     ):
-        if not EARLY:
-            pdl_start(PDL)
+        pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         if PASS == _LONE:  # lone units' items, program p taking every P-th (no queue)
             total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
@@ -227,8 +227,6 @@ if triton is not None:
                 work += tl.num_programs(0)
             else:
                 work = tl.atomic_add(counter_ptr, 1)
-        if EARLY:  # a lone pass begun beside the shared pass: each program ends after it (triton_pdl)
-            pdl_start(PDL)
 
     @triton.jit(do_not_specialize=["stride_bt", "num_tokens"],
                 do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "part_start_ptr", "part_count_ptr",
@@ -374,11 +372,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
-    queue = max(1, min(pairs, _resident_programs(q.device, config.programs_per_sm)))
-    shared_regs = {"maxnreg": config.maxnreg} if config.maxnreg else {}
+    queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
-        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS, EARLY=False,
-                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
+                               num_warps=config.num_warps, num_stages=config.num_stages)
         if _all_heads(config, plan, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             merge = config.lone_merge and not config.fuse_suffix  # every token has a lone unit
@@ -394,11 +391,10 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         else:
             lone = max(1, min(pairs, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             _item_kernel[(lone,)](*args, **constants, BLOCK_N=config.lone_block_n, PASS=LONE_PASS,
-                                  EARLY=config.lone_early and bool(pdl["PDL"]),
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
-        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS, EARLY=False,
-                               num_warps=config.num_warps, num_stages=config.num_stages, **shared_regs)
+        _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
+                               num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),
