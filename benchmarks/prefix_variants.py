@@ -49,11 +49,6 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # decode's all-heads lone pass with 64-row tiles (32 query heads and 32 empty rows): warpgroup MMA, and
-    # each warp holds whole rows, so the softmax needs no exchange between warps (2 barriers a tile, not 12)
-    "lone_m64n32s5": replace(DEFAULT_LAUNCH.decode, lone_block_m=64, lone_block_n=32, lone_num_stages=5),
-    "lone_m64n64": replace(DEFAULT_LAUNCH.decode, lone_block_m=64, lone_block_n=64),
-    "lone_m64n128": replace(DEFAULT_LAUNCH.decode, lone_block_m=64),
 }
 
 

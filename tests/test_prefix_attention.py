@@ -48,8 +48,6 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
-# the all-heads lone pass's rows padded to 64 (2 query heads a token here: 62 empty rows)
-LAUNCHES["lone heads, 64 rows"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_block_m=64),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 

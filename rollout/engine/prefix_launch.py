@@ -37,8 +37,6 @@ class LaunchConfig:
     lone_all_heads: bool = False  # decode steps: a lone item's every head in one program, key tiles of
     # lone_block_n // KV heads keys x every KV head (all of a key's heads in one contiguous read)
     lone_block_n: int = 64
-    lone_block_m: int = 0  # all-heads lone pass: rows of its tile at least (the token's query heads, padded with
-    # empty rows; 64 lets Hopper's warpgroup MMA take the tile and each warp hold whole rows)
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
@@ -46,8 +44,6 @@ class LaunchConfig:
     # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
 
     def __post_init__(self) -> None:
-        if self.lone_block_m and (self.lone_block_m < 16 or self.lone_block_m & (self.lone_block_m - 1)):
-            raise ValueError(f"lone_block_m must be 0 or a power of two >= 16, got {self.lone_block_m}")
         for name in ("block_m", "block_n", "lone_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):

@@ -382,8 +382,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
             _lone_heads_kernel[(lone,)](
                 q, k_cache, v_cache, out, part_o, part_lse, counter, tickets, plan.items, plan.item_counts,
                 plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E, num_tokens, *strides,
-                NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads,
-                HEADS_P2=max(16, config.lone_block_m, triton.next_power_of_2(num_heads)),
+                NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge, **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
