@@ -49,6 +49,9 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
+    # decode's all-heads lone pass with each query head's softmax over its own KV head's keys only (not
+    # measured yet: compiled for sm_90 its key loop has 39 instructions a warp per key against 54)
+    "own_keys": replace(DEFAULT_LAUNCH.decode, lone_own_keys=True),
 }
 
 

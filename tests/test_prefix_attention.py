@@ -48,6 +48,8 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
+# the all-heads lone pass with key rows KV head by KV head, each query head's softmax over its own keys
+LAUNCHES["lone heads, own keys"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_own_keys=True),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 
@@ -177,7 +179,7 @@ POISON_CASES = {  # blocks of 8 keys: lone ranges start at, and inside, a block
 
 
 @needs_triton
-@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone pass"])
+@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone heads, own keys", "lone pass"])
 @pytest.mark.parametrize("name", list(POISON_CASES))
 @pytest.mark.parametrize("slack", [False, True], ids=["", "planned for longer contexts"])
 def test_no_slot_outside_a_sequence_reaches_its_sum(name, launch, slack):

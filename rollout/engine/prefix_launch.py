@@ -37,6 +37,9 @@ class LaunchConfig:
     lone_all_heads: bool = False  # decode steps: a lone item's every head in one program, key tiles of
     # lone_block_n // KV heads keys x every KV head (all of a key's heads in one contiguous read)
     lone_block_n: int = 64
+    lone_own_keys: bool = False  # all-heads lone pass: key rows KV head by KV head, and each query head's
+    # softmax over its own KV head's keys only (1/KV of the tile's scores; compiled for sm_90 its key loop
+    # has 39 instructions a warp per key against 54): not measured on a GPU yet
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)

@@ -75,6 +75,7 @@ if triton is not None:
     from rollout.engine.triton_prefix_tiles import (
         _key_tile,
         _merge_partials,
+        _own_tile,
         _row_tile,
         _rows_result,
         _rows_start,
@@ -238,7 +239,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, OWN: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
@@ -252,9 +253,13 @@ if triton is not None:
         total = tl.load(item_counts_ptr + 1)
         head = tl.arange(0, HEADS_P2)  # [M] the rows
         row_ok = head < NUM_HEADS
-        kv_row = tl.arange(0, BLOCK_N)  # [N] key rows: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
-        kv_head = kv_row % NUM_KV_HEADS
-        mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
+        kv_row = tl.arange(0, BLOCK_N)  # [N] key rows
+        if OWN:  # KV head by KV head: KV head kv_row // KEYS, key kv_row % KEYS (_own_tile)
+            kv_head, key_of = kv_row // KEYS, kv_row % KEYS
+            mine = (head // GROUPS)[:, None, None] == tl.arange(0, NUM_KV_HEADS)[None, :, None]  # [M, KV, 1]
+        else:  # key by key: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
+            kv_head, key_of = kv_row % NUM_KV_HEADS, kv_row // NUM_KV_HEADS
+            mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
         if MERGE:
             _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, row_ok, stride_ot, stride_oh,
                           HEADS_P2, HEAD_DIM)
@@ -269,16 +274,20 @@ if triton is not None:
             q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
             for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
-                vk = v0 + kv_row // NUM_KV_HEADS  # [N] virtual keys
+                vk = v0 + key_of  # [N] virtual keys
                 key_ok = vk < hi
                 pos = key_lo + vk
                 block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
                 slot = pos % BLOCK_SIZE
-                seen = mine & (key_ok & (pos <= q_pos))[None, :]
-                m_i, l_i, acc = _row_tile(
-                    q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                    v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, seen, m_i, l_i, acc,
-                    qk_scale, HEAD_DIM, DOT_PRECISION)
+                k_row = k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh
+                v_row = v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh
+                if OWN:
+                    own = v0 + tl.arange(0, KEYS)  # [KEYS] the tile's keys
+                    m_i, l_i, acc = _own_tile(q, k_row, v_row, key_ok, (own < hi) & (key_lo + own <= q_pos), mine,
+                                              m_i, l_i, acc, qk_scale, HEAD_DIM, NUM_KV_HEADS, KEYS, DOT_PRECISION)
+                else:
+                    m_i, l_i, acc = _row_tile(q, k_row, v_row, key_ok, mine & (key_ok & (pos <= q_pos))[None, :],
+                                              m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
@@ -384,7 +393,8 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E, num_tokens, *strides,
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
-                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge, **pdl,
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge,
+                OWN=config.lone_own_keys, **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
             if merge:
                 return out

@@ -52,17 +52,42 @@ if triton is not None:
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i)
         if MASKED:
             v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
         else:
             v = tl.load(v_row[:, None] + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _own_tile(q, k_row, v_row, key_ok, own_seen, mine, m_i, l_i, acc, qk_scale, HEAD_DIM: tl.constexpr,
+                  KV_HEADS: tl.constexpr, KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One tile of key rows ordered KV head by KV head (KV_HEADS x KEYS keys: k_row / v_row [N])
+        into the online softmax of one token's query heads q [M, D], each of which sees only its own
+        KV head's rows (`mine` [M, KV_HEADS, 1]): the scores of the whole tile are one tl.dot, but the
+        softmax runs on each row's own KEYS scores, `own_seen` [KEYS] of them valid, and the
+        probabilities go back to the tile's rows (0 elsewhere) for the product with the values."""
+        dims = tl.arange(0, HEAD_DIM)
+        k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)  # [M, N]
+        M: tl.constexpr = scores.shape[0]
+        own = tl.sum(tl.where(mine, tl.reshape(scores, [M, KV_HEADS, KEYS]), 0.0), 1) * qk_scale  # [M, KEYS]
+        m_new, alpha, p, l_i = _softmax_step(tl.where(own_seen[None, :], own, float("-inf")), m_i, l_i)
+        p_rows = tl.reshape(tl.where(mine, p[:, None, :], 0.0), [M, KV_HEADS * KEYS])  # [M, N]
+        v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p_rows.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _softmax_step(scores, m_i, l_i):
+        """Scores [M, N] (base 2, -inf where unseen) into a running softmax (m, l) [M]: the new max,
+        the factor alpha [M] for what was summed before, the probabilities p [M, N] and the new sum."""
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
     @triton.jit
     def _rows_result(m_i, l_i, acc):
