@@ -13,7 +13,6 @@ and the flag that turns it off.
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import DEFAULT_LAUNCH, SHARE_RULE, LaunchConfig, LaunchConfigs, ShareRule
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.triton_attention import paged_attention_triton, supported
+from rollout.engine.triton_prefix_lone import all_heads
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F = {name: i for i, name in enumerate(ITEM_FIELDS)}
@@ -381,9 +381,8 @@ def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
     """Decode steps only (a lone item is one token), KV heads dividing the key tile, and a tile no
     larger than the measured one: a head dim of 256 falls back to the per-KV-head lone pass."""
     config = DEFAULT_LAUNCH.decode
-    decode = SimpleNamespace(max_query_len=1)
-    assert tpa._all_heads(config, decode, num_kv_heads=8, head_dim=128)
-    assert not tpa._all_heads(config, SimpleNamespace(max_query_len=9), num_kv_heads=8, head_dim=128)
-    assert not tpa._all_heads(config, decode, num_kv_heads=8, head_dim=256)
-    assert not tpa._all_heads(config, decode, num_kv_heads=6, head_dim=128)
-    assert not tpa._all_heads(DEFAULT_LAUNCH.verify, decode, num_kv_heads=8, head_dim=128)
+    assert all_heads(config, 1, num_kv_heads=8, head_dim=128)
+    assert not all_heads(config, 9, num_kv_heads=8, head_dim=128)
+    assert not all_heads(config, 1, num_kv_heads=8, head_dim=256)
+    assert not all_heads(config, 1, num_kv_heads=6, head_dim=128)
+    assert not all_heads(DEFAULT_LAUNCH.verify, 1, num_kv_heads=8, head_dim=128)

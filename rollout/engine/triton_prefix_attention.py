@@ -27,14 +27,8 @@ kernel holding both bodies ran at the larger one's registers: measured slower, 1
 44 at 32x8x1024 decode): their body needs far fewer registers than the shared one, so more
 programs fit on an SM, and these short items are bound by their chain of dependent loads (item,
 block ids, keys), which more programs in flight hide. Each of its programs takes every P-th item
-(no queue). In a decode step (`lone_all_heads`) `_lone_heads_kernel` runs a lone item's token with
-every query head at once: a key tile is whole keys x every KV head (a key's heads lie side by side
-in the cache, one contiguous read instead of one per KV head), and each query row sees the key
-rows of its own KV head. There every token has a lone unit (suffixes unfused), so that pass also
-merges (`LaunchConfig.lone_merge`): the shared pass has finished, and a token's only lone chunk
-merges its shared partial rows with its own rows still in registers (no partial row written and
-read back, no merge kernel); where a lone unit is cut into chunks, the last chunk to finish (a
-per-token count of finished chunks) merges them all.
+(no queue). In a decode step (`lone_all_heads`) the lone pass runs every query head of a lone
+item's token in one program and merges each token's partial results itself: triton_prefix_lone.py.
 
 Each kernel joins the chain of programmatic dependent launches (triton_pdl): it waits for the
 kernel before it first thing (the merge reads its token's plan rows before), so its launch and
@@ -58,6 +52,7 @@ from rollout.engine import triton_pdl
 from rollout.engine.prefix_attention import SharedPrefixPlan
 from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import lone_launch, max_segments
+from rollout.engine.triton_prefix_lone import all_heads
 from rollout.engine.triton_prefix_tiles import LOG2E
 
 try:
@@ -72,15 +67,11 @@ ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kerne
 
 if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
+    from rollout.engine.triton_prefix_lone import _lone_heads_kernel
     from rollout.engine.triton_prefix_tiles import (
         _key_tile,
-        _merge_partials,
-        _own_tile,
-        _row_tile,
-        _rows_result,
         _rows_start,
         _store_merged,
-        _store_out,
         _store_rows,
     )
 
@@ -229,118 +220,6 @@ if triton is not None:
             else:
                 work = tl.atomic_add(counter_ptr, 1)
 
-    @triton.jit(do_not_specialize=["stride_bt", "num_tokens"],
-                do_not_specialize_on_alignment=["items_ptr", "item_counts_ptr", "part_start_ptr", "part_count_ptr",
-                                                "positions_ptr", "block_tables_ptr"])
-    def _lone_heads_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, tickets_ptr, items_ptr,
-        item_counts_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale, num_tokens,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, OWN: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """A decode step's lone items, every head of the item's one token in one program: its rows
-        are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
-        KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
-        the key rows of its own KV head. Program p takes every P-th lone item. MERGE: every token
-        has a lone unit, and this pass merges its partial results (_finish_token) in place of the
-        merge kernel, whose other duties it takes on too (the work counter, padded rows). OWN: the
-        tile's rows go KV head by KV head and a row's softmax runs on its own KV head's keys only
-        (_own_tile), not on the whole tile with the others masked (_row_tile)."""
-        KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
-        pdl_start(PDL)
-        num_shared = tl.load(item_counts_ptr)
-        total = tl.load(item_counts_ptr + 1)
-        head = tl.arange(0, HEADS_P2)  # [M] the rows
-        row_ok = head < NUM_HEADS
-        kv_row = tl.arange(0, BLOCK_N)  # [N] key rows
-        if OWN:  # KV head by KV head: KV head kv_row // KEYS, key kv_row % KEYS (_own_tile)
-            kv_head, key_of = kv_row // KEYS, kv_row % KEYS
-            mine = (head // GROUPS)[:, None, None] == tl.arange(0, NUM_KV_HEADS)[None, :, None]  # [M, KV, 1]
-        else:  # key by key: key kv_row // NUM_KV_HEADS, KV head kv_row % NUM_KV_HEADS
-            kv_head, key_of = kv_row % NUM_KV_HEADS, kv_row // NUM_KV_HEADS
-            mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
-        if MERGE:
-            _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, row_ok, stride_ot, stride_oh,
-                          HEADS_P2, HEAD_DIM)
-        item = num_shared + tl.program_id(0)
-        while item < total:
-            item_ptr = items_ptr + item * NUM_FIELDS
-            tok = tl.load(item_ptr)  # lone items of a decode step: one token of the step, direct
-            token = tok + tl.zeros([HEADS_P2], tl.int64)  # [M]
-            key_lo = tl.load(item_ptr + 5).to(tl.int32)
-            hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
-            q_pos = tl.load(positions_ptr + tok).to(tl.int32)
-            q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
-            table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
-                vk = v0 + key_of  # [N] virtual keys
-                key_ok = vk < hi
-                pos = key_lo + vk
-                block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
-                slot = pos % BLOCK_SIZE
-                k_row = k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh
-                v_row = v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh
-                if OWN:
-                    own = v0 + tl.arange(0, KEYS)  # [KEYS] the tile's keys
-                    m_i, l_i, acc = _own_tile(q, k_row, v_row, key_ok, (own < hi) & (key_lo + own <= q_pos), mine,
-                                              m_i, l_i, acc, qk_scale, HEAD_DIM, NUM_KV_HEADS, KEYS, DOT_PRECISION)
-                else:
-                    m_i, l_i, acc = _row_tile(q, k_row, v_row, key_ok, mine & (key_ok & (pos <= q_pos))[None, :],
-                                              m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
-            if MERGE:
-                _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                              tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
-                              HEAD_DIM)
-            else:
-                _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                            part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
-            item += tl.num_programs(0)
-
-    @triton.jit
-    def _finish_token(item_ptr, tok, token, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                      tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                      HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """A lone item's rows (every head of token `tok`, `token` [H] its copies) into the output,
-        merged with the token's other partial results: those of the shared pass are done (this pass
-        waited for it). The token's only lone chunk merges them with its own rows held in
-        registers; of several chunks each stores its rows, and the last to finish (a count of
-        finished chunks per token, reset for the next layer) merges them all."""
-        count = tl.load(part_count_ptr + tok)
-        start = tl.load(part_start_ptr + tok)
-        if (count != 1) & (tl.load(item_ptr + 12) == 1):  # one lone chunk: its own rows weigh 1 against
-            o, lse = _rows_result(m_i, l_i, acc)  # their lse as the running max
-            _, l_sum, merged = _merge_partials(part_o_ptr, part_lse_ptr, start, count, tl.load(item_ptr + 11), head,
-                                               head_ok, lse, tl.where(lse == float("-inf"), 0.0, 1.0), o,
-                                               NUM_HEADS, HEAD_DIM, "")
-            _store_out(out_ptr, tok, head, head_ok, l_sum, merged, stride_ot, stride_oh, HEAD_DIM)
-        else:  # the output (the token's only partial result), or the chunk's partial row
-            _store_rows(item_ptr, token, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                        part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
-            if count != 1:
-                tl.debug_barrier()  # every thread's rows stored before the count says so (release)
-                if tl.atomic_add(tickets_ptr + tok, 1) == tl.load(item_ptr + 12) - 1:  # acquire: all chunks in
-                    tl.store(tickets_ptr + tok, 0)
-                    _store_merged(part_o_ptr, part_lse_ptr, start, count, tok, head, head_ok, out_ptr, stride_ot,
-                                  stride_oh, NUM_HEADS, HEADS_P2, HEAD_DIM, ".cg")  # past L1: other SMs' rows
-
-    @triton.jit
-    def _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, head_ok, stride_ot, stride_oh,
-                      HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """What the merge kernel does besides merging, for a pass that merges in its place (after its
-        wait): reset the item kernel's work counter for the next layer, and write 0 to the rows of
-        tokens with no partial result (a CUDA graph's padding), program p taking every P-th token."""
-        if tl.program_id(0) == 0:
-            tl.store(counter_ptr, 0)
-        t = tl.program_id(0).to(tl.int64)
-        while t < num_tokens:
-            if tl.load(part_count_ptr + t) == 0:
-                _store_out(out_ptr, t, head, head_ok, tl.zeros([HEADS_P2], tl.float32),
-                           tl.zeros([HEADS_P2, HEAD_DIM], tl.float32), stride_ot, stride_oh, HEAD_DIM)
-            t += tl.num_programs(0)
-
     @triton.jit(do_not_specialize_on_alignment=["part_start_ptr", "part_count_ptr"])
     def _merge_kernel(
         out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr, part_count_ptr, counter_ptr, stride_ot, stride_oh,
@@ -387,7 +266,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
-        if _all_heads(config, plan, num_kv_heads, head_dim):
+        if all_heads(config, plan.max_query_len, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
             merge = config.lone_merge and not config.fuse_suffix  # every token has a lone unit
             _lone_heads_kernel[(lone,)](
@@ -413,18 +292,6 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         NUM_HEADS=num_heads, HEADS_P2=heads_p2, HEAD_DIM=head_dim, num_warps=4 if heads_p2 * head_dim <= 8192 else 8,
         **pdl)
     return out
-
-
-ALL_HEADS_TILE = 128 * 128  # key rows x head dim of the all-heads kernel's tile at most (measured:
-# 128 x 128, 82 KB of shared memory with two stages; twice that would not fit an H200's 228 KB)
-
-
-def _all_heads(config, plan: SharedPrefixPlan, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the lone pass runs every head of a token in one program (_lone_heads_kernel): asked
-    for, a decode step (a lone item is one token), a key tile holding whole keys, and a tile no
-    larger than the one measured (else the per-KV-head lone pass runs)."""
-    return (config.lone_all_heads and plan.max_query_len == 1 and num_kv_heads & (num_kv_heads - 1) == 0
-            and config.lone_block_n % num_kv_heads == 0 and config.lone_block_n * head_dim <= ALL_HEADS_TILE)
 
 
 @functools.cache

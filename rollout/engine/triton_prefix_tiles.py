@@ -1,9 +1,9 @@
 """The online-softmax pieces the attention kernels are built from (triton_attention.py: the plain
-paged kernel; triton_prefix_attention.py: the shared-prefix item kernel and the all-heads lone
-kernel): a tile of query rows with an empty online softmax, one tile of keys into its running
-(max, sum, accumulator), and the store of those rows, to the output or to their token's partial
-row; and the merge of a token's partial rows by their log-sum-exp. Scores are in base 2: callers
-pass the softmax scale times LOG2E."""
+paged kernel; triton_prefix_attention.py: the shared-prefix item kernel; triton_prefix_lone.py:
+decode's all-heads lone pass): a tile of query rows with an empty online softmax, one tile of keys
+into its running (max, sum, accumulator), and the store of those rows, to the output or to their
+token's partial row; and the merge of a token's partial rows by their log-sum-exp. Scores are in
+base 2: callers pass the softmax scale times LOG2E."""
 
 from __future__ import annotations
 
