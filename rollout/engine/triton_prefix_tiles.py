@@ -44,21 +44,11 @@ if triton is not None:
         """One tile of key rows (k_row / v_row [N]: each row's first element) into the online
         softmax of the rows of q [M, D], a key row counting for the rows `seen` [M, N] gives it
         (MASKED False: every row sees every key row, all valid; key_ok and seen are not read)."""
-        dims = tl.arange(0, HEAD_DIM)
-        if MASKED:
-            k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
-        else:
-            k = tl.load(k_row[:, None] + dims[None, :])
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale  # [M, N]
+        scores = _tile_scores(q, k_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED) * qk_scale  # [M, N]
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
         m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i)
-        if MASKED:
-            v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_row[:, None] + dims[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-        return m_new, l_i, acc
+        return m_new, l_i, _add_values(acc, alpha, p, v_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED)
 
     @triton.jit
     def _own_tile(q, k_row, v_row, key_ok, own_seen, mine, m_i, l_i, acc, qk_scale, HEAD_DIM: tl.constexpr,
@@ -68,16 +58,35 @@ if triton is not None:
         KV head's rows (`mine` [M, KV_HEADS, 1]): the scores of the whole tile are one tl.dot, but the
         softmax runs on each row's own KEYS scores, `own_seen` [KEYS] of them valid, and the
         probabilities go back to the tile's rows (0 elsewhere) for the product with the values."""
-        dims = tl.arange(0, HEAD_DIM)
-        k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)  # [M, N]
+        scores = _tile_scores(q, k_row, key_ok, HEAD_DIM, DOT_PRECISION, True)  # [M, N]
         M: tl.constexpr = scores.shape[0]
         own = tl.sum(tl.where(mine, tl.reshape(scores, [M, KV_HEADS, KEYS]), 0.0), 1) * qk_scale  # [M, KEYS]
         m_new, alpha, p, l_i = _softmax_step(tl.where(own_seen[None, :], own, float("-inf")), m_i, l_i)
         p_rows = tl.reshape(tl.where(mine, p[:, None, :], 0.0), [M, KV_HEADS * KEYS])  # [M, N]
-        v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p_rows.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-        return m_new, l_i, acc
+        return m_new, l_i, _add_values(acc, alpha, p_rows, v_row, key_ok, HEAD_DIM, DOT_PRECISION, True)
+
+    @triton.jit
+    def _tile_scores(q, k_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+        """The unscaled scores [M, N] of q [M, D] against a tile's key rows (k_row [N]; MASKED: the
+        rows where key_ok is False read as 0)."""
+        dims = tl.arange(0, HEAD_DIM)
+        if MASKED:
+            k = tl.load(k_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
+        else:
+            k = tl.load(k_row[:, None] + dims[None, :])
+        return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)
+
+    @triton.jit
+    def _add_values(acc, alpha, p, v_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    MASKED: tl.constexpr):
+        """acc [M, D] rescaled by alpha [M], plus the probabilities p [M, N] times the tile's value
+        rows (v_row [N]; MASKED: the rows where key_ok is False read as 0)."""
+        dims = tl.arange(0, HEAD_DIM)
+        if MASKED:
+            v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
+        else:
+            v = tl.load(v_row[:, None] + dims[None, :])
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
 
     @triton.jit
     def _softmax_step(scores, m_i, l_i):
