@@ -49,9 +49,14 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # decode's all-heads lone pass with each query head's softmax over its own KV head's keys only (not
-    # measured yet: compiled for sm_90 its key loop has 39 instructions a warp per key against 54)
-    "own_keys": replace(DEFAULT_LAUNCH.decode, lone_own_keys=True),
+    # decode's all-heads lone pass in 2 or 4 programs a token, each with the query heads of its part of the
+    # KV heads (sm_90, Triton 3.6: registers / programs an SM by registers and shared memory)
+    "parts2": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2),  # 32 keys x 4 KV heads: 214 / 2
+    "parts2_n64": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=64),  # 16 x 4: 156 / 3
+    "parts2_w8": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_num_warps=8),  # 159 / 1 of 8 warps
+    "parts4_n64": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=64),  # 32 x 2: 158 / 3
+    "parts4_n32w2": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=32,
+                            lone_num_warps=2),  # 16 x 2: 200 / 5 of 2 warps
 }
 
 

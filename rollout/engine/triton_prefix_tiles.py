@@ -51,21 +51,6 @@ if triton is not None:
         return m_new, l_i, _add_values(acc, alpha, p, v_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED)
 
     @triton.jit
-    def _own_tile(q, k_row, v_row, key_ok, own_seen, mine, m_i, l_i, acc, qk_scale, HEAD_DIM: tl.constexpr,
-                  KV_HEADS: tl.constexpr, KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One tile of key rows ordered KV head by KV head (KV_HEADS x KEYS keys: k_row / v_row [N])
-        into the online softmax of one token's query heads q [M, D], each of which sees only its own
-        KV head's rows (`mine` [M, KV_HEADS, 1]): the scores of the whole tile are one tl.dot, but the
-        softmax runs on each row's own KEYS scores, `own_seen` [KEYS] of them valid, and the
-        probabilities go back to the tile's rows (0 elsewhere) for the product with the values."""
-        scores = _tile_scores(q, k_row, key_ok, HEAD_DIM, DOT_PRECISION, True)  # [M, N]
-        M: tl.constexpr = scores.shape[0]
-        own = tl.sum(tl.where(mine, tl.reshape(scores, [M, KV_HEADS, KEYS]), 0.0), 1) * qk_scale  # [M, KEYS]
-        m_new, alpha, p, l_i = _softmax_step(tl.where(own_seen[None, :], own, float("-inf")), m_i, l_i)
-        p_rows = tl.reshape(tl.where(mine, p[:, None, :], 0.0), [M, KV_HEADS * KEYS])  # [M, N]
-        return m_new, l_i, _add_values(acc, alpha, p_rows, v_row, key_ok, HEAD_DIM, DOT_PRECISION, True)
-
-    @triton.jit
     def _tile_scores(q, k_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
         """The unscaled scores [M, N] of q [M, D] against a tile's key rows (k_row [N]; MASKED: the
         rows where key_ok is False read as 0)."""
