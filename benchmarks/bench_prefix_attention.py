@@ -67,7 +67,10 @@ MAX_ERROR = 2e-2  # bf16 operands against float32: ~1e-3 expected; more is a wro
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", nargs="+", type=int, default=[1, 9])
-    p.add_argument("--max-gen", type=int, default=150, help="generated tokens per sample, uniform in [1, N]")
+    p.add_argument("--max-gen", type=int, default=150, help="generated tokens per sample, uniform in [--min-gen, N]")
+    p.add_argument("--min-gen", type=int, default=1,
+                   help="the fewest generated tokens per sample (equal to --max-gen: a rollout's step, where every "
+                        "sample started at once and holds as many own keys)")
     p.add_argument("--sweep", action="store_true", help="every variant of VARIANTS besides the default")
     p.add_argument("--variants", nargs="+", help="only these variants of VARIANTS (with --sweep)")
     p.add_argument("--crossover", action="store_true", help="also smaller groups and a shorter prompt (default only)")
@@ -94,14 +97,14 @@ def launches(args) -> dict[str, LaunchConfigs]:
     return chosen
 
 
-def grpo_step(workload, q_len: int, max_gen: int, seed: int = 0):
+def grpo_step(workload, q_len: int, max_gen: int, min_gen: int = 1, seed: int = 0):
     """Block tables, contexts and prompt lengths of one decode / verify step (blocks scrambled):
     `prompts` x `samples` forked samples, then `alone` sequences with a prompt of their own."""
     prompts, samples, prompt_len, alone = workload
     prompt_of = np.concatenate([np.repeat(np.arange(prompts), samples), prompts + np.arange(alone)])  # [S]
     prompts += alone
     rng = np.random.default_rng(seed)
-    gen = rng.integers(1, max_gen + 1, size=len(prompt_of)) + q_len  # [S] tokens after the prompt
+    gen = rng.integers(min_gen, max_gen + 1, size=len(prompt_of)) + q_len  # [S] tokens after the prompt
     ctx = prompt_len + gen
     prompt_blocks = prompt_len // BLOCK
     own = -(-(ctx - prompt_blocks * BLOCK) // BLOCK)  # [S] blocks past the shared full ones
@@ -161,7 +164,7 @@ class Step:
         self.workload, self.q_len, self.shape = workload, q_len, shape
         self.prompt_len = workload[2]
         heads, kv_heads, head_dim = shape
-        self.table, self.ctx, num_blocks, unique_keys = grpo_step(workload, q_len, args.max_gen)
+        self.table, self.ctx, num_blocks, unique_keys = grpo_step(workload, q_len, args.max_gen, args.min_gen)
         self.meta = metadata(self.table, self.ctx, q_len, device)
         gen = torch.Generator(device=device).manual_seed(0)
         cache_shape = (num_blocks, BLOCK, kv_heads, head_dim)
@@ -335,7 +338,7 @@ def _compile_one(task):
 def _compile(name, q_len, max_gen, shape, device, dtype):
     begin = time.perf_counter()
     launch = {"default": DEFAULT_LAUNCH, **{k: LaunchConfigs(v, v) for k, v in VARIANTS.items()}}[name]
-    args = argparse.Namespace(max_gen=max_gen)
+    args = argparse.Namespace(max_gen=max_gen, min_gen=1)
     step = Step((32, 8, 64, 0), q_len, shape, args, device, dtype)  # 256 sequences, as the timed steps
     step.plain()
     host, _ = step.planned(launch, repeats=0)
@@ -386,7 +389,9 @@ def main() -> None:
     dtype = torch.float32 if args.quick else torch.bfloat16
     chosen = launches(args)
     if args.quick:
-        args.max_gen = 20
+        args.max_gen, args.min_gen = 20, 1
+    if not 1 <= args.min_gen <= args.max_gen:
+        raise SystemExit(f"--min-gen must be in [1, --max-gen], got {args.min_gen} and {args.max_gen}")
     if args.compile_only:
         compile_all(chosen, args, device, dtype)
         return

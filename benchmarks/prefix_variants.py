@@ -53,10 +53,11 @@ VARIANTS = {
     # KV heads (sm_90, Triton 3.6: registers / programs an SM by registers and shared memory)
     "parts2": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2),  # 32 keys x 4 KV heads: 214 / 2
     "parts2_n64": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=64),  # 16 x 4: 156 / 3
-    "parts2_w8": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_num_warps=8),  # 159 / 1 of 8 warps
     "parts4_n64": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=64),  # 32 x 2: 158 / 3
-    "parts4_n32w2": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=32,
-                            lone_num_warps=2),  # 16 x 2: 200 / 5 of 2 warps
+    # the same at five stages, all of a rollout step's ~5 key tiles in flight at once
+    "parts2_n64s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=64, lone_num_stages=5),  # 225 / 2
+    "parts2_n32s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=32, lone_num_stages=5),  # 143 / 3
+    "parts4_n32s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=32, lone_num_stages=5),  # 126 / 4
 }
 
 
