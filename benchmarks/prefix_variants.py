@@ -58,6 +58,12 @@ VARIANTS = {
     "parts2_n64s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=64, lone_num_stages=5),  # 225 / 2
     "parts2_n32s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=32, lone_num_stages=5),  # 143 / 3
     "parts4_n32s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=32, lone_num_stages=5),  # 126 / 4
+    # decode's shared pass in 32-row tiles (an n=8 group's rows of a KV head: 8 x 4 query heads): 154
+    # registers, 43.5 KB, three programs an SM against two (an n=16 group reads its keys twice); more
+    # (item, KV head) pairs give the third work
+    "m32": replace(DEFAULT_LAUNCH.decode, block_m=32),
+    "m32_t512": replace(DEFAULT_LAUNCH.decode, block_m=32, target_programs=512),
+    "m32_t1024": replace(DEFAULT_LAUNCH.decode, block_m=32, target_programs=1024),
 }
 
 
