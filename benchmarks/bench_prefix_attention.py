@@ -41,7 +41,7 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is fir
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import environment, kernel_us, print_table, write_json  # noqa: E402
+from common import environment, kernel_trace, kernel_us, path_us, print_table, write_json  # noqa: E402
 from prefix_variants import VARIANTS  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
@@ -80,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes through Triton's interpreter (CPU check)")
     p.add_argument("--profile", action="store_true",
                    help="also each kernel's device time per call (torch.profiler, eager calls; CUDA only)")
+    p.add_argument("--cold", action="store_true",
+                   help="with --profile: every call after a write of 256 MB, which leaves none of its bytes in L2 "
+                        "(as in a rollout, whose layers read weights between attention calls)")
     p.add_argument("--graph-plan", action="store_true",
                    help="shared plans as the engine's CUDA graphs hold them (buffers and launches sized for capacity)")
     p.add_argument("--best", metavar="JSON",
@@ -239,9 +242,15 @@ class Step:
         return float("inf") if diff.isnan().any() else diff.max().item()
 
 
+ATTENTION_KERNELS = ("_attn_kernel", "_item_kernel", "_lone_heads_kernel", "_merge_kernel")
+
+
 def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
-    """Rows (step, variant, kernel, us per call) for the main steps, the plain kernel first."""
+    """Rows (step, variant, kernel, us per call) for the main steps, the plain kernel first; per
+    variant also "(all)", the kernels' sum, and "(path)", what they add to the stream (common.path_us:
+    a kernel's wait for the one ahead not counted). --cold: each call after an L2 flush (not counted)."""
     rows = []
+    flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda") if args.cold else None
     for workload in WORKLOADS:
         for q_len in args.queries:
             step = Step(workload, q_len, SHAPES["qwen3-8b"], args, "cuda", dtype)
@@ -251,10 +260,15 @@ def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
                 fns[name] = step.shared_fn(step.device_plan(host, launch, "cuda", args.graph_plan))
             for name, fn in fns.items():
                 fn()
-                kernels = kernel_us(fn, calls=20, by_grid=True)
+                run = fn if flush is None else lambda fn=fn: (flush.zero_(), fn())
+                trace = kernel_trace(run, calls=20)  # with the flushes: each run of attention kernels follows one
+                kernels = kernel_us(None, calls=20, by_grid=True,
+                                    trace=[e for e in trace if any(k in e["name"] for k in ATTENTION_KERNELS)])
                 for kernel, us in kernels.items():
                     rows.append(dict(key_fields(step), variant=name, kernel=kernel, us=us))
                 rows.append(dict(key_fields(step), variant=name, kernel="(all)", us=sum(kernels.values())))
+                rows.append(dict(key_fields(step), variant=name, kernel="(path)",
+                                 us=path_us(trace, ATTENTION_KERNELS, calls=20)))
             del step
             torch.cuda.empty_cache()
     return rows
