@@ -49,21 +49,6 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # decode's all-heads lone pass in 2 or 4 programs a token, each with the query heads of its part of the
-    # KV heads (sm_90, Triton 3.6: registers / programs an SM by registers and shared memory)
-    "parts2": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2),  # 32 keys x 4 KV heads: 214 / 2
-    "parts2_n64": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=64),  # 16 x 4: 156 / 3
-    "parts4_n64": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=64),  # 32 x 2: 158 / 3
-    # the same at five stages, all of a rollout step's ~5 key tiles in flight at once
-    "parts2_n64s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=64, lone_num_stages=5),  # 225 / 2
-    "parts2_n32s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=2, lone_block_n=32, lone_num_stages=5),  # 143 / 3
-    "parts4_n32s5": replace(DEFAULT_LAUNCH.decode, lone_head_parts=4, lone_block_n=32, lone_num_stages=5),  # 126 / 4
-    # decode's shared pass in 32-row tiles (an n=8 group's rows of a KV head: 8 x 4 query heads): 154
-    # registers, 43.5 KB, three programs an SM against two (an n=16 group reads its keys twice); more
-    # (item, KV head) pairs give the third work
-    "m32": replace(DEFAULT_LAUNCH.decode, block_m=32),
-    "m32_t512": replace(DEFAULT_LAUNCH.decode, block_m=32, target_programs=512),
-    "m32_t1024": replace(DEFAULT_LAUNCH.decode, block_m=32, target_programs=1024),
 }
 
 

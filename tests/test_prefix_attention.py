@@ -48,8 +48,6 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
-# the all-heads lone pass in two programs a token, each with the query heads of half its KV heads
-LAUNCHES["lone heads, 2 parts"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_head_parts=2),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 
@@ -140,7 +138,7 @@ CASES = {
     "chunked prefix": (lambda: layout(1, 2, 40, [2, 20], block_size=16), 4, 2, 16),
     "GQA 3: a tile boundary inside a token": (lambda: layout(1, 8, 4, [0, 1, 2, 5], q_len=3), 6, 2, 4),
     "no grouping (1 query head per KV head)": (lambda: layout(2, 3, 5, [2, 7]), 2, 2, 4),
-    "4 KV heads: two a part of the lone pass": (
+    "4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)": (
         lambda: joined(layout(1, 8, 6, [0, 2, 5, 9, 1, 14, 3, 7]), layout(2, 1, 3, [9, 4], tag="b")), 8, 4, 4),
 }
 
@@ -181,7 +179,7 @@ POISON_CASES = {  # blocks of 8 keys: lone ranges start at, and inside, a block
 
 
 @needs_triton
-@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone heads, 2 parts", "lone pass"])
+@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone pass"])
 @pytest.mark.parametrize("name", list(POISON_CASES))
 @pytest.mark.parametrize("slack", [False, True], ids=["", "planned for longer contexts"])
 def test_no_slot_outside_a_sequence_reaches_its_sum(name, launch, slack):
@@ -235,9 +233,9 @@ def test_the_cases_reach_what_they_are_named_for():
     the sequences alone are written directly. Fused: a single-level group's members are written
     directly, nested ones merge 2 partial rows. Tiny tiles: chunk boundaries inside the fused
     segments and a segment in two row tiles. Lone heads: the 4-KV-head case has lone units cut in
-    chunks, which the 2-part lone pass merges across chunks and parts."""
+    chunks."""
     alone, fused, tiny = _plans("suffixes alone"), _plans("fused"), _plans("tiny tiles")
-    four = _plans("lone heads, 2 parts")["4 KV heads: two a part of the lone pass"].items
+    four = _plans("lone heads")["4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)"].items
     assert (four[four[:, F["indirect"]] == 0][:, F["chunks"]] > 1).any()
     assert 1 in alone["group of 8 beside sequences alone"].part_count.tolist()
     assert set(alone["nested: system prompt, then prompts"].part_count.tolist()) == {3}
@@ -391,7 +389,3 @@ def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
     assert not all_heads(config, 1, num_kv_heads=8, head_dim=256)
     assert not all_heads(config, 1, num_kv_heads=6, head_dim=128)
     assert not all_heads(DEFAULT_LAUNCH.verify, 1, num_kv_heads=8, head_dim=128)
-    halves = replace(config, lone_head_parts=2)  # 128 key rows: 32 keys x 4 KV heads a part
-    assert all_heads(halves, 1, num_kv_heads=8, head_dim=128)
-    assert not all_heads(replace(config, lone_head_parts=16), 1, num_kv_heads=8, head_dim=128)  # 8 KV heads
-    assert not all_heads(replace(halves, lone_block_n=16), 1, num_kv_heads=64, head_dim=128)  # 32 a part

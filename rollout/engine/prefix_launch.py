@@ -37,8 +37,6 @@ class LaunchConfig:
     lone_all_heads: bool = False  # decode steps: a lone item's every head in one program, key tiles of
     # lone_block_n // KV heads keys x every KV head (all of a key's heads in one contiguous read)
     lone_block_n: int = 64
-    lone_head_parts: int = 1  # all-heads lone pass: a token's KV heads in this many programs, each with the
-    # query heads of its KV heads (fewer rows and key rows a tile; not measured on a GPU yet)
     lone_num_warps: int = 4
     lone_num_stages: int = 2
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
@@ -53,8 +51,6 @@ class LaunchConfig:
         for warps, stages in ((self.num_warps, self.num_stages), (self.lone_num_warps, self.lone_num_stages)):
             if warps not in (1, 2, 4, 8, 16) or stages < 1:
                 raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
-        if self.lone_head_parts < 1 or self.lone_head_parts & (self.lone_head_parts - 1):
-            raise ValueError(f"lone_head_parts must be a power of two >= 1, got {self.lone_head_parts}")
         if self.lone_max_keys and self.lone_max_keys < self.block_n:
             raise ValueError(f"lone_max_keys must be 0 (no cap) or >= block_n, got {self.lone_max_keys}")
         if self.target_programs < 1 or self.min_chunk < self.block_n:

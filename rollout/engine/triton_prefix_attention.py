@@ -63,6 +63,8 @@ except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependen
 
 PROGRAMS_PER_SM = 8  # item-kernel programs launched per SM (more than fit at once: the queue balances)
 LONE_PROGRAMS_PER_SM = 32  # programs of a lone pass per SM (each takes every P-th item)
+HEADS_PROGRAMS_PER_SM = 4  # programs of decode's all-heads lone pass per SM: two fit (82 KB of shared memory
+# each); more only cycle through the SMs empty where a CUDA graph's plan is sized for its capacity
 ALL_ITEMS, SHARED_PASS, LONE_PASS = 0, 1, 2  # what one launch of the item kernel runs
 
 if triton is not None:
@@ -267,15 +269,13 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
                                num_warps=config.num_warps, num_stages=config.num_stages)
         if all_heads(config, plan.max_query_len, num_kv_heads, head_dim):
-            parts = config.lone_head_parts
-            lone = max(1, min(plan.max_items * parts, _resident_programs(q.device, LONE_PROGRAMS_PER_SM)))
+            lone = max(1, min(plan.max_items, _resident_programs(q.device, HEADS_PROGRAMS_PER_SM)))
             merge = config.lone_merge and not config.fuse_suffix  # every token has a lone unit
             _lone_heads_kernel[(lone,)](
                 q, k_cache, v_cache, out, part_o, part_lse, counter, tickets, plan.items, plan.item_counts,
                 plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E, num_tokens, *strides,
-                NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads,
-                HEADS_P2=max(16, triton.next_power_of_2(num_heads // parts)), ALL_P2=triton.next_power_of_2(num_heads),
-                GROUPS=groups, PARTS=parts, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
+                NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
+                GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge, **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
             if merge:

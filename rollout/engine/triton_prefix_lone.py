@@ -1,9 +1,8 @@
 """Decode's all-heads lone pass (`LaunchConfig.lone_all_heads`; launched by
 triton_prefix_attention.py after the shared pass): a lone item of a decode step is one token, and one
-program runs all of that token's query heads, or with `lone_head_parts` P one P-th of them: the query
-heads of KV heads part x KV/P .. (part + 1) x KV/P. A key tile is whole keys x the part's KV heads. A
-key's heads lie side by side in the cache, so that is one contiguous read instead of one per KV head.
-Each query row sees the key rows of its own KV head, masked in one softmax over the tile (`_row_tile`).
+program runs all of that token's query heads. A key tile is whole keys x every KV head. A key's heads
+lie side by side in the cache, so that is one contiguous read instead of one per KV head. Each query
+row sees the key rows of its own KV head, masked in one softmax over the whole tile (`_row_tile`).
 
 In a decode step every token has a lone unit (suffixes unfused), so this pass also merges
 (`LaunchConfig.lone_merge`). The shared pass has finished by then. A token's only lone chunk merges
@@ -27,14 +26,11 @@ ALL_HEADS_TILE = 128 * 128  # key rows x head dim of the all-heads kernel's tile
 
 
 def all_heads(config: LaunchConfig, max_query_len: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the lone pass runs the heads of a token in `lone_head_parts` programs
-    (_lone_heads_kernel): asked for, a decode step (a lone item is one token), KV heads that split
-    into the parts, a key tile holding whole keys of a part, and a tile no larger than the one
-    measured (else the per-KV-head lone pass runs)."""
-    parts = config.lone_head_parts
+    """Whether the lone pass runs every head of a token in one program (_lone_heads_kernel): asked
+    for, a decode step (a lone item is one token), a key tile holding whole keys, and a tile no
+    larger than the one measured (else the per-KV-head lone pass runs)."""
     return (config.lone_all_heads and max_query_len == 1 and num_kv_heads & (num_kv_heads - 1) == 0
-            and num_kv_heads % parts == 0 and config.lone_block_n % (num_kv_heads // parts) == 0
-            and config.lone_block_n * head_dim <= ALL_HEADS_TILE)
+            and config.lone_block_n % num_kv_heads == 0 and config.lone_block_n * head_dim <= ALL_HEADS_TILE)
 
 
 if triton is not None:
@@ -57,38 +53,30 @@ if triton is not None:
         item_counts_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale, num_tokens,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, ALL_P2: tl.constexpr,
-        GROUPS: tl.constexpr, PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
-        PDL: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
     ):
-        """A decode step's lone items, the heads of the item's one token in PARTS programs (a work
-        unit is an item and a part): a unit's rows are the query heads [HEADS_P2] of its part's
-        NUM_KV_HEADS // PARTS KV heads, a key tile is BLOCK_N // (NUM_KV_HEADS // PARTS) keys x those
-        KV heads (a key's heads lie side by side in the cache: one contiguous read), and a row sees
-        the key rows of its own KV head. Program p takes every P-th unit. MERGE: every token has a
-        lone unit, and this pass merges its partial results (_finish_token) in place of the merge
-        kernel, whose other duties it takes on too (the work counter, padded rows; ALL_P2: every
-        query head of a token, to a power of two)."""
-        KV_PART: tl.constexpr = NUM_KV_HEADS // PARTS
-        KEYS: tl.constexpr = BLOCK_N // KV_PART
+        """A decode step's lone items, every head of the item's one token in one program: its rows
+        are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
+        KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
+        the key rows of its own KV head. Program p takes every P-th lone item. MERGE: every token
+        has a lone unit, and this pass merges its partial results (_finish_token) in place of the
+        merge kernel, whose other duties it takes on too (the work counter, padded rows)."""
+        KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1)
-        row = tl.arange(0, HEADS_P2)  # [M] the rows: a part's query heads
-        row_ok = row < NUM_HEADS // PARTS
-        kv_row = tl.arange(0, BLOCK_N)  # [N] key rows, key by key: key kv_row // KV_PART
-        every_head = tl.arange(0, ALL_P2)
+        head = tl.arange(0, HEADS_P2)  # [M] the rows
+        row_ok = head < NUM_HEADS
+        kv_row = tl.arange(0, BLOCK_N)  # [N] key rows, key by key: key kv_row // NUM_KV_HEADS
+        kv_head, key_of = kv_row % NUM_KV_HEADS, kv_row // NUM_KV_HEADS
+        mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
         if MERGE:
-            _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, every_head, every_head < NUM_HEADS,
-                          stride_ot, stride_oh, ALL_P2, HEAD_DIM)
-        unit = tl.program_id(0)
-        while unit < (total - num_shared) * PARTS:
-            item = num_shared + unit // PARTS
-            part = unit % PARTS
-            head = part * (NUM_HEADS // PARTS) + row
-            kv_head, key_of = part * KV_PART + kv_row % KV_PART, kv_row // KV_PART
-            mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
+            _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, row_ok, stride_ot, stride_oh,
+                          HEADS_P2, HEAD_DIM)
+        item = num_shared + tl.program_id(0)
+        while item < total:
             item_ptr = items_ptr + item * NUM_FIELDS
             tok = tl.load(item_ptr)  # lone items of a decode step: one token of the step, direct
             token = tok + tl.zeros([HEADS_P2], tl.int64)  # [M]
@@ -109,23 +97,22 @@ if triton is not None:
                                           m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
-                              tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, PARTS,
-                              ALL_P2, HEAD_DIM)
+                              tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
+                              HEAD_DIM)
             else:
                 _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                             part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
-            unit += tl.num_programs(0)
+            item += tl.num_programs(0)
 
     @triton.jit
     def _finish_token(item_ptr, tok, token, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                       tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                      PARTS: tl.constexpr, ALL_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """A lone unit's rows (heads `head` [H] of token `tok`, `token` [H] its copies) into the
-        output, merged with the token's other partial results: those of the shared pass are done
-        (this pass waited for it). The token's only lone chunk merges them with its own rows held in
-        registers; of several chunks each stores its rows, and the last of the chunks x PARTS units
-        to finish (a count of finished units per token, reset for the next layer) merges every head
-        of the token."""
+                      HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """A lone item's rows (every head of token `tok`, `token` [H] its copies) into the output,
+        merged with the token's other partial results: those of the shared pass are done (this pass
+        waited for it). The token's only lone chunk merges them with its own rows held in
+        registers; of several chunks each stores its rows, and the last to finish (a count of
+        finished chunks per token, reset for the next layer) merges them all."""
         count = tl.load(part_count_ptr + tok)
         start = tl.load(part_start_ptr + tok)
         if (count != 1) & (tl.load(item_ptr + 12) == 1):  # one lone chunk: its own rows weigh 1 against
@@ -139,11 +126,10 @@ if triton is not None:
                         part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             if count != 1:
                 tl.debug_barrier()  # every thread's rows stored before the count says so (release)
-                if tl.atomic_add(tickets_ptr + tok, 1) == tl.load(item_ptr + 12) * PARTS - 1:  # acquire: all in
+                if tl.atomic_add(tickets_ptr + tok, 1) == tl.load(item_ptr + 12) - 1:  # acquire: all chunks in
                     tl.store(tickets_ptr + tok, 0)
-                    every_head = tl.arange(0, ALL_P2)
-                    _store_merged(part_o_ptr, part_lse_ptr, start, count, tok, every_head, every_head < NUM_HEADS,
-                                  out_ptr, stride_ot, stride_oh, NUM_HEADS, ALL_P2, HEAD_DIM, ".cg")  # past L1
+                    _store_merged(part_o_ptr, part_lse_ptr, start, count, tok, head, head_ok, out_ptr, stride_ot,
+                                  stride_oh, NUM_HEADS, HEADS_P2, HEAD_DIM, ".cg")  # past L1: other SMs' rows
 
     @triton.jit
     def _merge_duties(out_ptr, counter_ptr, part_count_ptr, num_tokens, head, head_ok, stride_ot, stride_oh,
