@@ -41,7 +41,7 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is fir
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import environment, kernel_trace, kernel_us, path_us, print_table, write_json  # noqa: E402
+from common import environment, kernel_trace, kernel_us, print_table, write_json  # noqa: E402
 from prefix_variants import VARIANTS  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
@@ -246,9 +246,8 @@ ATTENTION_KERNELS = ("_attn_kernel", "_item_kernel", "_lone_heads_kernel", "_mer
 
 
 def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
-    """Rows (step, variant, kernel, us per call) for the main steps, the plain kernel first; per
-    variant also "(all)", the kernels' sum, and "(path)", what they add to the stream (common.path_us:
-    a kernel's wait for the one ahead not counted). --cold: each call after an L2 flush (not counted)."""
+    """Rows (step, variant, kernel, us per call) for the main steps, the plain kernel first, and per
+    variant "(all)", the kernels' sum. --cold: each call after an L2 flush, itself not counted."""
     rows = []
     flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda") if args.cold else None
     for workload in WORKLOADS:
@@ -261,14 +260,11 @@ def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
             for name, fn in fns.items():
                 fn()
                 run = fn if flush is None else lambda fn=fn: (flush.zero_(), fn())
-                trace = kernel_trace(run, calls=20)  # with the flushes: each run of attention kernels follows one
-                kernels = kernel_us(None, calls=20, by_grid=True,
-                                    trace=[e for e in trace if any(k in e["name"] for k in ATTENTION_KERNELS)])
+                trace = [e for e in kernel_trace(run, calls=20) if any(k in e["name"] for k in ATTENTION_KERNELS)]
+                kernels = kernel_us(None, calls=20, by_grid=True, trace=trace)
                 for kernel, us in kernels.items():
                     rows.append(dict(key_fields(step), variant=name, kernel=kernel, us=us))
                 rows.append(dict(key_fields(step), variant=name, kernel="(all)", us=sum(kernels.values())))
-                rows.append(dict(key_fields(step), variant=name, kernel="(path)",
-                                 us=path_us(trace, ATTENTION_KERNELS, calls=20)))
             del step
             torch.cuda.empty_cache()
     return rows
