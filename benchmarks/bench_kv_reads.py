@@ -85,13 +85,13 @@ def main() -> None:
     cache = torch.randn(num_blocks, BLOCK, args.kv_heads, HEAD_DIM, device=args.device, dtype=torch.bfloat16)
     nbytes = cache.numel() * cache.element_size()
     copy = copy_bandwidth(args.device, 1 << 30) if args.device == "cuda" else float("nan")  # bytes read + written
-    rows, expected = [], cache.float().sum().item()
+    rows, expected = [], cache.double().sum().item()
     for run in args.runs:
         for layout in LAYOUTS:
             for warps, stages in ((4, 2), (4, 4), (8, 4)):
                 call, out = read_fn(cache, layout, run, warps, stages)
                 call()
-                err = abs(out.sum().item() - expected) / max(abs(expected), 1.0)
+                err = abs(out.double().sum().item() - expected) / max(abs(expected), 1.0)
                 us = time_us(call, args.device, args.reps)
                 rows.append(dict(run=run, layout=layout, warps=warps, stages=stages, us=us,
                                  TBps=nbytes / us / 1e6, of_copy=nbytes / us * 1e6 / copy, rel_err=err))
