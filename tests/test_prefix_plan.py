@@ -201,7 +201,8 @@ def test_shared_tiles_of_two_kv_heads_cut_rows_at_half_a_tile_and_count_pairs_by
     """shared_kv_heads=2 at GQA 4: a shared item holds 32 rows (8 samples' 4 query heads) and its
     pair 2 KV heads, so 8 KV heads make 4 pairs an item, and the chunks aim at target_programs of
     those: n=8 prompts get about twice the chunks of one-head tiles (whose 64 rows hold the same 32),
-    n=16 ones about the same (two 32-row items for one 64-row one; the lone units' work moves both)."""
+    n=16 ones about the same (two 32-row items, each reading its heads' keys, for one 64-row one; the
+    lone units' work moves both)."""
     table, ctx = grpo_tables(prompts=128 // samples, samples=samples, prompt_blocks=1024, gen_lens=[5, 9, 77])
     p = plan(table, ctx, [1] * 128, groups=4, kv_heads=8, launch=HEADS2)
     shared = p.items[p.items[:, F["indirect"]] == 1]

@@ -32,7 +32,8 @@ class LaunchConfig:
     shared_kv_heads: int = 1  # KV heads a shared unit's tile holds: its block_m rows are this many KV heads'
     # rows (block_m // shared_kv_heads rows of the item each), its key rows block_n // shared_kv_heads keys x
     # those heads (a key's heads side by side: one contiguous read). An n=8 group has 32 rows a KV head
-    # (GQA 4): at 2 they fill a 64-row tile instead of padding it. Needs the lone pass, no fused suffixes.
+    # (GQA 4): at 2 they fill a 64-row tile instead of padding it; an n=16 group's 64 rows a head become
+    # two items, each reading its heads' keys (twice the reads). Needs the lone pass, no fused suffixes.
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
