@@ -194,8 +194,8 @@ class SharedPrefixPlanner:
         fits its capacities (no chunks always fits)."""
         num_tokens = int(q.sum())
         num_shared = len(units.lo)
-        pairs = np.where(np.arange(len(lens)) < num_shared, self.num_kv_heads // config.shared_kv_heads,
-                         self.num_kv_heads)  # [U + L] (item, KV heads) pairs of each row tile
+        pairs = np.full(len(lens), self.num_kv_heads)  # [U + L] (item, KV heads) pairs of each row tile
+        pairs[:num_shared] //= config.shared_kv_heads
         chunk = chunk_size(int((arrays.tiles * lens * pairs).sum()), config)
         lone_max = config.lone_max_keys if lone_launch(config, self.suffix_block_m(int(q.max()))) else 0
         while True:

@@ -72,8 +72,8 @@ if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
     from rollout.engine.triton_prefix_lone import _lone_heads_kernel
     from rollout.engine.triton_prefix_tiles import (
+        _heads_tile,
         _key_tile,
-        _row_tile,
         _rows_start,
         _store_merged,
         _store_rows,
@@ -157,14 +157,10 @@ if triton is not None:
         mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
         table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
         for v0 in range(tl.load(item_ptr + 7).to(tl.int32), own_hi, BLOCK_N // KV_TILE):
-            vk = v0 + key_row // KV_TILE  # [N] virtual keys
-            key_ok = vk < own_hi
-            pos = key_lo + vk
-            block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
-            slot = pos % BLOCK_SIZE
-            m_i, l_i, acc = _row_tile(q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                                      v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok,
-                                      mine & key_ok[None, :], m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
+            m_i, l_i, acc = _heads_tile(q, k_ptr, v_ptr, table, key_lo, v0 + key_row // KV_TILE, own_hi, kv_head,
+                                        mine, key_lo + own_hi, m_i, l_i, acc, qk_scale, stride_kb, stride_ks,
+                                        stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE,
+                                        DOT_PRECISION)  # (every shared key precedes the rows' queries)
         tl.debug_barrier()  # the rows again past a barrier, as in _attend_item (registers)
         token, head, row_ok = _item_rows(item_ptr, kv_first, unit_tokens_ptr, GROUPS, BLOCK_M, KV_TILE)
         _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,

@@ -2,7 +2,7 @@
 triton_prefix_attention.py after the shared pass): a lone item of a decode step is one token, and one
 program runs all of that token's query heads. A key tile is whole keys x every KV head. A key's heads
 lie side by side in the cache, so that is one contiguous read instead of one per KV head. Each query
-row sees the key rows of its own KV head, masked in one softmax over the whole tile (`_row_tile`).
+row sees the key rows of its own KV head, masked in one softmax over the whole tile (`_heads_tile`).
 
 In a decode step every token has a lone unit (suffixes unfused), so this pass also merges
 (`LaunchConfig.lone_merge`). The shared pass has finished by then. A token's only lone chunk merges
@@ -36,8 +36,8 @@ def all_heads(config: LaunchConfig, max_query_len: int, num_kv_heads: int, head_
 if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
     from rollout.engine.triton_prefix_tiles import (
+        _heads_tile,
         _merge_partials,
-        _row_tile,
         _rows_result,
         _rows_start,
         _store_merged,
@@ -86,15 +86,9 @@ if triton is not None:
             q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
             for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
-                vk = v0 + key_of  # [N] virtual keys
-                key_ok = vk < hi
-                pos = key_lo + vk
-                block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
-                slot = pos % BLOCK_SIZE
-                k_row = k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh
-                v_row = v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh
-                m_i, l_i, acc = _row_tile(q, k_row, v_row, key_ok, mine & (key_ok & (pos <= q_pos))[None, :],
-                                          m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
+                m_i, l_i, acc = _heads_tile(q, k_ptr, v_ptr, table, key_lo, v0 + key_of, hi, kv_head, mine, q_pos,
+                                            m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                                            stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,

@@ -51,6 +51,22 @@ if triton is not None:
         return m_new, l_i, _add_values(acc, alpha, p, v_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED)
 
     @triton.jit
+    def _heads_tile(q, k_ptr, v_ptr, table, key_lo, vk, hi, kv_head, mine, q_pos, m_i, l_i, acc, qk_scale,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One tile of key rows holding several KV heads of each key (row i: virtual key vk[i] of
+        KV head kv_head[i], read through the block-table row `table` at position key_lo + vk[i];
+        virtual keys at `hi` and past it are not read) into the online softmax of q's rows, a row
+        seeing the key rows `mine` [M, N] gives it, up to its query's position q_pos."""
+        key_ok = vk < hi
+        pos = key_lo + vk
+        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
+        slot = pos % BLOCK_SIZE
+        return _row_tile(q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                         v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok,
+                         mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
+
+    @triton.jit
     def _tile_scores(q, k_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
         """The unscaled scores [M, N] of q [M, D] against a tile's key rows (k_row [N]; MASKED: the
         rows where key_ok is False read as 0)."""
