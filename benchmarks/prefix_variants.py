@@ -49,11 +49,6 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # decode's shared tiles holding 2 KV heads (an n=8 group's 32 rows a head each, key rows of 2 heads a
-    # key: 512 contiguous bytes; sm_90, Triton 3.6: registers / shared memory): 205 / 66 KB, 16 keys a tile
-    "kv2": replace(DEFAULT_LAUNCH.decode, shared_kv_heads=2),
-    "kv2_s4": replace(DEFAULT_LAUNCH.decode, shared_kv_heads=2, num_stages=4),  # 190 / 49 KB
-    "kv2_n64s3": replace(DEFAULT_LAUNCH.decode, shared_kv_heads=2, block_n=64, num_stages=3),  # 242 / 82 KB
 }
 
 

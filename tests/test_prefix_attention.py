@@ -48,9 +48,6 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
-# a shared unit's tile holds 2 KV heads' rows (32 each; key tiles of 8 keys x 2 KV heads)
-LAUNCHES["lone heads, shared tiles of 2 KV heads"] = LaunchConfigs(
-    *(replace(LAUNCHES["lone heads"].decode, shared_kv_heads=2),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 
@@ -182,8 +179,7 @@ POISON_CASES = {  # blocks of 8 keys: lone ranges start at, and inside, a block
 
 
 @needs_triton
-@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone pass",
-                                    "lone heads, shared tiles of 2 KV heads"])
+@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone pass"])
 @pytest.mark.parametrize("name", list(POISON_CASES))
 @pytest.mark.parametrize("slack", [False, True], ids=["", "planned for longer contexts"])
 def test_no_slot_outside_a_sequence_reaches_its_sum(name, launch, slack):
@@ -208,8 +204,7 @@ def test_no_slot_outside_a_sequence_reaches_its_sum(name, launch, slack):
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_triton)], ids=["reference", "kernel"])
-@pytest.mark.parametrize("q_len, launch", [(1, "lone heads"), (1, "lone pass"), (4, "fused"),
-                                           (1, "lone heads, shared tiles of 2 KV heads")])
+@pytest.mark.parametrize("q_len, launch", [(1, "lone heads"), (1, "lone pass"), (4, "fused")])
 def test_a_plan_for_the_longest_contexts_gives_the_true_attention(kernel, q_len, launch):
     """A step launched before a drafted step syncs is planned for each sample's longest context (its
     host start + the drafts it may accept) while its positions are the true ones, moved on the

@@ -34,7 +34,6 @@ ALONE = LaunchConfigs(*(LaunchConfig(fuse_suffix=False),) * 2)
 FUSED = LaunchConfigs(LaunchConfig(), LaunchConfig())
 ANY = ShareRule()  # every group shares: the structure tests' steps are far below SHARE_RULE
 TINY = LaunchConfigs(*(LaunchConfig(block_m=16, block_n=16, min_chunk=16, target_programs=4096),) * 2)
-HEADS2 = LaunchConfigs(*(LaunchConfig(fuse_suffix=False, lone_pass=True, shared_kv_heads=2),) * 2)  # 32 rows a head
 
 
 def grpo_tables(prompts: int, samples: int, prompt_blocks: int, gen_lens, system_blocks: int = 0):
@@ -196,25 +195,6 @@ def test_the_issue_shape_cuts_each_prompt_into_even_chunks():
         assert p.part_count.tolist() == [chunks + lone] * 256
 
 
-@pytest.mark.parametrize("samples, tiles", [(8, 1), (16, 2)])
-def test_shared_tiles_of_two_kv_heads_cut_rows_at_half_a_tile_and_count_pairs_by_head_pair(samples, tiles):
-    """shared_kv_heads=2 at GQA 4: a shared item holds 32 rows (8 samples' 4 query heads) and its
-    pair 2 KV heads, so 8 KV heads make 4 pairs an item, and the chunks aim at target_programs of
-    those: n=8 prompts get about twice the chunks of one-head tiles (whose 64 rows hold the same 32),
-    n=16 ones about the same (two 32-row items, each reading its heads' keys, for one 64-row one; the
-    lone units' work moves both)."""
-    table, ctx = grpo_tables(prompts=128 // samples, samples=samples, prompt_blocks=1024, gen_lens=[5, 9, 77])
-    p = plan(table, ctx, [1] * 128, groups=4, kv_heads=8, launch=HEADS2)
-    shared = p.items[p.items[:, F["indirect"]] == 1]
-    assert set(shared[:, F["row0"]].tolist()) == set(range(0, 32 * tiles, 32))
-    chunks = len(shared) // (128 // samples) // tiles
-    target = HEADS2.decode.target_programs
-    assert target / 1.5 <= len(shared) * 4 <= target * 1.5
-    alone = plan(table, ctx, [1] * 128, groups=4, kv_heads=8, launch=ALONE)
-    alone_chunks = int((alone.items[:, F["indirect"]] == 1).sum()) // (128 // samples)
-    assert chunks >= 1.5 * alone_chunks if samples == 8 else abs(chunks - alone_chunks) <= 1
-
-
 def test_fused_suffixes_ride_in_their_groups_items():
     """Fused, a group's items read its members' own keys after the shared ones (one segment each,
     seen by the member's tokens only): no item of their own, and one partial result each, so
@@ -260,9 +240,7 @@ def test_suffixes_are_read_alone_where_a_tile_could_hold_too_many_sequences():
     assert p.config.fuse_suffix is False and p.part_count.tolist() == [2] * 4
 
 
-@pytest.mark.parametrize("field, value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("min_chunk", 16),
-                                          ("shared_kv_heads", 3), ("shared_kv_heads", 8),
-                                          ("shared_kv_heads", 2)])  # (with fused suffixes)
+@pytest.mark.parametrize("field, value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("min_chunk", 16)])
 def test_launch_parameters_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         LaunchConfig(**{field: value})
@@ -275,7 +253,7 @@ def test_the_segment_bound_covers_every_token_a_tile_can_hold(block_m, groups, b
     assert most <= bound
 
 
-@pytest.mark.parametrize("launch", [ALONE, FUSED, TINY, HEADS2])
+@pytest.mark.parametrize("launch", [ALONE, FUSED, TINY])
 @pytest.mark.parametrize("seed", range(6))
 def test_plans_fit_the_capacities_of_their_token_count(seed, launch):
     rng = np.random.default_rng(seed)

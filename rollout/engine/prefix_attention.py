@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine.prefix_items import ITEM_FIELDS, SEG_FIELDS
-from rollout.engine.prefix_launch import LaunchConfig, shared_tile_rows
+from rollout.engine.prefix_launch import LaunchConfig
 from rollout.engine.prefix_plan import HostPlan, PlanArrays, SharedPrefixPlanner
 
 
@@ -137,7 +137,7 @@ def _attend_item(q, k_cache, v_cache, block_tables, positions, plan, item, scale
     fields = dict(zip(ITEM_FIELDS, item, strict=True))
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     groups = q.shape[1] // num_kv_heads
-    block_m = shared_tile_rows(plan.config) if fields["indirect"] else plan.suffix_block_m
+    block_m = plan.config.block_m if fields["indirect"] else plan.suffix_block_m
     rows = torch.arange(fields["row0"], min(fields["row0"] + block_m, fields["tok_count"] * groups),
                         device=q.device)  # [R]
     local = fields["tok_start"] + rows // groups

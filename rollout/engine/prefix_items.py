@@ -94,12 +94,12 @@ def fused_segments(pair_unit, pair_seq, pair_offset, units: UnitArrays, num_shar
                     tile_count=tile_count, tile_total=tile_total)
 
 
-def chunk_size(work: int, config: LaunchConfig) -> int:
-    """Keys per chunk so that `work` (virtual keys x row tiles x programs a tile over the units: its
-    KV heads, or their groups of shared_kv_heads) makes about config.target_programs (item, KV
-    head) pairs, at least config.min_chunk. A unit's keys are cut into round(keys / chunk) even
-    chunks (not ceil: units a little longer than the average would get one chunk more than the rest)."""
-    per_item = -(-work // config.target_programs)
+def chunk_size(work: int, num_kv_heads: int, config: LaunchConfig) -> int:
+    """Keys per chunk so that `work` (virtual keys x row tiles over the units) makes about
+    config.target_programs (item, KV head) pairs, at least config.min_chunk. A unit's keys are
+    cut into round(keys / chunk) even chunks (not ceil: units a little longer than the average
+    would get one chunk more than the rest)."""
+    per_item = -(-work * num_kv_heads // config.target_programs)
     return max(config.min_chunk, -(-per_item // config.block_n) * config.block_n)
 
 

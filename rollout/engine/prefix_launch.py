@@ -29,11 +29,6 @@ class LaunchConfig:
     min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
-    shared_kv_heads: int = 1  # KV heads a shared unit's tile holds: its block_m rows are this many KV heads'
-    # rows (block_m // shared_kv_heads rows of the item each), its key rows block_n // shared_kv_heads keys x
-    # those heads (a key's heads side by side: one contiguous read). An n=8 group has 32 rows a KV head
-    # (GQA 4): at 2 they fill a 64-row tile instead of padding it; an n=16 group's 64 rows a head become
-    # two items, each reading its heads' keys (twice the reads). Needs the lone pass, no fused suffixes.
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
@@ -58,21 +53,9 @@ class LaunchConfig:
                 raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
         if self.lone_max_keys and self.lone_max_keys < self.block_n:
             raise ValueError(f"lone_max_keys must be 0 (no cap) or >= block_n, got {self.lone_max_keys}")
-        heads = self.shared_kv_heads
-        if heads < 1 or heads & (heads - 1) or self.block_m // heads < 16 or self.block_n % heads:
-            raise ValueError(f"shared_kv_heads must be a power of two dividing block_n, with block_m // it >= 16, "
-                             f"got {heads}")
-        if heads > 1 and (self.fuse_suffix or not self.lone_pass):
-            raise ValueError("shared_kv_heads > 1 needs lone_pass and no fuse_suffix (its tiles hold shared units "
-                             "only)")
         if self.target_programs < 1 or self.min_chunk < self.block_n:
             raise ValueError(f"need target_programs >= 1 and min_chunk >= block_n, got "
                              f"{self.target_programs}, {self.min_chunk}")
-
-
-def shared_tile_rows(config: LaunchConfig) -> int:
-    """Rows of a shared unit's item: the share of one KV head in the kernel's block_m-row tile."""
-    return config.block_m // config.shared_kv_heads
 
 
 def lone_launch(config: LaunchConfig, suffix_block_m: int) -> bool:

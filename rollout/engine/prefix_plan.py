@@ -64,7 +64,6 @@ from rollout.engine.prefix_launch import (
     ShareRule,
     lone_launch,
     max_segments,
-    shared_tile_rows,
 )
 
 MIN_BLOCK_M = 16  # the smallest row tile tl.dot takes
@@ -193,11 +192,9 @@ class SharedPrefixPlanner:
         in a lone pass no lone item longer than config.lone_max_keys; fewer chunks until the plan
         fits its capacities (no chunks always fits)."""
         num_tokens = int(q.sum())
-        num_shared = len(units.lo)
-        pairs = np.full(len(lens), self.num_kv_heads)  # [U + L] (item, KV heads) pairs of each row tile
-        pairs[:num_shared] //= config.shared_kv_heads
-        chunk = chunk_size(int((arrays.tiles * lens * pairs).sum()), config)
+        chunk = chunk_size(int((arrays.tiles * lens).sum()), self.num_kv_heads, config)
         lone_max = config.lone_max_keys if lone_launch(config, self.suffix_block_m(int(q.max()))) else 0
+        num_shared = len(units.lo)
         while True:
             chunks = np.maximum(1, (lens + chunk // 2) // chunk)  # [U + L] rounded
             if lone_max:  # a lone item is one program's serial work: long ones are cut (balance)
@@ -217,7 +214,7 @@ class SharedPrefixPlanner:
         lone = np.flatnonzero(~fused)  # [L]
         ctx, cu_q = starts + q, np.cumsum(q) - q
         num_shared = len(units.lo)
-        block_m = np.concatenate([np.full(num_shared, shared_tile_rows(config)), np.full(len(lone), self.suffix_block_m(
+        block_m = np.concatenate([np.full(num_shared, config.block_m), np.full(len(lone), self.suffix_block_m(
             int(q.max())))])
         tok_count = np.concatenate([units.num_tokens, q[lone]])
         arrays = UnitArrays(

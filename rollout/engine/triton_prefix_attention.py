@@ -2,24 +2,23 @@
 launch parameters: prefix_launch.py; the passes and their torch reference: prefix_attention.py;
 the online-softmax tile and row store they share: triton_prefix_tiles.py).
 
-`_item_kernel` runs the plan's work items, each once per KV head: its query rows are (token, query
-head) pairs of that KV head for the tokens of one unit (for a shared unit, all the sequences of a
-group: a shared key tile is loaded once for all of them and used by one tl.dot of [block_m rows, D]
-x [D, block_n]). It walks the item's virtual keys in tiles of block_n with an online softmax in
-float32 (base 2, the scale folded into log2 e): first the unit's own range through one block-table
-row (loop 1, masking keys after each query's position; only lone units' ranges reach a query's own
-position), then the fused suffix segments of its row tile (loop 2: each key's segment, block-table
-row and position come from the tile's few segments held in registers, and a key is seen only by its
-own sequence's rows). A row whose token has one partial result (part_count 1) is written to the
-output, the others' normalised output and log-sum-exp to the token's partial row `slot`. With
-`LaunchConfig.shared_kv_heads` H > 1 a shared unit's pair covers H KV heads (`_attend_heads_item`):
-the tile's rows are the item's rows for each head, its key rows a key's H heads side by side, each
-row seeing its own head's. The programs (a fixed number per SM) take (item, KV head) pairs from a
-work queue, an atomic counter, shared units' items first, until the queue is empty: the item count
-is read on the device, so a CUDA graph replays any plan that fits its buffers, and no program waits
-on a long item while others idle. A shared unit's own keys all precede its rows' queries, so its
-full key tiles skip the causal mask. `_merge_kernel` combines each token's partial rows (all its
-heads in one program) by their log-sum-exp, and resets the counter for the next layer.
+`_item_kernel` runs the plan's work items, each once per KV head: its query rows are (token,
+query head) pairs of that KV head for the tokens of one unit (for a shared unit, all the
+sequences of a group: a shared key tile is loaded once for all of them and used by one tl.dot of
+[block_m rows, D] x [D, block_n]). It walks the item's virtual keys in tiles of block_n with an
+online softmax in float32 (base 2, the scale folded into log2 e): first the unit's own range
+through one block-table row (loop 1, masking keys after each query's position; only lone units'
+ranges reach a query's own position), then the fused suffix segments of its row tile (loop 2:
+each key's segment, block-table row and position come from the tile's few segments held in
+registers, and a key is seen only by its own sequence's rows). A row whose token has one partial
+result (part_count 1) is written to the output, the others' normalised output and log-sum-exp to
+the token's partial row `slot`. The programs (a fixed number per SM) take (item, KV head) pairs
+from a work queue, an atomic counter, shared units' items first, until the queue is empty: the
+item count is read on the device, so a CUDA graph replays any plan that fits its buffers, and no
+program waits on a long item while others idle. A shared unit's own keys all precede its rows'
+queries, so its full key tiles skip the causal mask. `_merge_kernel` combines each token's
+partial rows (all its heads in one program) by their log-sum-exp, and resets the counter for the
+next layer.
 
 The lone pass (`LaunchConfig.lone_pass`, and whenever lone units' row tile differs from shared
 units'): one launch runs the shared units' items through the queue, a second the lone units'
@@ -72,7 +71,6 @@ if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
     from rollout.engine.triton_prefix_lone import _lone_heads_kernel
     from rollout.engine.triton_prefix_tiles import (
-        _heads_tile,
         _key_tile,
         _rows_start,
         _store_merged,
@@ -136,48 +134,11 @@ if triton is not None:
                     part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
 
     @triton.jit
-    def _attend_heads_item(
-        item_ptr, kv_first, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, unit_tokens_ptr, part_start_ptr,
-        part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        """One (shared unit's item, KV_TILE KV heads from kv_first) pair (LaunchConfig.shared_kv_heads):
-        the tile's rows are the item's rows once for each of the heads ([M]: head h's at h x M /
-        KV_TILE), its key rows BLOCK_N // KV_TILE keys x the heads (a key's heads side by side), and
-        a row sees its own head's key rows. A shared unit's keys all precede its rows' queries."""
-        key_lo = tl.load(item_ptr + 5).to(tl.int32)
-        own_hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
-        token, head, row_ok = _item_rows(item_ptr, kv_first, unit_tokens_ptr, GROUPS, BLOCK_M, KV_TILE)
-        q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_M)
-        key_row = tl.arange(0, BLOCK_N)  # [N] key by key: key key_row // KV_TILE, head key_row % KV_TILE
-        kv_head = kv_first + key_row % KV_TILE
-        mine = (head // GROUPS)[:, None] == kv_head[None, :]  # [M, N]
-        table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-        for v0 in range(tl.load(item_ptr + 7).to(tl.int32), own_hi, BLOCK_N // KV_TILE):
-            m_i, l_i, acc = _heads_tile(q, k_ptr, v_ptr, table, key_lo, v0 + key_row // KV_TILE, own_hi, kv_head,
-                                        mine, key_lo + own_hi, m_i, l_i, acc, qk_scale, stride_kb, stride_ks,
-                                        stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE,
-                                        DOT_PRECISION)  # (every shared key precedes the rows' queries)
-        tl.debug_barrier()  # the rows again past a barrier, as in _attend_item (registers)
-        token, head, row_ok = _item_rows(item_ptr, kv_first, unit_tokens_ptr, GROUPS, BLOCK_M, KV_TILE)
-        _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr, part_start_ptr,
-                    part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
-
-    @triton.jit
-    def _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   KV_TILE: tl.constexpr = 1):
+    def _item_rows(item_ptr, kv_head, unit_tokens_ptr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
         """The item's rows ([M]: row = token * GROUPS + group head): each one's token (int64: listed in
         unit_tokens when the item is indirect, else consecutive from its first), query head, and
-        whether it is one of the item's. KV_TILE > 1: the tile holds the item's first M / KV_TILE
-        rows for each of KV_TILE heads from kv_head."""
-        if KV_TILE == 1:
-            rows = tl.load(item_ptr + 2) + tl.arange(0, BLOCK_M)
-        else:
-            rows = tl.load(item_ptr + 2) + tl.arange(0, BLOCK_M) % (BLOCK_M // KV_TILE)
-            kv_head = kv_head + tl.arange(0, BLOCK_M) // (BLOCK_M // KV_TILE)  # [M]
+        whether it is one of the item's."""
+        rows = tl.load(item_ptr + 2) + tl.arange(0, BLOCK_M)
         local = rows // GROUPS
         row_ok = local < tl.load(item_ptr + 1)
         tok_start = tl.load(item_ptr)
@@ -228,29 +189,20 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, PDL: tl.constexpr, KV_TILE: tl.constexpr = 1,
+        PASS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """KV_TILE (the shared pass only): a shared item's pair covers that many KV heads."""
-        TILES: tl.constexpr = NUM_KV_HEADS // KV_TILE  # pairs an item
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         if PASS == _LONE:  # lone units' items, program p taking every P-th (no queue)
             total = tl.load(item_counts_ptr + 1) * NUM_KV_HEADS
             work = num_shared * NUM_KV_HEADS + tl.program_id(0)
         else:  # a work queue of (item, KV head) pairs, shared units' first
-            total = (num_shared if PASS == _SHARED else tl.load(item_counts_ptr + 1)) * TILES
+            total = (num_shared if PASS == _SHARED else tl.load(item_counts_ptr + 1)) * NUM_KV_HEADS
             work = tl.atomic_add(counter_ptr, 1)
         while work < total:
-            item = work // TILES
+            item = work // NUM_KV_HEADS
             item_ptr = items_ptr + item * NUM_FIELDS
-            if KV_TILE > 1:  # shared units' items, KV_TILE heads a pair
-                _attend_heads_item(
-                    item_ptr, work % TILES * KV_TILE, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                    unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, KV_TILE, DOT_PRECISION)
-            elif PASS == _LONE:
+            if PASS == _LONE:
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
@@ -315,8 +267,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
-                               KV_TILE=config.shared_kv_heads, num_warps=config.num_warps,
-                               num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages)
         if all_heads(config, plan.max_query_len, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, HEADS_PROGRAMS_PER_SM)))
             merge = config.lone_merge and not config.fuse_suffix  # every token has a lone unit
