@@ -60,7 +60,7 @@ from common import (
     write_config_dir,
     write_json,
 )
-from prefix_variants import use_prefix_launch
+from prefix_variants import VARIANTS, use_prefix_launch
 
 import rollout.engine.engine as engine_module
 from rollout import build_engine
@@ -94,8 +94,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
-    p.add_argument("--attention", nargs="+", default=["shared"], choices=ATTENTION,
-                   help="shared-prefix attention on (shared) and / or off (plain): one engine each, side by side")
+    p.add_argument("--attention", nargs="+", default=["shared"], type=attention_arm,
+                   help="shared-prefix attention on (shared) and / or off (plain), or on with a decode launch of "
+                        "prefix_variants.VARIANTS (shared:NAME, in process only): one engine each, side by side")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the attention settings this many times, alternating their order; report medians")
     p.add_argument("--draft-block", type=int, default=8, help="the untrained DFlash drafter's block (case c)")
@@ -114,9 +115,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results/bench_rl.json")
     args = p.parse_args()
     args.engine_args = dict(_key_value(kv) for kv in args.engine_arg)
+    if "service" in args.paths and any(":" in arm for arm in args.attention):
+        p.error("--attention shared:NAME runs in process only (the server builds its engine with the defaults)")
     if args.quick:
         args.shape, args.draft_block, args.warmup_tokens = "tiny", 4, 4
     return args
+
+
+def attention_arm(text: str) -> str:
+    """An --attention value: shared, plain, or shared:NAME (NAME a variant of prefix_variants.VARIANTS)."""
+    kind, _, variant = text.partition(":")
+    if kind not in ATTENTION or (variant and (kind != "shared" or variant not in VARIANTS)):
+        raise argparse.ArgumentTypeError(f"{text!r}: want shared, plain or shared:NAME with NAME one of "
+                                         f"{', '.join(VARIANTS)}")
+    return text
+
+
+def arm_launch(args, attention: str) -> str | None:
+    """The --prefix-launch names an arm's engine is built with: its own decode variant (shared:NAME)
+    beside --prefix-launch's verify one, else --prefix-launch's."""
+    kind, _, variant = attention.partition(":")
+    if not variant:
+        return args.prefix_launch
+    return f"{variant},{((args.prefix_launch or 'default').split(',') * 2)[1]}"
 
 
 def _key_value(text: str) -> tuple[str, object]:
@@ -296,7 +317,7 @@ def engine_config(args, dirs: dict, spec: bool, attention: str) -> dict:
     """EngineConfig fields of one drafter and attention setting (both paths)."""
     fields = dict(model=dirs["model"], load_format="random", device=args.device, **args.engine_args)
     if len(args.attention) > 1 or attention != "shared":
-        fields["shared_prefix_attention"] = attention == "shared"
+        fields["shared_prefix_attention"] = attention != "plain"
     if spec:
         fields.update(spec="dflash", draft=dirs["draft"], spec_block_size=args.draft_block)
     return fields
@@ -324,6 +345,7 @@ def bench_group(args, dirs: dict, spec: bool, attention: str, cases: list[str], 
     after a warm-up run of the first case's workload, `--warmup-tokens` long, on other prompts);
     its rows tagged with `round_`."""
     fields = engine_config(args, dirs, spec, attention)
+    use_prefix_launch(arm_launch(args, attention))
     workloads = {name: case_workload(name, args.quick) for name in cases}
     warmup = dict(workloads[cases[0]], output_len=args.warmup_tokens)
     vocab, limits = SHAPES[args.shape]["vocab_size"], {}
@@ -415,7 +437,6 @@ def make_dirs(args, root: Path) -> dict:
 
 def main() -> None:
     args = parse_args()
-    use_prefix_launch(args.prefix_launch)
     bandwidth = copy_bandwidth(args.device, (64 << 20) if args.quick else (4 << 30))
     rate = matmul_rate(args.device)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, matmul {rate / 1e12:.1f} TFLOP/s", flush=True)

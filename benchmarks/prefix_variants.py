@@ -49,16 +49,25 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
+    # decode's default asking L2 for its first keys before the PDL wait: the shared pass a program's first
+    # pair's (64 or 128 keys of one KV head: 32 or 64 KB with the values), the lone pass its first item's
+    # (16 or 32 keys x every KV head: 64 or 128 KB)
+    "pf64": replace(DEFAULT_LAUNCH.decode, prefetch_keys=64),
+    "pf128": replace(DEFAULT_LAUNCH.decode, prefetch_keys=128),
+    "lpf16": replace(DEFAULT_LAUNCH.decode, lone_prefetch_keys=16),
+    "lpf32": replace(DEFAULT_LAUNCH.decode, lone_prefetch_keys=32),
+    "pf128_lpf32": replace(DEFAULT_LAUNCH.decode, prefetch_keys=128, lone_prefetch_keys=32),
 }
 
 
 def use_prefix_launch(names: str | None) -> None:
     """Engines built after this use the named launch variants (--prefix-launch) for shared-prefix
-    attention (prefix_plan.planner_for reads prefix_launch.DEFAULT_LAUNCH when an engine is built)."""
-    if not names:
-        return
-    decode, verify = (names.split(",") * 2)[:2]
+    attention (prefix_plan.planner_for reads prefix_launch.DEFAULT_LAUNCH when an engine is built);
+    None: the defaults again."""
+    decode, verify = ((names or "default").split(",") * 2)[:2]
     pick = lambda name, default: default if name == "default" else VARIANTS[name]  # noqa: E731
-    prefix_launch.DEFAULT_LAUNCH = prefix_launch.LaunchConfigs(pick(decode, prefix_launch.DEFAULT_LAUNCH.decode),
-                                                               pick(verify, prefix_launch.DEFAULT_LAUNCH.verify))
+    prefix_launch.DEFAULT_LAUNCH = prefix_launch.LaunchConfigs(pick(decode, DEFAULT_LAUNCH.decode),
+                                                               pick(verify, DEFAULT_LAUNCH.verify))
+    if names is None:
+        return
     print(f"shared-prefix launch: {prefix_launch.DEFAULT_LAUNCH}", flush=True)
