@@ -49,14 +49,6 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # decode's default asking L2 for its first keys before the PDL wait: the shared pass a program's first
-    # pair's (64 or 128 keys of one KV head: 32 or 64 KB with the values), the lone pass its first item's
-    # (16 or 32 keys x every KV head: 64 or 128 KB)
-    "pf64": replace(DEFAULT_LAUNCH.decode, prefetch_keys=64),
-    "pf128": replace(DEFAULT_LAUNCH.decode, prefetch_keys=128),
-    "lpf16": replace(DEFAULT_LAUNCH.decode, lone_prefetch_keys=16),
-    "lpf32": replace(DEFAULT_LAUNCH.decode, lone_prefetch_keys=32),
-    "pf128_lpf32": replace(DEFAULT_LAUNCH.decode, prefetch_keys=128, lone_prefetch_keys=32),
 }
 
 

@@ -20,7 +20,6 @@ import torch
 from test_spec_engine import _generate
 
 import rollout.engine.triton_prefix_attention as tpa
-import rollout.engine.triton_prefix_tiles as tiles
 from rollout import build_engine
 from rollout.cli import build_parser, engine_factory
 from rollout.engine.attention import AttentionMetadata, paged_attention, write_kv
@@ -49,18 +48,8 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
-if DEVICE.type == "cuda":  # keys asked of L2 before the PDL wait (compiled only where PDL runs: not the interpreter)
-    LAUNCHES["lone heads, prefetch"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, prefetch_keys=16,
-                                                               lone_prefetch_keys=16),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
-
-
-@pytest.mark.parametrize("head_dim, bits, lines", [(128, 16, 2), (64, 16, 1), (96, 16, 2), (80, 16, 2),
-                                                  (128, 32, 4), (192, 16, 4), (8, 16, 1)])
-def test_a_prefetch_asks_for_every_128_byte_line_of_a_key_row(head_dim, bits, lines):
-    """_prefetch_lines asks L2 for a row's lines at 128-byte steps (clamped to the row's last element)."""
-    assert tiles._lines(head_dim, bits) == lines
 
 
 def layout(prompts, samples, prompt_blocks, gen_lens, q_len=1, system_blocks=0, block_size=4, tag="a"):

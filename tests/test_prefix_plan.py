@@ -240,8 +240,7 @@ def test_suffixes_are_read_alone_where_a_tile_could_hold_too_many_sequences():
     assert p.config.fuse_suffix is False and p.part_count.tolist() == [2] * 4
 
 
-@pytest.mark.parametrize("field, value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("min_chunk", 16),
-                                          ("prefetch_keys", 48), ("lone_prefetch_keys", 8)])
+@pytest.mark.parametrize("field, value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("min_chunk", 16)])
 def test_launch_parameters_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         LaunchConfig(**{field: value})

@@ -29,8 +29,6 @@ class LaunchConfig:
     min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
-    prefetch_keys: int = 0  # keys of a shared-pass program's first (item, KV head) pair whose K and V rows
-    # it asks L2 for before its PDL wait, while the kernel ahead (the queries' RoPE) still runs (0: none)
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
@@ -44,8 +42,6 @@ class LaunchConfig:
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
     lone_merge: bool = True  # the all-heads lone pass merges each token's partial results (no merge
     # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
-    lone_prefetch_keys: int = 0  # keys of an all-heads lone program's first item (every KV head) asked of L2
-    # before its PDL wait, while the shared pass ends (0: none)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):
@@ -57,10 +53,6 @@ class LaunchConfig:
                 raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {warps}, {stages}")
         if self.lone_max_keys and self.lone_max_keys < self.block_n:
             raise ValueError(f"lone_max_keys must be 0 (no cap) or >= block_n, got {self.lone_max_keys}")
-        for name in ("prefetch_keys", "lone_prefetch_keys"):
-            value = getattr(self, name)
-            if value and (value < 16 or value & (value - 1)):
-                raise ValueError(f"{name} must be 0 (none) or a power of two >= 16, got {value}")
         if self.target_programs < 1 or self.min_chunk < self.block_n:
             raise ValueError(f"need target_programs >= 1 and min_chunk >= block_n, got "
                              f"{self.target_programs}, {self.min_chunk}")

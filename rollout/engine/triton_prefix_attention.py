@@ -72,7 +72,6 @@ if triton is not None:
     from rollout.engine.triton_prefix_lone import _lone_heads_kernel
     from rollout.engine.triton_prefix_tiles import (
         _key_tile,
-        _prefetch_keys,
         _rows_start,
         _store_merged,
         _store_rows,
@@ -190,20 +189,8 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, PDL: tl.constexpr, PREFETCH_KEYS: tl.constexpr = 0,
+        PASS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """PREFETCH_KEYS (a queue's launch, with PDL): before its wait, the program asks L2 for that
-        many keys of the pair its id names, which programs running from the start take about in id
-        order (the plan and the cache's shared keys are written by no kernel of the layer)."""
-        if PREFETCH_KEYS > 0:
-            if tl.program_id(0) < tl.load(item_counts_ptr) * NUM_KV_HEADS:
-                item_ptr = items_ptr + tl.program_id(0) // NUM_KV_HEADS * NUM_FIELDS
-                _prefetch_keys(k_ptr, v_ptr, block_tables_ptr + tl.load(item_ptr + 4) * stride_bt,
-                               tl.load(item_ptr + 5).to(tl.int32),
-                               tl.load(item_ptr + 7).to(tl.int32) + tl.arange(0, PREFETCH_KEYS),
-                               tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32),
-                               tl.program_id(0) % NUM_KV_HEADS, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                               stride_vh, HEAD_DIM, BLOCK_SIZE)
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         if PASS == _LONE:  # lone units' items, program p taking every P-th (no queue)
@@ -267,8 +254,6 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     pdl = triton_pdl.launch(q)  # the same for every launch of the step
     part_o, part_lse, counter, tickets = plan.buffers(q)
     config, groups = plan.config, num_heads // num_kv_heads
-    prefetch, lone_prefetch = (  # keys asked of L2 before a PDL wait (none without one: nor in the interpreter)
-        (config.prefetch_keys, config.lone_prefetch_keys) if pdl["PDL"] else (0, 0))
     pairs = plan.max_items * num_kv_heads  # at least the step's (item, KV head) pairs
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
@@ -282,8 +267,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
-                               PREFETCH_KEYS=prefetch, num_warps=config.num_warps,
-                               num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages)
         if all_heads(config, plan.max_query_len, num_kv_heads, head_dim):
             lone = max(1, min(plan.max_items, _resident_programs(q.device, HEADS_PROGRAMS_PER_SM)))
             merge = config.lone_merge and not config.fuse_suffix  # every token has a lone unit
@@ -292,8 +276,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 plan.part_start, plan.part_count, positions, block_tables, scale * LOG2E, num_tokens, *strides,
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
-                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge,
-                PREFETCH_KEYS=lone_prefetch, **pdl,
+                NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge, **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
             if merge:
                 return out
@@ -303,8 +286,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                                   num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
     else:  # one row tile for both kinds of item: one launch
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=ALL_ITEMS,
-                               PREFETCH_KEYS=prefetch, num_warps=config.num_warps,
-                               num_stages=config.num_stages)
+                               num_warps=config.num_warps, num_stages=config.num_stages)
     heads_p2 = triton.next_power_of_2(num_heads)
     _merge_kernel[(num_tokens,)](
         out, part_o, part_lse, plan.part_start, plan.part_count, counter, out.stride(0), out.stride(1),

@@ -38,7 +38,6 @@ if triton is not None:
     from rollout.engine.triton_prefix_tiles import (
         _heads_tile,
         _merge_partials,
-        _prefetch_keys,
         _rows_result,
         _rows_start,
         _store_merged,
@@ -56,27 +55,15 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, PREFETCH_KEYS: tl.constexpr = 0,
+        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
         the key rows of its own KV head. Program p takes every P-th lone item. MERGE: every token
         has a lone unit, and this pass merges its partial results (_finish_token) in place of the
-        merge kernel, whose other duties it takes on too (the work counter, padded rows).
-        PREFETCH_KEYS (with PDL): before its wait, the program asks L2 for that many keys of its
-        first item, every KV head (the shared pass writes neither the plan nor the cache)."""
+        merge kernel, whose other duties it takes on too (the work counter, padded rows)."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
-        if PREFETCH_KEYS > 0:
-            item_ptr = items_ptr + (tl.load(item_counts_ptr) + tl.program_id(0)) * NUM_FIELDS
-            if tl.program_id(0) < tl.load(item_counts_ptr + 1) - tl.load(item_counts_ptr):
-                row = tl.arange(0, PREFETCH_KEYS * NUM_KV_HEADS)  # key by key, as the tiles' rows
-                _prefetch_keys(k_ptr, v_ptr, block_tables_ptr + tl.load(item_ptr + 4) * stride_bt,
-                               tl.load(item_ptr + 5).to(tl.int32),
-                               tl.load(item_ptr + 7).to(tl.int32) + row // NUM_KV_HEADS,
-                               tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32),
-                               row % NUM_KV_HEADS, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                               HEAD_DIM, BLOCK_SIZE)
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
         total = tl.load(item_counts_ptr + 1)

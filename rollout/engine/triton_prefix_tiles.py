@@ -55,50 +55,16 @@ if triton is not None:
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One tile of key rows holding several KV heads of each key (row i: virtual key vk[i] of
-        KV head kv_head[i], found by _key_rows) into the online softmax of q's rows, a row seeing
-        the key rows `mine` [M, N] gives it, up to its query's position q_pos."""
-        k_row, v_row, key_ok, pos = _key_rows(k_ptr, v_ptr, table, key_lo, vk, hi, kv_head, stride_kb, stride_ks,
-                                              stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
-        return _row_tile(q, k_row, v_row, key_ok, mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale,
-                         HEAD_DIM, DOT_PRECISION)
-
-    @triton.jit
-    def _key_rows(k_ptr, v_ptr, table, key_lo, vk, hi, kv_head, stride_kb, stride_ks, stride_kh, stride_vb,
-                  stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr):
-        """Where the rows of virtual keys vk [N] of KV heads kv_head lie, read through the block-table
-        row `table` at positions key_lo + vk: each one's K and V row (first element), whether it is a
-        key (virtual keys at `hi` and past it are not: block 0 stands in) and its position."""
+        KV head kv_head[i], read through the block-table row `table` at position key_lo + vk[i];
+        virtual keys at `hi` and past it are not read) into the online softmax of q's rows, a row
+        seeing the key rows `mine` [M, N] gives it, up to its query's position q_pos."""
         key_ok = vk < hi
         pos = key_lo + vk
         block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
         slot = pos % BLOCK_SIZE
-        return (k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok, pos)
-
-    @triton.jit
-    def _prefetch_keys(k_ptr, v_ptr, table, key_lo, vk, hi, kv_head, stride_kb, stride_ks, stride_kh, stride_vb,
-                       stride_vs, stride_vh, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """Ask L2 for the K and V rows that _key_rows finds, ahead of their loads. A hint: it loads
-        nothing into registers and writes nothing, so a kernel may issue it before its PDL wait, even
-        for rows the kernel ahead writes (every SM's writes meet in L2). Compiled code only (inline
-        PTX): the interpreter never runs it."""
-        k_row, v_row, _, _ = _key_rows(k_ptr, v_ptr, table, key_lo, vk, hi, kv_head, stride_kb, stride_ks, stride_kh,
-                                       stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
-        _prefetch_lines(k_row, HEAD_DIM)
-        _prefetch_lines(v_row, HEAD_DIM)
-
-    @triton.constexpr_function
-    def _lines(head_dim, bits):
-        """128-byte lines a row of head_dim elements of `bits` bits spans (at most), as a power of two."""
-        return triton.next_power_of_2(max(1, -(-head_dim * bits // 1024)))
-
-    @triton.jit
-    def _prefetch_lines(row, HEAD_DIM: tl.constexpr):
-        """prefetch.global.L2 of each 128-byte line of the rows of HEAD_DIM elements from row [N]."""
-        BITS: tl.constexpr = row.dtype.element_ty.primitive_bitwidth
-        LINE: tl.constexpr = 1024 // BITS  # elements a line
-        at = row[:, None] + tl.minimum(tl.arange(0, _lines(HEAD_DIM, BITS)) * LINE, HEAD_DIM - 1)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [at], dtype=tl.int32, is_pure=False, pack=1)
+        return _row_tile(q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                         v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok,
+                         mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
 
     @triton.jit
     def _tile_scores(q, k_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
