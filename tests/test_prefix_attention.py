@@ -79,8 +79,9 @@ def _verify_beside_prefill():
     return tables, ctx + [24 + 70], q_lens + [70]
 
 
-def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=0):
-    """q/k/v, caches and metadata of a step over `tables` (labels mapped to scrambled physical blocks)."""
+def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=0, spikes=1.0):
+    """q/k/v, caches and metadata of a step over `tables` (labels mapped to scrambled physical blocks;
+    every third physical block's keys `spikes` times the others')."""
     gen = torch.Generator().manual_seed(seed)
     labels = sorted({b for t in tables for b in t}, key=repr)
     num_blocks = len(labels) + 2
@@ -98,6 +99,7 @@ def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=
                              max_context_len=max(ctx), block_size=block_size)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     caches = [torch.randn(shape, generator=gen) for _ in range(2)]
+    caches[0][1::3] *= spikes
     t = len(positions)
     q = torch.randn(t, heads, head_dim, generator=gen)
     k, v = torch.randn(t, kv_heads, head_dim, generator=gen), torch.randn(t, kv_heads, head_dim, generator=gen)
@@ -105,11 +107,11 @@ def build(tables, ctx, q_lens, heads, kv_heads, head_dim=16, block_size=4, seed=
 
 
 def expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=4, prompt_lens=None, launch=DEFAULT_LAUNCH,
-                      slack=None):
+                      slack=None, spikes=1.0):
     """Plain paged attention's output, the caches with this step's keys written, and the plan.
     `slack` [S]: the plan takes each sequence's start that many positions later (the longest case of
     a step launched before a drafted one syncs, rollout.engine.overlap; `tables` must cover it)."""
-    q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, heads, kv_heads, block_size=block_size)
+    q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, heads, kv_heads, block_size=block_size, spikes=spikes)
     want = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     starts = [c - n + e for c, n, e in zip(ctx, q_lens, slack or [0] * len(ctx), strict=True)]
@@ -168,6 +170,27 @@ def test_kernel_equals_plain_attention(name, launch):
         got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
                                                  meta.positions.to(DEVICE), plan, 0.25, out=out)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+LAZY = {name: LaunchConfigs(*(replace(LAUNCHES[name].decode, lazy_rescale=True),) * 2)
+        for name in ("lone heads", "lone pass", "fused")}
+
+
+@needs_triton
+@pytest.mark.parametrize("launch", list(LAZY))
+@pytest.mark.parametrize("name", ["group of 8 beside sequences alone", "verify rows beside a prefill chunk"])
+@pytest.mark.parametrize("spikes", [3.0, 200.0])
+def test_a_lazy_softmax_equals_plain_attention_as_scores_jump(name, launch, spikes):
+    """LaunchConfig.lazy_rescale: every third block's keys `spikes` times the others', so a row's scores
+    jump between tiles. At 3 (scores' spread ~12, the slack 22 at scale 0.25) most jumps stay inside
+    the slack, whose tiles' probabilities reach past 1 against the kept reference; at 200 they pass it
+    by hundreds of log2 units (the reference must move, or exp2 overflows)."""
+    make, heads, kv_heads, block_size = CASES[name]
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size,
+                                                                 launch=LAZY[launch], spikes=spikes)
+    got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
+                                             meta.positions.to(DEVICE), plan, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 SLACK = [3, 0, 2, 3, 1, 0, 3, 2]  # drafts each sample's step in flight may still accept

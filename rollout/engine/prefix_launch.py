@@ -29,6 +29,9 @@ class LaunchConfig:
     min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
+    lazy_rescale: bool = False  # both passes' online softmax moves a row's reference max only where a tile's
+    # scores pass it by more than triton_prefix_tiles.LAZY_SLACK (one branch a tile): most tiles then skip
+    # rescaling their accumulator
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.

@@ -55,7 +55,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, LAZY: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
@@ -88,7 +88,7 @@ if triton is not None:
             for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
                 m_i, l_i, acc = _heads_tile(q, k_ptr, v_ptr, table, key_lo, v0 + key_of, hi, kv_head, mine, q_pos,
                                             m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                                            stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
+                                            stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, LAZY)
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,

@@ -8,6 +8,7 @@ base 2: callers pass the softmax scale times LOG2E."""
 from __future__ import annotations
 
 LOG2E = 1.4426950408889634
+LAZY_SLACK = 8.0  # log2 units a row's scores may pass its reference max by before a lazy softmax rescales
 
 try:
     import triton
@@ -16,6 +17,7 @@ except ImportError:  # pragma: no cover - triton ships with xgrammar, a dependen
     triton = None
 
 if triton is not None:
+    _LAZY_SLACK = tl.constexpr(LAZY_SLACK)
 
     @triton.jit
     def _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -31,29 +33,34 @@ if triton is not None:
     def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr = True):
+                  MASKED: tl.constexpr = True, LAZY: tl.constexpr = False):
         """One tile of keys (block [N] int64 and pos [N] of each) into the online softmax of the
         rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32."""
         return _row_tile(q, k_base + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks,
                          v_base + block * stride_vb + (pos % BLOCK_SIZE) * stride_vs, key_ok, seen, m_i, l_i, acc,
-                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED)
+                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED, LAZY)
 
     @triton.jit
     def _row_tile(q, k_row, v_row, key_ok, seen, m_i, l_i, acc, qk_scale,
-                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
+                  LAZY: tl.constexpr = False):
         """One tile of key rows (k_row / v_row [N]: each row's first element) into the online
         softmax of the rows of q [M, D], a key row counting for the rows `seen` [M, N] gives it
-        (MASKED False: every row sees every key row, all valid; key_ok and seen are not read)."""
-        scores = _tile_scores(q, k_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED) * qk_scale  # [M, N]
+        (MASKED False: every row sees every key row, all valid; key_ok and seen are not read).
+        LAZY: the rows' reference max moves only as _raise_max's LAZY says."""
+        scores = _tile_scores(q, k_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED)  # [M, N], unscaled
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
-        m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i)
-        return m_new, l_i, _add_values(acc, alpha, p, v_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED)
+        m_i, l_i, acc = _raise_max(m_i, tl.max(scores, 1) * qk_scale, l_i, acc, LAZY)
+        m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)  # rows with no key yet stay at 0
+        p = tl.exp2(tl.fma(scores, qk_scale, -m_ref[:, None]))  # the scale in one multiply-add with the max
+        return m_i, l_i + tl.sum(p, 1), _add_values(acc, p, v_row, key_ok, HEAD_DIM, DOT_PRECISION, MASKED)
 
     @triton.jit
     def _heads_tile(q, k_ptr, v_ptr, table, key_lo, vk, hi, kv_head, mine, q_pos, m_i, l_i, acc, qk_scale,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    LAZY: tl.constexpr = False):
         """One tile of key rows holding several KV heads of each key (row i: virtual key vk[i] of
         KV head kv_head[i], read through the block-table row `table` at position key_lo + vk[i];
         virtual keys at `hi` and past it are not read) into the online softmax of q's rows, a row
@@ -64,7 +71,8 @@ if triton is not None:
         slot = pos % BLOCK_SIZE
         return _row_tile(q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
                          v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok,
-                         mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION)
+                         mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION,
+                         True, LAZY)
 
     @triton.jit
     def _tile_scores(q, k_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
@@ -78,26 +86,38 @@ if triton is not None:
         return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)
 
     @triton.jit
-    def _add_values(acc, alpha, p, v_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    def _add_values(acc, p, v_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     MASKED: tl.constexpr):
-        """acc [M, D] rescaled by alpha [M], plus the probabilities p [M, N] times the tile's value
-        rows (v_row [N]; MASKED: the rows where key_ok is False read as 0)."""
+        """acc [M, D] plus the probabilities p [M, N] times the tile's value rows (v_row [N]; MASKED:
+        the rows where key_ok is False read as 0)."""
         dims = tl.arange(0, HEAD_DIM)
         if MASKED:
             v = tl.load(v_row[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)  # [N, D]
         else:
             v = tl.load(v_row[:, None] + dims[None, :])
-        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        return acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
 
     @triton.jit
-    def _softmax_step(scores, m_i, l_i):
-        """Scores [M, N] (base 2, -inf where unseen) into a running softmax (m, l) [M]: the new max,
-        the factor alpha [M] for what was summed before, the probabilities p [M, N] and the new sum."""
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at 0
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+    def _raise_max(m_i, m_tile, l_i, acc, LAZY: tl.constexpr):
+        """A running softmax's reference max m_i [M] (base 2) raised to take in a tile whose rows'
+        scaled maxima are m_tile [M], and what was summed against it (l_i [M], acc [M, D]) rescaled
+        to the new one. The tile's probabilities are then taken against the reference: each at
+        most 1, or with LAZY at most 2**LAZY_SLACK, for the reference moves only where some row's
+        tile max passes it by more than LAZY_SLACK, and then every row's at once (one branch a tile,
+        that skips the rescale of acc when taken no further). Either way acc / l is the same
+        softmax: both are sums against the same reference."""
+        if LAZY:
+            if tl.max((m_tile > m_i + _LAZY_SLACK).to(tl.int32), 0) > 0:
+                m_i, l_i, acc = _rescale(m_i, tl.maximum(m_i, m_tile), l_i, acc)
+        else:
+            m_i, l_i, acc = _rescale(m_i, tl.maximum(m_i, m_tile), l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _rescale(m_i, m_new, l_i, acc):
+        """l_i and acc, summed against the reference m_i, rescaled to m_new (-inf: no key yet)."""
+        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))  # [M]; 0 where m_i is -inf
+        return m_new, l_i * alpha, acc * alpha[:, None]
 
     @triton.jit
     def _rows_result(m_i, l_i, acc):
