@@ -49,10 +49,11 @@ VARIANTS = {
     "fused_s5n32_t512": LaunchConfig(block_n=32, num_stages=5, target_programs=512),
     # decode's default with the merge kernel after the lone pass (before the lone pass merged)
     "merge_kernel": replace(DEFAULT_LAUNCH.decode, lone_merge=False),
-    # decode's default whose online softmax rescales only where a tile's scores pass the reference max by
-    # more than LAZY_SLACK (sm_90, Triton 3.6: the shared key loop 379 instructions a tile, of which ~65
-    # skipped when it does not rescale, with three more barriers; the lone loop 833 -> 865, ~40 skipped)
-    "lazy": replace(DEFAULT_LAUNCH.decode, lazy_rescale=True),
+    # decode's default whose lone pass's online softmax rescales only where a tile's scores pass the reference max
+    # by more than LAZY_SLACK (sm_90, Triton 3.6: its key loop 833 -> 865 instructions a tile, ~40 of them
+    # skipped when it does not rescale; in both passes, "lazy" at d27c069, the shared pass lost: 45.0 against
+    # 42.6 us, its loop three barriers longer)
+    "lone_lazy": replace(DEFAULT_LAUNCH.decode, lone_lazy_rescale=True),
 }
 
 

@@ -172,19 +172,22 @@ def test_kernel_equals_plain_attention(name, launch):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-LAZY = {name: LaunchConfigs(*(replace(LAUNCHES[name].decode, lazy_rescale=True),) * 2)
-        for name in ("lone heads", "lone pass", "fused")}
+LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_lazy_rescale=True),) * 2),
+        "lone heads, merge kernel": LaunchConfigs(*(replace(LAUNCHES["lone heads, merge kernel"].decode,
+                                                            lone_lazy_rescale=True),) * 2)}
 
 
 @needs_triton
 @pytest.mark.parametrize("launch", list(LAZY))
-@pytest.mark.parametrize("name", ["group of 8 beside sequences alone", "verify rows beside a prefill chunk"])
+@pytest.mark.parametrize("name", ["group of 8 beside sequences alone",
+                                  "4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)"])
 @pytest.mark.parametrize("spikes", [3.0, 200.0])
 def test_a_lazy_softmax_equals_plain_attention_as_scores_jump(name, launch, spikes):
-    """LaunchConfig.lazy_rescale: every third block's keys `spikes` times the others', so a row's scores
-    jump between tiles. At 3 (scores' spread ~12, the slack 22 at scale 0.25) most jumps stay inside
-    the slack, whose tiles' probabilities reach past 1 against the kept reference; at 200 they pass it
-    by hundreds of log2 units (the reference must move, or exp2 overflows)."""
+    """LaunchConfig.lone_lazy_rescale (decode's all-heads lone pass): every third block's keys `spikes`
+    times the others', so a row's scores jump between tiles. At 3 (scores' spread ~12, the slack 22 at
+    scale 0.25) most jumps stay inside the slack, whose tiles' probabilities reach past 1 against the
+    kept reference; at 200 they pass it by hundreds of log2 units (the reference must move, or exp2
+    overflows)."""
     make, heads, kv_heads, block_size = CASES[name]
     q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size,
                                                                  launch=LAZY[launch], spikes=spikes)

@@ -29,9 +29,6 @@ class LaunchConfig:
     min_chunk: int = 256  # keys: a shorter chunk is not worth its partial result
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
-    lazy_rescale: bool = False  # both passes' online softmax moves a row's reference max only where a tile's
-    # scores pass it by more than triton_prefix_tiles.LAZY_SLACK (one branch a tile): most tiles then skip
-    # rescaling their accumulator
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.
@@ -45,6 +42,9 @@ class LaunchConfig:
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
     lone_merge: bool = True  # the all-heads lone pass merges each token's partial results (no merge
     # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
+    lone_lazy_rescale: bool = False  # the all-heads lone pass's online softmax moves a row's reference max only
+    # where a tile's scores pass it by more than triton_prefix_tiles.LAZY_SLACK (one branch a tile): most
+    # tiles then skip rescaling their accumulator
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "lone_block_n"):

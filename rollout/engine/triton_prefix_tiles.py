@@ -33,12 +33,12 @@ if triton is not None:
     def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr = True, LAZY: tl.constexpr = False):
+                  MASKED: tl.constexpr = True):
         """One tile of keys (block [N] int64 and pos [N] of each) into the online softmax of the
         rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32."""
         return _row_tile(q, k_base + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks,
                          v_base + block * stride_vb + (pos % BLOCK_SIZE) * stride_vs, key_ok, seen, m_i, l_i, acc,
-                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED, LAZY)
+                         qk_scale, HEAD_DIM, DOT_PRECISION, MASKED)
 
     @triton.jit
     def _row_tile(q, k_row, v_row, key_ok, seen, m_i, l_i, acc, qk_scale,
