@@ -53,7 +53,8 @@ VARIANTS = {
     # by more than LAZY_SLACK (sm_90, Triton 3.6: its key loop 833 -> 865 instructions a tile, ~40 of them
     # skipped when it does not rescale; in both passes, "lazy" at d27c069, the shared pass lost: 45.0 against
     # 42.6 us, its loop three barriers longer)
-    "lone_lazy": replace(DEFAULT_LAUNCH.decode, lone_lazy_rescale=True),
+    "lone_lazy": replace(DEFAULT_LAUNCH.decode, lone_lazy_rescale=True),  # the default since call 4
+    "lone_eager": replace(DEFAULT_LAUNCH.decode, lone_lazy_rescale=False),  # the default before
 }
 
 

@@ -88,11 +88,13 @@ class LaunchConfigs:
 # Five pipeline stages: a key tile's copies hang off its block-id load, and with fewer stages
 # Triton's pipeliner waits for every copy at the top of each iteration, so no copy overlaps the
 # tile before it (decode's shared pass 51 -> 44 us at 32x8x1024, 91 -> 78 at 16x16x4096; with 32-key
-# tiles, whose five stages fit two programs an SM). The all-heads lone pass is faster at two stages.
+# tiles, whose five stages fit two programs an SM). The all-heads lone pass is faster at two stages,
+# and with the lazy rescale (28.4 against 30.0 us at 32x8x1024, twenty-first session, calls 3-4; in the
+# shared pass it lost, 45.0 against 42.6: the branch's reduction adds three barriers to its key loop).
 DEFAULT_LAUNCH = LaunchConfigs(
     decode=LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2,
-                        lone_max_keys=256),
+                        lone_max_keys=256, lone_lazy_rescale=True),
     verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=5),
 )
