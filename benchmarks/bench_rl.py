@@ -23,7 +23,11 @@ the in-process limit of the same case (its steps are not visible from here). `--
 key=value` passes EngineConfig fields to both paths (e.g. max_num_batched_tokens=8192), so
 settings can be compared side by side. `--rounds N` runs the attention settings N times, in reverse
 order every other round (runs of the same code differ by a few percent between engines), and adds
-each measure's median over the rounds and the ratio of the medians (shared / plain).
+each measure's median over the rounds and the ratio of the medians (shared / plain). An attention
+setting `shared:NAME` builds its engine with the decode launch NAME of prefix_variants.VARIANTS (in
+process only), beside the others. `--process-per-arm` runs each round's settings in fresh processes
+of their own (as a server builds one engine) instead of one after another in this one. Profiled rows
+carry the GPU's SM clock and temperature right after the profiled steps (nvidia-smi).
 
     python benchmarks/bench_rl.py --device cuda                        # all cases, ~8 min on an H200
     python benchmarks/bench_rl.py --device cuda --cases a b --paths in_process
@@ -36,7 +40,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +57,7 @@ from common import (
     copy_bandwidth,
     environment,
     free_memory,
+    gpu_state,
     kernel_trace,
     kernel_us,
     matmul_rate,
@@ -112,6 +120,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-launch", metavar="DECODE[,VERIFY]",
                    help="shared-prefix attention's launch: variants of prefix_variants.VARIANTS (or "
                         "'default') for decode and verify steps (one name: both)")
+    p.add_argument("--process-per-arm", action="store_true",
+                   help="run each round's attention settings in a fresh process each (as a server builds one "
+                        "engine), not one after another in this one")
     p.add_argument("--out", default="benchmarks/results/bench_rl.json")
     args = p.parse_args()
     args.engine_args = dict(_key_value(kv) for kv in args.engine_arg)
@@ -222,13 +233,15 @@ def profile_attention(engine: LLMEngine, case: dict, prompts, steps: int, device
     sync(device)
     trace = kernel_trace(engine.step, steps) if device == "cuda" else []
     kernels = kernel_us(engine.step, steps, trace=trace)
+    state = gpu_state() if device == "cuda" else {}  # right after the profiled steps: the clocks they ran at
     engine.abort("profile")
     while engine.has_unfinished():
         engine.step()
     by_kernel = {k: sum(us for name, us in kernels.items() if k in name) / 1e3 for k in ATTENTION_KERNELS}
     return dict(attention_ms=sum(by_kernel.values()), attention_path_ms=path_us(trace, ATTENTION_KERNELS, steps) / 1e3,
                 kernels_ms=sum(kernels.values()) / 1e3, profiled_context=context,
-                attention_kernels_ms={k: ms for k, ms in by_kernel.items() if ms})
+                attention_kernels_ms={k: ms for k, ms in by_kernel.items() if ms},
+                **{f"profiled_{k}": v for k, v in state.items()})
 
 
 class StepLog:
@@ -415,7 +428,7 @@ def medians(rows: list[dict]) -> list[dict]:
     for arm in out:
         plain = next((a for a in out if a["case"] == arm["case"] and a["path"] == arm["path"]
                       and a["attention"] == "plain"), None)
-        if plain is not None and "attention_path_ms" in arm:
+        if plain is not None and arm.get("attention_path_ms") and plain.get("attention_path_ms"):  # (0 off CUDA)
             arm["path_over_plain"] = arm["attention_path_ms"] / plain["attention_path_ms"]
         if plain is not None:
             arm["over_plain"] = arm["tokens_per_s"] / plain["tokens_per_s"]
@@ -435,14 +448,13 @@ def make_dirs(args, root: Path) -> dict:
     return dirs
 
 
-def main() -> None:
-    args = parse_args()
+def arms_in_turn(args, result: dict) -> list[dict]:
+    """Each round's attention settings one after another in this process (an engine each)."""
     bandwidth = copy_bandwidth(args.device, (64 << 20) if args.quick else (4 << 30))
     rate = matmul_rate(args.device)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, matmul {rate / 1e12:.1f} TFLOP/s", flush=True)
-    result = dict(args=vars(args), env=environment(args.device), bandwidth=bandwidth, matmul_rate=rate, rows=[])
+    result.update(bandwidth=bandwidth, matmul_rate=rate)
     rows: list[dict] = []
-    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         dirs = make_dirs(args, Path(tmp))
         for spec in (False, True):
@@ -450,11 +462,51 @@ def main() -> None:
             for round_ in range(args.rounds if cases else 0):
                 for attention in args.attention[::-1] if round_ % 2 else args.attention:
                     bench_group(args, dirs, spec, attention, cases, rows, result, round_)
+    return rows
+
+
+def arms_apart(args, result: dict) -> list[dict]:
+    """--process-per-arm: each round's attention settings in turn, each in a fresh process (this script
+    with that one setting and one round); their rows tagged with the round, and the copy bandwidth
+    and matmul rate the first one measured."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for attention in args.attention[::-1] if round_ % 2 else args.attention:
+                out = Path(tmp) / f"round{round_}.json"
+                subprocess.run(child_argv(args, attention, out), check=True)
+                child = json.loads(out.read_text())
+                result.setdefault("bandwidth", child["bandwidth"])
+                result.setdefault("matmul_rate", child["matmul_rate"])
+                rows += [dict(row, round=round_) for row in child["rows"]]
+                report(rows, result, args)
+    return rows
+
+
+def child_argv(args, attention: str, out: Path) -> list[str]:
+    """This script's command line for one attention setting and one round of `args`."""
+    argv = [sys.executable, __file__, "--device", args.device, "--cases", *args.cases, "--paths", *args.paths,
+            "--shape", args.shape, "--attention", attention, "--draft-block", str(args.draft_block),
+            "--warmup-tokens", str(args.warmup_tokens), "--profile-steps", str(args.profile_steps),
+            "--profile-after", str(args.profile_after), "--out", str(out)]
+    argv += [flag for kv in args.engine_arg for flag in ("--engine-arg", kv)]
+    argv += ["--prefix-launch", args.prefix_launch] if args.prefix_launch else []
+    return argv + (["--quick"] if args.quick else [])
+
+
+def main() -> None:
+    args = parse_args()
+    result = dict(args=vars(args), env=environment(args.device), rows=[])
+    start = time.perf_counter()
+    if args.process_per_arm:
+        rows = arms_apart(args, result)
+    else:
+        rows = arms_in_turn(args, result)
     result["seconds"] = time.perf_counter() - start
     columns = ["case", "path", "attention", "round", "spec", "mask", "prompts", "n", "prompt_len", "output_len",
                "tokens_per_s", "over_plain", "steps", "step_ms", "attention_ms", "attention_path_ms", "kernels_ms",
-               "profiled_context", "peak_gb", "plan_step_gb", "plan_graphs_gb", "kv_blocks", "limit_s", "fraction",
-               "fraction_unique", "service_over_in_process"]
+               "profiled_context", "profiled_sm_mhz", "profiled_temp_c", "peak_gb", "plan_step_gb", "plan_graphs_gb",
+               "kv_blocks", "limit_s", "fraction", "fraction_unique", "service_over_in_process"]
     print_table(f"RL rollouts, {args.shape} random weights, {args.device}, engine args {args.engine_args or '-'} "
                 f"(fraction = memory-bound limit / run time; service: in-process limit)", rows, columns)
     report(rows, result, args)
