@@ -62,7 +62,8 @@ if triton is not None:
         KV head (a key's heads lie side by side in the cache: one contiguous read), and a row sees
         the key rows of its own KV head. Program p takes every P-th lone item. MERGE: every token
         has a lone unit, and this pass merges its partial results (_finish_token) in place of the
-        merge kernel, whose other duties it takes on too (the work counter, padded rows)."""
+        merge kernel, whose other duties it takes on too (the work counter, padded rows). LAZY
+        (LaunchConfig.lone_lazy_rescale): the rows' softmax rescales only as _raise_max's LAZY says."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)

@@ -102,10 +102,10 @@ if triton is not None:
         """A running softmax's reference max m_i [M] (base 2) raised to take in a tile whose rows'
         scaled maxima are m_tile [M], and what was summed against it (l_i [M], acc [M, D]) rescaled
         to the new one. The tile's probabilities are then taken against the reference: each at
-        most 1, or with LAZY at most 2**LAZY_SLACK, for the reference moves only where some row's
-        tile max passes it by more than LAZY_SLACK, and then every row's at once (one branch a tile,
-        that skips the rescale of acc when taken no further). Either way acc / l is the same
-        softmax: both are sums against the same reference."""
+        most 1. LAZY: at most 2**LAZY_SLACK, for the reference moves only when some row's tile max
+        passes it by more than LAZY_SLACK, every row's at once: one branch a tile, and a tile that
+        does not take it leaves acc as it is. Either way acc / l is the same softmax: both are sums
+        against the same reference."""
         if LAZY:
             if tl.max((m_tile > m_i + _LAZY_SLACK).to(tl.int32), 0) > 0:
                 m_i, l_i, acc = _rescale(m_i, tl.maximum(m_i, m_tile), l_i, acc)
