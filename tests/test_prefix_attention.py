@@ -48,8 +48,21 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
+for _name in ("fused", "lone heads"):  # key rows' offsets in int32 (the caches here are small)
+    LAUNCHES[f"{_name}, int32 offsets"] = LaunchConfigs(*(replace(LAUNCHES[_name].decode, index32=True),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
+
+
+@pytest.mark.parametrize("shape, view, fits", [
+    ((1000, 16, 8, 128), None, True),
+    ((131072, 16, 8, 128), None, True),  # 2**31 elements: the last at 2**31 - 1
+    ((131073, 16, 8, 128), None, False),  # one block more: past int32
+    ((2, 70000, 16, 8, 128), 1, True),  # one layer's slice of a larger pool: offsets from the slice's start
+])
+def test_int32_offsets_are_taken_only_where_the_caches_fit(shape, view, fits):
+    cache = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    assert tpa.index32_fits(cache if view is None else cache[view]) is fits
 
 
 def layout(prompts, samples, prompt_blocks, gen_lens, q_len=1, system_blocks=0, block_size=4, tag="a"):

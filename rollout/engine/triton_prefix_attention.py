@@ -87,7 +87,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEGS: tl.constexpr, FUSED: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr, INDEX32: tl.constexpr,
     ):
         """One (item, KV head) pair. CAUSAL False: a shared unit's item, whose own keys all lie
         before its rows' queries (a unit shares keys before its members' first query), so its full
@@ -111,7 +111,7 @@ if triton is not None:
                 block = tl.load(table + pos // BLOCK_SIZE)  # [N] int64
                 m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, pos >= 0, row_ok[:, None], m_i, l_i, acc,
                                           qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE,
-                                          DOT_PRECISION, False)
+                                          DOT_PRECISION, False, INDEX32)
         for v0 in range(masked_lo, own_hi, BLOCK_N):
             vk = v0 + tl.arange(0, BLOCK_N)  # [N] virtual keys
             key_ok = vk < own_hi
@@ -119,12 +119,13 @@ if triton is not None:
             block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
             seen = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
             m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
-                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION,
+                                      True, INDEX32)
         if FUSED:  # loop 2: the row tile's fused suffix segments (none: an empty range)
             m_i, l_i, acc = _segment_keys(
                 item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, tl.maximum(v_lo, range_len), v_hi,
                 k_base, v_base, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION)
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, MAX_SEGS, DOT_PRECISION, INDEX32)
         # The rows' tokens and heads again, past a barrier the compiler does not move loads across: else
         # it keeps their copies in the stores' layout live through the key loops (sm_90, Triton 3.6:
         # 253 registers against 204; no faster at two programs an SM, session 19, call 1).
@@ -150,7 +151,7 @@ if triton is not None:
     def _segment_keys(item_ptr, segs_ptr, block_tables_ptr, q, q_pos, token, lo, hi, k_base, v_base, m_i, l_i, acc,
                       qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_bt,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      MAX_SEGS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      MAX_SEGS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX32: tl.constexpr):
         """Virtual keys lo .. hi of the item's fused segments: each key's segment (the last whose
         v_start it reaches), block-table row and position come from the tile's segments held in
         registers [S]; a key is seen by the rows of its segment's tokens, up to their positions."""
@@ -173,7 +174,8 @@ if triton is not None:
             block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=key_ok, other=0)
             seen = key_ok[None, :] & (seg[None, :] == row_seg[:, None]) & (pos[None, :] <= q_pos[:, None])
             m_i, l_i, acc = _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
-                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
+                                      stride_kb, stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION,
+                                      True, INDEX32)
         return m_i, l_i, acc
 
     @triton.jit(do_not_specialize=["stride_bt"],
@@ -189,7 +191,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_SEGS: tl.constexpr, FUSED: tl.constexpr, NUM_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PASS: tl.constexpr, PDL: tl.constexpr,
+        PASS: tl.constexpr, PDL: tl.constexpr, INDEX32: tl.constexpr,
     ):
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
@@ -208,7 +210,8 @@ if triton is not None:
                     unit_tokens_ptr, part_start_ptr, part_count_ptr, positions_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True)
+                    NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SUFFIX_BLOCK_M, BLOCK_N, 1, False, DOT_PRECISION, True,
+                    INDEX32)
             else:  # shared units' items (all items in one launch: the same row tile, lone ones unfused)
                 _attend_item(
                     item_ptr, work % NUM_KV_HEADS, q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, segs_ptr,
@@ -216,7 +219,7 @@ if triton is not None:
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     NUM_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE, SHARED_BLOCK_M, BLOCK_N, MAX_SEGS, FUSED, DOT_PRECISION,
-                    PASS != _SHARED)
+                    PASS != _SHARED, INDEX32)
             if PASS == _LONE:
                 work += tl.num_programs(0)
             else:
@@ -263,7 +266,8 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
-        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl)
+        NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INDEX32=config.index32 and index32_fits(k_cache) and index32_fits(v_cache), **pdl)
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
@@ -277,7 +281,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge,
-                LAZY=config.lone_lazy_rescale, **pdl,
+                LAZY=config.lone_lazy_rescale, INDEX32=constants["INDEX32"], **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
             if merge:
                 return out
@@ -294,6 +298,12 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         NUM_HEADS=num_heads, HEADS_P2=heads_p2, HEAD_DIM=head_dim, num_warps=4 if heads_p2 * head_dim <= 8192 else 8,
         **pdl)
     return out
+
+
+def index32_fits(cache: Tensor) -> bool:
+    """Whether every element of `cache` lies within 2**31 elements of its first (the kernels'
+    INDEX32: a key row's offset in int32)."""
+    return sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)) < 2**31
 
 
 @functools.cache
@@ -314,4 +324,4 @@ def compiled_variants() -> int:
     return sum(len(cache[0]) for k in kernels for cache in getattr(k, "device_caches", {}).values())
 
 
-__all__ = ["compiled_variants", "shared_prefix_attention_triton"]
+__all__ = ["compiled_variants", "index32_fits", "shared_prefix_attention_triton"]

@@ -56,6 +56,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, LAZY: tl.constexpr,
+        INDEX32: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
@@ -63,7 +64,8 @@ if triton is not None:
         the key rows of its own KV head. Program p takes every P-th lone item. MERGE: every token
         has a lone unit, and this pass merges its partial results (_finish_token) in place of the
         merge kernel, whose other duties it takes on too (the work counter, padded rows). LAZY
-        (LaunchConfig.lone_lazy_rescale): the rows' softmax rescales only as _raise_max's LAZY says."""
+        (LaunchConfig.lone_lazy_rescale): the rows' softmax rescales only as _raise_max's LAZY says.
+        INDEX32: key rows' offsets in int32 (LaunchConfig.index32, where the caches allow)."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
@@ -89,7 +91,7 @@ if triton is not None:
             for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
                 m_i, l_i, acc = _heads_tile(q, k_ptr, v_ptr, table, key_lo, v0 + key_of, hi, kv_head, mine, q_pos,
                                             m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                                            stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, LAZY)
+                                            stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, LAZY, INDEX32)
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,

@@ -33,11 +33,15 @@ if triton is not None:
     def _key_tile(q, k_base, v_base, block, pos, key_ok, seen, m_i, l_i, acc, qk_scale,
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr = True):
+                  MASKED: tl.constexpr = True, INDEX32: tl.constexpr = False):
         """One tile of keys (block [N] int64 and pos [N] of each) into the online softmax of the
-        rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32."""
-        return _row_tile(q, k_base + block * stride_kb + (pos % BLOCK_SIZE) * stride_ks,
-                         v_base + block * stride_vb + (pos % BLOCK_SIZE) * stride_vs, key_ok, seen, m_i, l_i, acc,
+        rows of q [M, D]: (m, l) in log2 units, acc [M, D] float32. INDEX32: the rows' offsets in
+        int32 (every element of the caches lies within 2**31 of their start: index32_fits)."""
+        if INDEX32:
+            block = block.to(tl.int32)
+        slot = pos % BLOCK_SIZE
+        return _row_tile(q, k_base + (block * stride_kb + slot * stride_ks),
+                         v_base + (block * stride_vb + slot * stride_vs), key_ok, seen, m_i, l_i, acc,
                          qk_scale, HEAD_DIM, DOT_PRECISION, MASKED)
 
     @triton.jit
@@ -60,7 +64,7 @@ if triton is not None:
     def _heads_tile(q, k_ptr, v_ptr, table, key_lo, vk, hi, kv_head, mine, q_pos, m_i, l_i, acc, qk_scale,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    LAZY: tl.constexpr = False):
+                    LAZY: tl.constexpr = False, INDEX32: tl.constexpr = False):
         """One tile of key rows holding several KV heads of each key (row i: virtual key vk[i] of
         KV head kv_head[i], read through the block-table row `table` at position key_lo + vk[i];
         virtual keys at `hi` and past it are not read) into the online softmax of q's rows, a row
@@ -69,10 +73,15 @@ if triton is not None:
         pos = key_lo + vk
         block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
         slot = pos % BLOCK_SIZE
-        return _row_tile(q, k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh,
-                         v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_ok,
-                         mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale, HEAD_DIM, DOT_PRECISION,
-                         True, LAZY)
+        if INDEX32:  # (as _key_tile's)
+            block = block.to(tl.int32)
+            k_row = k_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)
+            v_row = v_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)
+        else:
+            k_row = k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh
+            v_row = v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        return _row_tile(q, k_row, v_row, key_ok, mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale,
+                         HEAD_DIM, DOT_PRECISION, True, LAZY)
 
     @triton.jit
     def _tile_scores(q, k_row, key_ok, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
