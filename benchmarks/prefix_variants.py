@@ -58,6 +58,12 @@ VARIANTS = {
     # key rows' offsets in int32 (sm_90, Triton 3.6: the shared key loop 379 -> 324 instructions a tile, its
     # 64-bit address products gone; the lone loop 865 -> 845, the default's lazy rescale kept)
     "i32": replace(DEFAULT_LAUNCH.decode, index32=True),
+    # decode's lone pass in two halves of the query heads, each with tiles of 16 keys x 4 KV heads (half the
+    # scores and products a key; sm_90, Triton 3.6, the key loop with the lazy rescale: 836 instructions a tile
+    # against 865 at 255 registers; with int32 offsets 746 against 845, 168 registers and 32 bytes of stack,
+    # 75.8 KB of shared memory: three programs could share an SM)
+    "halves": replace(DEFAULT_LAUNCH.decode, lone_head_halves=True),
+    "halves_i32": replace(DEFAULT_LAUNCH.decode, lone_head_halves=True, index32=True),
 }
 
 

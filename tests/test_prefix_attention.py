@@ -30,7 +30,7 @@ from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import DEFAULT_LAUNCH, SHARE_RULE, LaunchConfig, LaunchConfigs, ShareRule
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.triton_attention import paged_attention_triton, supported
-from rollout.engine.triton_prefix_lone import all_heads
+from rollout.engine.triton_prefix_lone import all_heads, head_halves
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F = {name: i for i, name in enumerate(ITEM_FIELDS)}
@@ -48,6 +48,10 @@ LAUNCHES = {
                                                lone_max_keys=16),) * 2),
 }
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
+# decode's lone rows in two halves of the query heads (32 heads or more: the case below), key tiles of 4 keys x
+# every KV head, so 4 keys x half of them a half
+LAUNCHES["lone heads, head halves"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_block_n=32,
+                                                              lone_head_halves=True),) * 2)
 for _name in ("fused", "lone heads"):  # key rows' offsets in int32 (the caches here are small)
     LAUNCHES[f"{_name}, int32 offsets"] = LaunchConfigs(*(replace(LAUNCHES[_name].decode, index32=True),) * 2)
 ANY = ShareRule()  # every group shares
@@ -155,6 +159,8 @@ CASES = {
     "no grouping (1 query head per KV head)": (lambda: layout(2, 3, 5, [2, 7]), 2, 2, 4),
     "4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)": (
         lambda: joined(layout(1, 8, 6, [0, 2, 5, 9, 1, 14, 3, 7]), layout(2, 1, 3, [9, 4], tag="b")), 8, 4, 4),
+    "32 query heads on 8 KV heads (lone rows in halves of 16)": (
+        lambda: joined(layout(1, 4, 5, [0, 6, 21, 3]), layout(1, 1, 2, [19], tag="b")), 32, 8, 4),  # chunks of 16
 }
 
 
@@ -186,6 +192,8 @@ def test_kernel_equals_plain_attention(name, launch):
 
 
 LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_lazy_rescale=True),) * 2),
+        "lone heads, head halves": LaunchConfigs(*(replace(LAUNCHES["lone heads, head halves"].decode,
+                                                           lone_lazy_rescale=True),) * 2),
         "lone heads, merge kernel": LaunchConfigs(*(replace(LAUNCHES["lone heads, merge kernel"].decode,
                                                             lone_lazy_rescale=True),) * 2)}
 
@@ -193,7 +201,8 @@ LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lon
 @needs_triton
 @pytest.mark.parametrize("launch", list(LAZY))
 @pytest.mark.parametrize("name", ["group of 8 beside sequences alone",
-                                  "4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)"])
+                                  "4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)",
+                                  "32 query heads on 8 KV heads (lone rows in halves of 16)"])
 @pytest.mark.parametrize("spikes", [3.0, 200.0])
 def test_a_lazy_softmax_equals_plain_attention_as_scores_jump(name, launch, spikes):
     """LaunchConfig.lone_lazy_rescale (decode's all-heads lone pass): every third block's keys `spikes`
@@ -218,17 +227,19 @@ POISON_CASES = {  # blocks of 8 keys: lone ranges start at, and inside, a block
 
 
 @needs_triton
-@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone pass"])
+@pytest.mark.parametrize("launch", ["lone heads", "lone heads, merge kernel", "lone pass", "lone heads, head halves"])
 @pytest.mark.parametrize("name", list(POISON_CASES))
 @pytest.mark.parametrize("slack", [False, True], ids=["", "planned for longer contexts"])
 def test_no_slot_outside_a_sequence_reaches_its_sum(name, launch, slack):
     """Every cache slot no sequence holds is NaN (a stale slot of a reused block could be anything):
     the kernels mask the keys past an item's range, values included, and still give plain
-    attention's output, also for a plan made for longer contexts than the true ones."""
+    attention's output, also for a plan made for longer contexts than the true ones. The head halves
+    run at 32 query heads on 8 KV heads."""
+    heads, kv_heads = (32, 8) if launch == "lone heads, head halves" else (8, 2)
     tables, ctx, q_lens = POISON_CASES[name]()
     extra = [SLACK[i % len(SLACK)] if slack else 0 for i in range(len(ctx))]
     tables = [t + [("slack", i, j) for j in range(1 + e // 8)] for i, (t, e) in enumerate(zip(tables, extra))]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(tables, ctx, q_lens, 8, 2, block_size=8,
+    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(tables, ctx, q_lens, heads, kv_heads, block_size=8,
                                                                  launch=LAUNCHES[launch], slack=extra)
     held = torch.zeros(k_cache.shape[:2], dtype=torch.bool)  # [blocks, slots]
     for row, length in zip(meta.block_tables.tolist(), np.add(ctx, extra).tolist()):
@@ -428,3 +439,18 @@ def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
     assert not all_heads(config, 1, num_kv_heads=8, head_dim=256)
     assert not all_heads(config, 1, num_kv_heads=6, head_dim=128)
     assert not all_heads(DEFAULT_LAUNCH.verify, 1, num_kv_heads=8, head_dim=128)
+
+
+def test_the_lone_pass_takes_head_halves_where_the_heads_split_evenly():
+    """LaunchConfig.lone_head_halves: 32 query heads or more (16 rows a half), a power of two, on an
+    even number of KV heads, with a half's key tile of at least 16 rows. The kernel case of 32 heads
+    on 8 KV heads runs in halves under its launch (else it would test the one-tile path twice)."""
+    halves = replace(DEFAULT_LAUNCH.decode, lone_head_halves=True)
+    assert head_halves(halves, num_heads=32, num_kv_heads=8) == 2  # Qwen3-8B: tiles of 16 keys x 4 heads a half
+    assert head_halves(DEFAULT_LAUNCH.decode, num_heads=32, num_kv_heads=8) == 1  # not asked for
+    assert head_halves(halves, num_heads=16, num_kv_heads=8) == 1  # 8 rows a half
+    assert head_halves(halves, num_heads=40, num_kv_heads=8) == 1  # not a power of two
+    assert head_halves(halves, num_heads=32, num_kv_heads=1) == 1  # one KV head
+    assert head_halves(replace(halves, lone_block_n=16), num_heads=32, num_kv_heads=8) == 1  # 2 keys x 4 heads
+    _, heads, kv_heads, _ = CASES["32 query heads on 8 KV heads (lone rows in halves of 16)"]
+    assert head_halves(LAUNCHES["lone heads, head halves"].decode, heads, kv_heads) == 2

@@ -44,6 +44,9 @@ class LaunchConfig:
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
     lone_merge: bool = True  # the all-heads lone pass merges each token's partial results (no merge
     # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
+    lone_head_halves: bool = False  # the all-heads lone pass takes a token's query heads in two halves, each
+    # with tiles of its half of the KV heads (half the scores and products a key), where the heads split evenly
+    # into halves of at least 16 rows (triton_prefix_lone.head_halves)
     lone_lazy_rescale: bool = False  # the all-heads lone pass's online softmax moves a row's reference max only
     # where a tile's scores pass it by more than triton_prefix_tiles.LAZY_SLACK (one branch a tile): most
     # tiles then skip rescaling their accumulator
