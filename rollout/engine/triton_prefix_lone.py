@@ -103,8 +103,8 @@ if triton is not None:
                 m_i, l_i, acc = _halves_rows(q_ptr, k_ptr, v_ptr, tok, table, key_lo,
                                              tl.load(item_ptr + 7).to(tl.int32), hi, q_pos, qk_scale,
                                              stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-                                             stride_vs, stride_vh, NUM_KV_HEADS, NUM_HEADS, HEADS_P2, GROUPS,
-                                             HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, LAZY, INDEX32)
+                                             stride_vs, stride_vh, NUM_KV_HEADS, HEADS_P2, GROUPS, HEAD_DIM,
+                                             BLOCK_SIZE, BLOCK_N, DOT_PRECISION, LAZY, INDEX32)
             else:
                 q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
                 for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
@@ -124,15 +124,15 @@ if triton is not None:
     @triton.jit
     def _halves_rows(q_ptr, k_ptr, v_ptr, tok, table, key_lo, lo, hi, q_pos, qk_scale,
                      stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                     NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
-                     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, LAZY: tl.constexpr, INDEX32: tl.constexpr):
-        """Token `tok`'s online softmax over virtual keys lo .. hi, its query heads in two halves of
-        HEADS_P2 // 2 rows (NUM_HEADS == HEADS_P2), each seeing the KV heads of its half: a key tile
-        is BLOCK_N // NUM_KV_HEADS keys x NUM_KV_HEADS // 2 heads a half, so a row's tile holds half
-        the other heads' keys the one-tile layout does (scores and products a key: half). The
-        halves' tiles of the same keys are taken in the same iteration, as two independent chains.
-        Returns (m, l) [HEADS_P2] and acc [HEADS_P2, D], rows in head order."""
+        """Token `tok`'s online softmax over virtual keys lo .. hi, its HEADS_P2 query heads (all
+        real: head_halves) in two halves, each seeing the KV heads of its half: a half's key tile is
+        BLOCK_N // NUM_KV_HEADS keys x NUM_KV_HEADS // 2 heads, so a row's scores span half the KV
+        heads the one-tile layout's do (half the scores and products a key). The halves' tiles of
+        the same keys are taken in the same iteration, as two independent chains. Returns (m, l)
+        [HEADS_P2] and acc [HEADS_P2, D], rows in head order."""
         HALF: tl.constexpr = HEADS_P2 // 2
         KV_HALF: tl.constexpr = NUM_KV_HEADS // 2
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
@@ -141,7 +141,7 @@ if triton is not None:
         kv_row = tl.arange(0, KEYS * KV_HALF)  # [N] key by key: key kv_row // KV_HALF
         kv_head, key_of = kv_row % KV_HALF, kv_row // KV_HALF  # (the low half's; the high one's + KV_HALF)
         mine = (head // GROUPS)[:, None] == kv_head[None, :]  # the same for both halves
-        row_ok = head < HALF
+        row_ok = head < HALF  # (every row)
         q_lo, m_lo, l_lo, acc_lo = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HALF)
         q_hi, m_hi, l_hi, acc_hi = _rows_start(q_ptr, token, HALF + head, row_ok, stride_qt, stride_qh, HEAD_DIM,
                                                HALF)
