@@ -337,6 +337,7 @@ def make_dirs(args, root: Path) -> dict:
 
 def arms_in_turn(args, result: dict) -> list[dict]:
     """Each round's attention settings one after another in this process (an engine each)."""
+    result["env"] = environment(args.device)
     bandwidth = copy_bandwidth(args.device, (64 << 20) if args.quick else (4 << 30))
     rate = matmul_rate(args.device)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, matmul {rate / 1e12:.1f} TFLOP/s", flush=True)
@@ -354,8 +355,9 @@ def arms_in_turn(args, result: dict) -> list[dict]:
 
 def arms_apart(args, result: dict) -> list[dict]:
     """--process-per-arm: each round's attention settings in turn, each in a fresh process (this script
-    with that one setting and one round); their rows tagged with the round, and the copy bandwidth
-    and matmul rate the first one measured."""
+    with that one setting and one round); their rows tagged with the round, and the environment, copy
+    bandwidth and matmul rate the first one measured. This process never touches the GPU: a CUDA
+    context here would take memory from every child's engine."""
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
@@ -363,8 +365,8 @@ def arms_apart(args, result: dict) -> list[dict]:
                 out = Path(tmp) / f"round{round_}.json"
                 subprocess.run(child_argv(args, attention, out), check=True)
                 child = json.loads(out.read_text())
-                result.setdefault("bandwidth", child["bandwidth"])
-                result.setdefault("matmul_rate", child["matmul_rate"])
+                for key in ("env", "bandwidth", "matmul_rate"):
+                    result.setdefault(key, child[key])
                 rows += [dict(row, round=round_) for row in child["rows"]]
                 report(rows, result, args)
     return rows
@@ -383,7 +385,7 @@ def child_argv(args, attention: str, out: Path) -> list[str]:
 
 def main() -> None:
     args = parse_args()
-    result = dict(args=vars(args), env=environment(args.device), rows=[])
+    result = dict(args=vars(args), rows=[])
     start = time.perf_counter()
     if args.process_per_arm:
         rows = arms_apart(args, result)
