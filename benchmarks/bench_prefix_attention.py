@@ -41,7 +41,7 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is fir
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import environment, kernel_trace, kernel_us, print_table, write_json  # noqa: E402
+from common import ATTENTION_KERNELS, environment, kernel_trace, kernel_us, print_table, write_json  # noqa: E402
 from prefix_variants import VARIANTS  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
@@ -240,9 +240,6 @@ class Step:
         out = fn(torch.full_like(self.q, float("nan")))
         diff = (out.float() - self.reference()).abs()
         return float("inf") if diff.isnan().any() else diff.max().item()
-
-
-ATTENTION_KERNELS = ("_attn_kernel", "_item_kernel", "_lone_heads_kernel", "_merge_kernel")
 
 
 def profile_workloads(chosen: dict, args, dtype) -> list[dict]:

@@ -63,7 +63,7 @@ from common import (
     write_config_dir,
     write_json,
 )
-from prefix_variants import VARIANTS, use_prefix_launch
+from prefix_variants import VARIANTS, launch_names, use_prefix_launch
 from rl_measures import Costs, StepLog, profile_attention
 
 from rollout import build_engine
@@ -139,10 +139,10 @@ def attention_arm(text: str) -> str:
 def arm_launch(args, attention: str) -> str | None:
     """The --prefix-launch names an arm's engine is built with: its own decode variant (shared:NAME)
     beside --prefix-launch's verify one, else --prefix-launch's."""
-    kind, _, variant = attention.partition(":")
+    variant = attention.partition(":")[2]
     if not variant:
         return args.prefix_launch
-    return f"{variant},{((args.prefix_launch or 'default').split(',') * 2)[1]}"
+    return f"{variant},{launch_names(args.prefix_launch)[1]}"
 
 
 def _key_value(text: str) -> tuple[str, object]:

@@ -337,45 +337,6 @@ def environment(device: str) -> dict:
     return env
 
 
-GPU_STATE = {"sm_mhz": "clocks.sm", "mem_mhz": "clocks.mem", "temp_c": "temperature.gpu", "power_w": "power.draw",
-             "throttle": "clocks_throttle_reasons.active"}
-
-
-def gpu_state() -> dict:
-    """The GPU's clocks, temperature, power and active throttle reasons now (nvidia-smi; fields it
-    does not know are left out, {} where it is missing): a run's kernels slow down with its clocks,
-    so results can say which held."""
-    import shutil
-
-    if shutil.which("nvidia-smi") is None:
-        return {}
-    for keys in (list(GPU_STATE), [k for k in GPU_STATE if k != "throttle"]):  # older / newer names
-        values = _smi_query([GPU_STATE[k] for k in keys])
-        if values is not None:
-            return {k: v if k == "throttle" else _number(v) for k, v in zip(keys, values, strict=True)}
-    return {}
-
-
-def _smi_query(fields: list[str]) -> list[str] | None:
-    """One line of `nvidia-smi --query-gpu` for GPU 0, split; None where it fails."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
-                              "--id=0"], capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    values = [v.strip() for v in out.strip().splitlines()[0].split(",")] if out.strip() else []
-    return values if len(values) == len(fields) else None
-
-
-def _number(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text  # "[N/A]"
-
-
 def eager_step_kernels(engine: LLMEngine, add_requests, device: str = "cuda") -> list:
     """The CUDA kernels of one eager decode step (graphs off): `add_requests()` queues short greedy
     requests, two steps prefill and settle them, the third is profiled, the rest drain. Returns the
@@ -397,6 +358,10 @@ def eager_step_kernels(engine: LLMEngine, add_requests, device: str = "cuda") ->
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     return sorted(events, key=lambda e: -e.device_time_total)
 
+
+
+ATTENTION_KERNELS = ("_attn_kernel", "_merge_kernel", "_item_kernel", "_lone_heads_kernel")  # the Triton attention
+# kernels by name (triton_attention.py, triton_prefix_attention.py, triton_prefix_lone.py)
 
 
 def kernel_trace(run, calls: int) -> list[dict]:

@@ -67,11 +67,17 @@ VARIANTS = {
 }
 
 
+def launch_names(names: str | None) -> tuple[str, str]:
+    """--prefix-launch's DECODE[,VERIFY] as (decode, verify) variant names; one name: both; None: "default"."""
+    decode, verify = ((names or "default").split(",") * 2)[:2]
+    return decode, verify
+
+
 def use_prefix_launch(names: str | None) -> None:
     """Engines built after this use the named launch variants (--prefix-launch) for shared-prefix
     attention (prefix_plan.planner_for reads prefix_launch.DEFAULT_LAUNCH when an engine is built);
     None: the defaults again."""
-    decode, verify = ((names or "default").split(",") * 2)[:2]
+    decode, verify = launch_names(names)
     pick = lambda name, default: default if name == "default" else VARIANTS[name]  # noqa: E731
     prefix_launch.DEFAULT_LAUNCH = prefix_launch.LaunchConfigs(pick(decode, DEFAULT_LAUNCH.decode),
                                                                pick(verify, DEFAULT_LAUNCH.verify))

@@ -1,12 +1,15 @@
 """What bench_rl.py measures besides time: each step's memory-bound limit (Costs: an engine's bytes and
 FLOPs a step, from the steps StepLog records off the engine's build_step) and the attention kernels'
-device time on a profiled window of a run (profile_attention)."""
+device time on a profiled window of a run (profile_attention), with the GPU's clocks after it
+(gpu_state)."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 
-from common import gpu_state, kernel_trace, kernel_us, path_us, sync, weight_bytes
+from common import ATTENTION_KERNELS, kernel_trace, kernel_us, path_us, sync, weight_bytes
 
 import rollout.engine.engine as engine_module
 from rollout.engine.engine import LLMEngine
@@ -52,9 +55,6 @@ class Costs:
         flops = (tokens * self.flops_per_token + rows * self.flops_per_row + qk * self.flops_per_qk
                  + drafting * self.flops_per_draft)
         return max(read / bandwidth, flops / rate)
-
-
-ATTENTION_KERNELS = ("_attn_kernel", "_merge_kernel", "_item_kernel", "_lone_heads_kernel")  # the Triton ones
 
 
 def profile_attention(engine: LLMEngine, case: dict, prompts, sampling: SamplingParams, steps: int, device: str,
@@ -122,3 +122,38 @@ class StepLog:
 
     def __exit__(self, *exc) -> None:
         engine_module.build_step = self._real
+
+
+GPU_STATE = {"sm_mhz": "clocks.sm", "mem_mhz": "clocks.mem", "temp_c": "temperature.gpu", "power_w": "power.draw",
+             "throttle": "clocks_throttle_reasons.active"}
+
+
+def gpu_state() -> dict:
+    """The GPU's clocks, temperature, power and active throttle reasons now (nvidia-smi; fields it
+    does not know are left out, {} where it is missing): a run's kernels slow down with its clocks,
+    so results can say which held."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    for keys in (list(GPU_STATE), [k for k in GPU_STATE if k != "throttle"]):  # older / newer names
+        values = _smi_query([GPU_STATE[k] for k in keys])
+        if values is not None:
+            return {k: v if k == "throttle" else _number(v) for k, v in zip(keys, values, strict=True)}
+    return {}
+
+
+def _smi_query(fields: list[str]) -> list[str] | None:
+    """One line of `nvidia-smi --query-gpu` for GPU 0, split; None where it fails."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                              "--id=0"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in out.strip().splitlines()[0].split(",")] if out.strip() else []
+    return values if len(values) == len(fields) else None
+
+
+def _number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # "[N/A]"

@@ -30,7 +30,6 @@ from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import DEFAULT_LAUNCH, SHARE_RULE, LaunchConfig, LaunchConfigs, ShareRule
 from rollout.engine.prefix_plan import SharedPrefixPlanner
 from rollout.engine.triton_attention import paged_attention_triton, supported
-from rollout.engine.triton_prefix_lone import all_heads, head_halves
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F = {name: i for i, name in enumerate(ITEM_FIELDS)}
@@ -56,17 +55,6 @@ for _name in ("fused", "lone heads"):  # key rows' offsets in int32 (the caches 
     LAUNCHES[f"{_name}, int32 offsets"] = LaunchConfigs(*(replace(LAUNCHES[_name].decode, index32=True),) * 2)
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
-
-
-@pytest.mark.parametrize("shape, view, fits", [
-    ((1000, 16, 8, 128), None, True),
-    ((131072, 16, 8, 128), None, True),  # 2**31 elements: the last at 2**31 - 1
-    ((131073, 16, 8, 128), None, False),  # one block more: past int32
-    ((2, 70000, 16, 8, 128), 1, True),  # one layer's slice of a larger pool: offsets from the slice's start
-])
-def test_int32_offsets_are_taken_only_where_the_caches_fit(shape, view, fits):
-    cache = torch.empty(shape, dtype=torch.bfloat16, device="meta")
-    assert tpa.index32_fits(cache if view is None else cache[view]) is fits
 
 
 def layout(prompts, samples, prompt_blocks, gen_lens, q_len=1, system_blocks=0, block_size=4, tag="a"):
@@ -189,33 +177,6 @@ def test_kernel_equals_plain_attention(name, launch):
         got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
                                                  meta.positions.to(DEVICE), plan, 0.25, out=out)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-
-
-LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_lazy_rescale=True),) * 2),
-        "lone heads, head halves": LaunchConfigs(*(replace(LAUNCHES["lone heads, head halves"].decode,
-                                                           lone_lazy_rescale=True),) * 2),
-        "lone heads, merge kernel": LaunchConfigs(*(replace(LAUNCHES["lone heads, merge kernel"].decode,
-                                                            lone_lazy_rescale=True),) * 2)}
-
-
-@needs_triton
-@pytest.mark.parametrize("launch", list(LAZY))
-@pytest.mark.parametrize("name", ["group of 8 beside sequences alone",
-                                  "4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)",
-                                  "32 query heads on 8 KV heads (lone rows in halves of 16)"])
-@pytest.mark.parametrize("spikes", [3.0, 200.0])
-def test_a_lazy_softmax_equals_plain_attention_as_scores_jump(name, launch, spikes):
-    """LaunchConfig.lone_lazy_rescale (decode's all-heads lone pass): every third block's keys `spikes`
-    times the others', so a row's scores jump between tiles. At 3 (scores' spread ~12, the slack 22 at
-    scale 0.25) most jumps stay inside the slack, whose tiles' probabilities reach past 1 against the
-    kept reference; at 200 they pass it by hundreds of log2 units (the reference must move, or exp2
-    overflows)."""
-    make, heads, kv_heads, block_size = CASES[name]
-    q, want, k_cache, v_cache, meta, plan, _ = expected_and_plan(*make(), heads, kv_heads, block_size,
-                                                                 launch=LAZY[launch], spikes=spikes)
-    got = tpa.shared_prefix_attention_triton(q, k_cache, v_cache, meta.block_tables.to(DEVICE),
-                                             meta.positions.to(DEVICE), plan, 0.25)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 SLACK = [3, 0, 2, 3, 1, 0, 3, 2]  # drafts each sample's step in flight may still accept
@@ -428,29 +389,3 @@ def test_the_flag_reaches_the_engine_config():
     off = parser.parse_args(["serve", "--no-shared-prefix-attention"])
     assert on.shared_prefix_attention is True and off.shared_prefix_attention is False
     assert engine_factory(off).args[0].shared_prefix_attention is False
-
-
-def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
-    """Decode steps only (a lone item is one token), KV heads dividing the key tile, and a tile no
-    larger than the measured one: a head dim of 256 falls back to the per-KV-head lone pass."""
-    config = DEFAULT_LAUNCH.decode
-    assert all_heads(config, 1, num_kv_heads=8, head_dim=128)
-    assert not all_heads(config, 9, num_kv_heads=8, head_dim=128)
-    assert not all_heads(config, 1, num_kv_heads=8, head_dim=256)
-    assert not all_heads(config, 1, num_kv_heads=6, head_dim=128)
-    assert not all_heads(DEFAULT_LAUNCH.verify, 1, num_kv_heads=8, head_dim=128)
-
-
-def test_the_lone_pass_takes_head_halves_where_the_heads_split_evenly():
-    """LaunchConfig.lone_head_halves: 32 query heads or more (16 rows a half), a power of two, on an
-    even number of KV heads, with a half's key tile of at least 16 rows. The kernel case of 32 heads
-    on 8 KV heads runs in halves under its launch (else it would test the one-tile path twice)."""
-    halves = replace(DEFAULT_LAUNCH.decode, lone_head_halves=True)
-    assert head_halves(halves, num_heads=32, num_kv_heads=8) == 2  # Qwen3-8B: tiles of 16 keys x 4 heads a half
-    assert head_halves(DEFAULT_LAUNCH.decode, num_heads=32, num_kv_heads=8) == 1  # not asked for
-    assert head_halves(halves, num_heads=16, num_kv_heads=8) == 1  # 8 rows a half
-    assert head_halves(halves, num_heads=40, num_kv_heads=8) == 1  # not a power of two
-    assert head_halves(halves, num_heads=32, num_kv_heads=1) == 1  # one KV head
-    assert head_halves(replace(halves, lone_block_n=16), num_heads=32, num_kv_heads=8) == 1  # 2 keys x 4 heads
-    _, heads, kv_heads, _ = CASES["32 query heads on 8 KV heads (lone rows in halves of 16)"]
-    assert head_halves(LAUNCHES["lone heads, head halves"].decode, heads, kv_heads) == 2

@@ -303,8 +303,13 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
 
 def index32_fits(cache: Tensor) -> bool:
     """Whether every element of `cache` lies within 2**31 elements of its first (the kernels'
-    INDEX32: a key row's offset in int32)."""
-    return sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)) < 2**31
+    INDEX32: a key row's offset in int32). Asked every layer of every step: kept per layout."""
+    return _span_fits(tuple(cache.shape), cache.stride())
+
+
+@functools.cache
+def _span_fits(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    return sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) < 2**31
 
 
 @functools.cache
