@@ -1,7 +1,7 @@
 """The shared-prefix kernels' launch options (prefix_launch.LaunchConfig) beyond the layouts that
-test_prefix_attention.py runs through every case: where decode's all-heads lone pass runs and where it
-takes its query heads in halves, where key offsets fit int32, and the lone pass's lazy rescale against
-plain attention with scores that jump between tiles."""
+test_prefix_attention.py runs through every case: where decode's all-heads lone pass runs, where key
+offsets fit int32, and the lone pass's lazy rescale against plain attention with scores that jump
+between tiles."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_prefix_attention import CASES, DEVICE, LAUNCHES, expected_and_plan, ne
 
 import rollout.engine.triton_prefix_attention as tpa
 from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfigs
-from rollout.engine.triton_prefix_lone import all_heads, head_halves
+from rollout.engine.triton_prefix_lone import all_heads
 
 
 @pytest.mark.parametrize("shape, view, fits", [
@@ -28,8 +28,6 @@ def test_int32_offsets_are_taken_only_where_the_caches_fit(shape, view, fits):
 
 
 LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_lazy_rescale=True),) * 2),
-        "lone heads, head halves": LaunchConfigs(*(replace(LAUNCHES["lone heads, head halves"].decode,
-                                                           lone_lazy_rescale=True),) * 2),
         "lone heads, merge kernel": LaunchConfigs(*(replace(LAUNCHES["lone heads, merge kernel"].decode,
                                                             lone_lazy_rescale=True),) * 2)}
 
@@ -38,7 +36,7 @@ LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lon
 @pytest.mark.parametrize("launch", list(LAZY))
 @pytest.mark.parametrize("name", ["group of 8 beside sequences alone",
                                   "4 KV heads (all-heads lone tiles of 4 keys x 4 KV heads)",
-                                  "32 query heads on 8 KV heads (lone rows in halves of 16)"])
+                                  "32 query heads on 8 KV heads (Qwen3-8B's grouping)"])
 @pytest.mark.parametrize("spikes", [3.0, 200.0])
 def test_a_lazy_softmax_equals_plain_attention_as_scores_jump(name, launch, spikes):
     """LaunchConfig.lone_lazy_rescale (decode's all-heads lone pass): every third block's keys `spikes`
@@ -63,18 +61,3 @@ def test_the_all_heads_lone_pass_runs_where_its_tile_fits():
     assert not all_heads(config, 1, num_kv_heads=8, head_dim=256)
     assert not all_heads(config, 1, num_kv_heads=6, head_dim=128)
     assert not all_heads(DEFAULT_LAUNCH.verify, 1, num_kv_heads=8, head_dim=128)
-
-
-def test_the_lone_pass_takes_head_halves_where_the_heads_split_evenly():
-    """LaunchConfig.lone_head_halves: 32 query heads or more (16 rows a half), a power of two, on an
-    even number of KV heads, with a half's key tile of at least 16 rows. The kernel case of 32 heads
-    on 8 KV heads runs in halves under its launch (else it would test the one-tile path twice)."""
-    halves = replace(DEFAULT_LAUNCH.decode, lone_head_halves=True)
-    assert head_halves(halves, num_heads=32, num_kv_heads=8) == 2  # Qwen3-8B: tiles of 16 keys x 4 heads a half
-    assert head_halves(DEFAULT_LAUNCH.decode, num_heads=32, num_kv_heads=8) == 1  # not asked for
-    assert head_halves(halves, num_heads=16, num_kv_heads=8) == 1  # 8 rows a half
-    assert head_halves(halves, num_heads=40, num_kv_heads=8) == 1  # not a power of two
-    assert head_halves(halves, num_heads=32, num_kv_heads=1) == 1  # one KV head
-    assert head_halves(replace(halves, lone_block_n=16), num_heads=32, num_kv_heads=8) == 1  # 2 keys x 4 heads
-    _, heads, kv_heads, _ = CASES["32 query heads on 8 KV heads (lone rows in halves of 16)"]
-    assert head_halves(LAUNCHES["lone heads, head halves"].decode, heads, kv_heads) == 2

@@ -44,9 +44,6 @@ class LaunchConfig:
     lone_max_keys: int = 0  # cut a lone unit's keys into chunks of at most this many (0: no cap)
     lone_merge: bool = True  # the all-heads lone pass merges each token's partial results (no merge
     # kernel) where every token has a lone unit (no fused suffixes); False: the merge kernel does
-    lone_head_halves: bool = False  # the all-heads lone pass takes a token's query heads in two halves, each
-    # with tiles of its half of the KV heads (half the scores and products a key), where the heads split evenly
-    # into halves of at least 16 rows (triton_prefix_lone.head_halves)
     lone_lazy_rescale: bool = False  # the all-heads lone pass's online softmax moves a row's reference max only
     # where a tile's scores pass it by more than triton_prefix_tiles.LAZY_SLACK (one branch a tile): most
     # tiles then skip rescaling their accumulator
@@ -96,10 +93,13 @@ class LaunchConfigs:
 # tiles, whose five stages fit two programs an SM). The all-heads lone pass is faster at two stages,
 # and with the lazy rescale (28.4 against 30.0 us at 32x8x1024, twenty-first session, calls 3-4; in the
 # shared pass it lost, 45.0 against 42.6: the branch's reduction adds three barriers to its key loop).
+# Decode steps take key offsets in int32 where the caches fit (twenty-second session, call 1: a layer call
+# 69.3 against 70.6 us at 32x8x1024, 102.9 against 104.9 at 16x16x4096; the goal step's attention 2.830
+# against 2.901 ms a step, the medians of three rounds side by side). Verify steps keep int64 until measured.
 DEFAULT_LAUNCH = LaunchConfigs(
     decode=LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2,
-                        lone_max_keys=256, lone_lazy_rescale=True),
+                        lone_max_keys=256, lone_lazy_rescale=True, index32=True),
     verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=5),
 )

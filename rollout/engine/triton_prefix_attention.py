@@ -52,7 +52,7 @@ from rollout.engine import triton_pdl
 from rollout.engine.prefix_attention import SharedPrefixPlan
 from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import lone_launch, max_segments
-from rollout.engine.triton_prefix_lone import all_heads, head_halves
+from rollout.engine.triton_prefix_lone import all_heads
 from rollout.engine.triton_prefix_tiles import LOG2E
 
 try:
@@ -281,8 +281,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
                 NUM_KV_HEADS=num_kv_heads, NUM_HEADS=num_heads, HEADS_P2=max(16, triton.next_power_of_2(num_heads)),
                 GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.lone_block_n,
                 NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION=constants["DOT_PRECISION"], MERGE=merge,
-                LAZY=config.lone_lazy_rescale, INDEX32=constants["INDEX32"],
-                HALVES=head_halves(config, num_heads, num_kv_heads), **pdl,
+                LAZY=config.lone_lazy_rescale, INDEX32=constants["INDEX32"], **pdl,
                 num_warps=config.lone_num_warps, num_stages=config.lone_num_stages)
             if merge:
                 return out

@@ -33,16 +33,6 @@ def all_heads(config: LaunchConfig, max_query_len: int, num_kv_heads: int, head_
             and config.lone_block_n % num_kv_heads == 0 and config.lone_block_n * head_dim <= ALL_HEADS_TILE)
 
 
-def head_halves(config: LaunchConfig, num_heads: int, num_kv_heads: int) -> int:
-    """2 where the all-heads lone pass takes a token's query heads in two halves
-    (LaunchConfig.lone_head_halves): asked for, the heads a power of two with at least 16 rows a
-    half (a tl.dot's smallest side), the KV heads even, and a half's key tile at least 16 rows; else 1."""
-    keys = config.lone_block_n // num_kv_heads
-    fits = (num_heads >= 32 and num_heads & (num_heads - 1) == 0 and num_kv_heads % 2 == 0
-            and num_heads % num_kv_heads == 0 and keys * num_kv_heads // 2 >= 16)
-    return 2 if config.lone_head_halves and fits else 1
-
-
 if triton is not None:
     from rollout.engine.triton_pdl import start as pdl_start
     from rollout.engine.triton_prefix_tiles import (
@@ -66,7 +56,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_FIELDS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, LAZY: tl.constexpr,
-        INDEX32: tl.constexpr, HALVES: tl.constexpr,
+        INDEX32: tl.constexpr,
     ):
         """A decode step's lone items, every head of the item's one token in one program: its rows
         are the token's query heads [HEADS_P2], a key tile is BLOCK_N // NUM_KV_HEADS keys x every
@@ -75,9 +65,7 @@ if triton is not None:
         has a lone unit, and this pass merges its partial results (_finish_token) in place of the
         merge kernel, whose other duties it takes on too (the work counter, padded rows). LAZY
         (LaunchConfig.lone_lazy_rescale): the rows' softmax rescales only as _raise_max's LAZY says.
-        INDEX32: key rows' offsets in int32 (LaunchConfig.index32, where the caches allow). HALVES 2
-        (LaunchConfig.lone_head_halves): the rows in two halves, each over its half of the KV heads
-        (_halves_rows)."""
+        INDEX32: key rows' offsets in int32 (LaunchConfig.index32, where the caches allow)."""
         KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
         pdl_start(PDL)
         num_shared = tl.load(item_counts_ptr)
@@ -98,20 +86,12 @@ if triton is not None:
             key_lo = tl.load(item_ptr + 5).to(tl.int32)
             hi = tl.minimum(tl.load(item_ptr + 8), tl.load(item_ptr + 6)).to(tl.int32)
             q_pos = tl.load(positions_ptr + tok).to(tl.int32)
+            q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
             table = block_tables_ptr + tl.load(item_ptr + 4) * stride_bt
-            if HALVES == 2:
-                m_i, l_i, acc = _halves_rows(q_ptr, k_ptr, v_ptr, tok, table, key_lo,
-                                             tl.load(item_ptr + 7).to(tl.int32), hi, q_pos, qk_scale,
-                                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-                                             stride_vs, stride_vh, NUM_KV_HEADS, HEADS_P2, GROUPS, HEAD_DIM,
-                                             BLOCK_SIZE, BLOCK_N, DOT_PRECISION, LAZY, INDEX32)
-            else:
-                q, m_i, l_i, acc = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HEADS_P2)
-                for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
-                    m_i, l_i, acc = _heads_tile(q, k_ptr, v_ptr, table, key_lo, v0 + key_of, hi, kv_head, mine,
-                                                q_pos, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh,
-                                                stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION,
-                                                LAZY, INDEX32)
+            for v0 in range(tl.load(item_ptr + 7).to(tl.int32), hi, KEYS):
+                m_i, l_i, acc = _heads_tile(q, k_ptr, v_ptr, table, key_lo, v0 + key_of, hi, kv_head, mine, q_pos,
+                                            m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, stride_vb,
+                                            stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, LAZY, INDEX32)
             if MERGE:
                 _finish_token(item_ptr, tok, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                               tickets_ptr, part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEADS_P2,
@@ -120,50 +100,6 @@ if triton is not None:
                 _store_rows(item_ptr, token, head, row_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,
                             part_start_ptr, part_count_ptr, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM)
             item += tl.num_programs(0)
-
-    @triton.jit
-    def _halves_rows(q_ptr, k_ptr, v_ptr, tok, table, key_lo, lo, hi, q_pos, qk_scale,
-                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                     NUM_KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, GROUPS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, LAZY: tl.constexpr, INDEX32: tl.constexpr):
-        """Token `tok`'s online softmax over virtual keys lo .. hi, its HEADS_P2 query heads (all
-        real: head_halves) in two halves, each seeing the KV heads of its half: a half's key tile is
-        BLOCK_N // NUM_KV_HEADS keys x NUM_KV_HEADS // 2 heads, so a row's scores span half the KV
-        heads the one-tile layout's do (half the scores and products a key). The halves' tiles of
-        the same keys are taken in the same iteration, as two independent chains. Returns (m, l)
-        [HEADS_P2] and acc [HEADS_P2, D], rows in head order."""
-        HALF: tl.constexpr = HEADS_P2 // 2
-        KV_HALF: tl.constexpr = NUM_KV_HEADS // 2
-        KEYS: tl.constexpr = BLOCK_N // NUM_KV_HEADS
-        head = tl.arange(0, HALF)  # [M] a half's rows: heads head and HALF + head
-        token = tok + tl.zeros([HALF], tl.int64)
-        kv_row = tl.arange(0, KEYS * KV_HALF)  # [N] key by key: key kv_row // KV_HALF
-        kv_head, key_of = kv_row % KV_HALF, kv_row // KV_HALF  # (the low half's; the high one's + KV_HALF)
-        mine = (head // GROUPS)[:, None] == kv_head[None, :]  # the same for both halves
-        row_ok = head < HALF  # (every row)
-        q_lo, m_lo, l_lo, acc_lo = _rows_start(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, HALF)
-        q_hi, m_hi, l_hi, acc_hi = _rows_start(q_ptr, token, HALF + head, row_ok, stride_qt, stride_qh, HEAD_DIM,
-                                               HALF)
-        for v0 in range(lo, hi, KEYS):
-            m_lo, l_lo, acc_lo = _heads_tile(q_lo, k_ptr, v_ptr, table, key_lo, v0 + key_of, hi, kv_head, mine, q_pos,
-                                             m_lo, l_lo, acc_lo, qk_scale, stride_kb, stride_ks, stride_kh, stride_vb,
-                                             stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, LAZY, INDEX32)
-            m_hi, l_hi, acc_hi = _heads_tile(q_hi, k_ptr, v_ptr, table, key_lo, v0 + key_of, hi, KV_HALF + kv_head,
-                                             mine, q_pos, m_hi, l_hi, acc_hi, qk_scale, stride_kb, stride_ks,
-                                             stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, BLOCK_SIZE,
-                                             DOT_PRECISION, LAZY, INDEX32)
-        return _stack(m_lo, m_hi), _stack(l_lo, l_hi), _stack_tiles(acc_lo, acc_hi)
-
-    @triton.jit
-    def _stack(a, b):
-        """[H] and [H] -> [2H], a's first."""
-        return tl.reshape(tl.permute(tl.join(a, b), (1, 0)), [2 * a.shape[0]])
-
-    @triton.jit
-    def _stack_tiles(a, b):
-        """[H, D] and [H, D] -> [2H, D], a's rows first."""
-        return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * a.shape[0], a.shape[1]])
 
     @triton.jit
     def _finish_token(item_ptr, tok, token, head, head_ok, m_i, l_i, acc, out_ptr, part_o_ptr, part_lse_ptr,

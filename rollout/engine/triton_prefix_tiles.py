@@ -73,13 +73,10 @@ if triton is not None:
         pos = key_lo + vk
         block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0)  # [N] int64
         slot = pos % BLOCK_SIZE
-        if INDEX32:  # (as _key_tile's; the int64 sum keeps its old order: grouped, the lone pass compiles
-            block = block.to(tl.int32)  # to other, unmeasured code)
-            k_row = k_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)
-            v_row = v_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)
-        else:
-            k_row = k_ptr + block * stride_kb + slot * stride_ks + kv_head * stride_kh
-            v_row = v_ptr + block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        if INDEX32:  # (as _key_tile's)
+            block = block.to(tl.int32)
+        k_row = k_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)
+        v_row = v_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)
         return _row_tile(q, k_row, v_row, key_ok, mine & (key_ok & (pos <= q_pos))[None, :], m_i, l_i, acc, qk_scale,
                          HEAD_DIM, DOT_PRECISION, True, LAZY)
 
