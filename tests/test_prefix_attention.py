@@ -49,7 +49,7 @@ LAUNCHES = {
 LAUNCHES["lone heads, merge kernel"] = LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_merge=False),) * 2)
 for _name in ("fused", "lone heads"):  # key rows' offsets in int32 (the caches here are small)
     LAUNCHES[f"{_name}, int32 offsets"] = LaunchConfigs(*(replace(LAUNCHES[_name].decode, index32=True),) * 2)
-LAUNCHES["the engine's default"] = DEFAULT_LAUNCH  # as measured and shipped (decode: int32 offsets, lazy rescale)
+LAUNCHES["the engine's default"] = DEFAULT_LAUNCH  # as shipped: int32 offsets, decode's lazy rescale
 ANY = ShareRule()  # every group shares
 needs_triton = pytest.mark.skipif(not supported(16, torch.float32, DEVICE), reason="triton missing")
 

@@ -93,15 +93,16 @@ class LaunchConfigs:
 # tiles, whose five stages fit two programs an SM). The all-heads lone pass is faster at two stages,
 # and with the lazy rescale (28.4 against 30.0 us at 32x8x1024, twenty-first session, calls 3-4; in the
 # shared pass it lost, 45.0 against 42.6: the branch's reduction adds three barriers to its key loop).
-# Decode steps take key offsets in int32 where the caches fit (twenty-second session, call 1: a layer call
-# 69.3 against 70.6 us at 32x8x1024, 102.9 against 104.9 at 16x16x4096; the goal step's attention 2.830
-# against 2.901 ms a step, the medians of three rounds side by side). Verify steps keep int64 until measured.
+# Key offsets in int32 where the caches fit (twenty-second session): decode's layer call 69.3 against 70.6 us
+# at 32x8x1024 and 102.9 against 104.9 at 16x16x4096 (call 1), the goal step's attention 2.854 against 2.998 ms
+# a step (call 2, medians of four rounds side by side); verify's (9 queries) 0.225 against 0.258 ms and 0.507
+# against 0.582 (call 2).
 DEFAULT_LAUNCH = LaunchConfigs(
     decode=LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
                         lone_pass=True, lone_all_heads=True, lone_block_n=128, lone_num_warps=4, lone_num_stages=2,
                         lone_max_keys=256, lone_lazy_rescale=True, index32=True),
     verify=LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=5, target_programs=256, fuse_suffix=False,
-                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=5),
+                        lone_pass=True, lone_block_n=32, lone_num_warps=4, lone_num_stages=5, index32=True),
 )
 
 
