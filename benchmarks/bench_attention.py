@@ -4,18 +4,21 @@ sequence) and verify (9 tokens per sequence) at batch 1 to 64 and contexts 1k an
 shape: the largest absolute difference between the two outputs (the fast path checked against
 the simple one) and the time of each, from CUDA graphs of 20 calls. Prints a table, writes JSON.
 `--kv-heads 4` gives Qwen3-30B-A3B's heads; `--target-programs` times the kernel at other values
-of `triton_attention.TARGET_PROGRAMS` (how far the keys are split; 1: never split, no merge).
+of `triton_attention.TARGET_PROGRAMS` (how far the keys are split; 1: never split, no merge), `--index32 1 0`
+with key rows' offsets in int32 (`triton_attention.INDEX32`, the default) and in int64, side by side.
 
     python benchmarks/bench_attention.py
     python benchmarks/bench_attention.py --batches 1 --contexts 192 1024 --queries 1 --target-programs 1 64 512
+    python benchmarks/bench_attention.py --batches 64 256 --index32 1 0
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
-from common import environment, print_table, write_json
+from common import environment, print_table, replay_times_ms, write_json
 
 from rollout.engine import triton_attention
 from rollout.engine.attention import AttentionMetadata, paged_attention
@@ -31,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--queries", nargs="+", type=int, default=[1, 9])
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads of the 32 query heads (8B: 8, 30B-A3B: 4)")
     p.add_argument("--target-programs", nargs="+", type=int, default=[triton_attention.TARGET_PROGRAMS])
+    p.add_argument("--index32", nargs="+", type=int, choices=[0, 1], default=[int(triton_attention.INDEX32)],
+                   help="key rows' offsets in int32 (1) or int64 (0): triton_attention.INDEX32")
     p.add_argument("--out", default="benchmarks/results/bench_attention.json")
     return p.parse_args()
 
@@ -61,7 +66,8 @@ def case(batch: int, q_len: int, ctx: int, kv_heads: int, dtype=torch.bfloat16):
     return q, k, v, k_cache, v_cache, meta
 
 
-def graph_ms(fn, iters: int = 20) -> float:
+def graphed(fn, iters: int = 20):
+    """A CUDA graph of `iters` calls of fn (warmed up, replayed once)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -70,15 +76,11 @@ def graph_ms(fn, iters: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return graph
 
 
-def measure(batch: int, q_len: int, ctx: int, kv_heads: int, scale: float) -> dict:
+def measure(batch: int, q_len: int, ctx: int, kv_heads: int, scale: float, index32s: list[int]) -> list[dict]:
+    """One row for each value of triton_attention.INDEX32 in index32s, on the same case."""
     q, k, v, k_cache, v_cache, meta = case(batch, q_len, ctx, kv_heads)
     ref32 = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale)
     want = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # also writes k/v into the caches
@@ -90,15 +92,20 @@ def measure(batch: int, q_len: int, ctx: int, kv_heads: int, scale: float) -> di
     def torch_fn():
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
-    got = triton_fn()
-    row = dict(context=ctx, q_len=q_len, batch=batch, kv_heads=kv_heads,
-               target_programs=triton_attention.TARGET_PROGRAMS,
-               plan=str(plan_grid(batch, kv_heads, HEADS // kv_heads, q_len, ctx)),
-               torch_ms=graph_ms(torch_fn), triton_ms=graph_ms(triton_fn),
-               max_diff_triton_fp32=(got.float() - ref32).abs().max().item(),
-               max_diff_torch_fp32=(want.float() - ref32).abs().max().item())
-    row["speedup"] = row["torch_ms"] / row["triton_ms"]
-    return row
+    graphs, diffs = [graphed(torch_fn)], []
+    for index32 in index32s:
+        triton_attention.INDEX32 = bool(index32)  # paged_attention_triton reads it at each call
+        diffs.append((triton_fn().float() - ref32).abs().max().item())
+        graphs.append(graphed(triton_fn))
+    torch_ms, *triton_ms = (statistics.median(t) for t in replay_times_ms(graphs, calls=20, repeats=5))
+    rows = []
+    for index32, ms, diff in zip(index32s, triton_ms, diffs, strict=True):
+        rows.append(dict(context=ctx, q_len=q_len, batch=batch, kv_heads=kv_heads,
+                         target_programs=triton_attention.TARGET_PROGRAMS, index32=index32,
+                         plan=str(plan_grid(batch, kv_heads, HEADS // kv_heads, q_len, ctx)),
+                         torch_ms=torch_ms, triton_ms=ms, speedup=torch_ms / ms, max_diff_triton_fp32=diff,
+                         max_diff_torch_fp32=(want.float() - ref32).abs().max().item()))
+    return rows
 
 
 def main() -> None:
@@ -109,12 +116,12 @@ def main() -> None:
         for q_len in args.queries:
             for batch, programs in ((b, t) for b in args.batches for t in args.target_programs):
                 triton_attention.TARGET_PROGRAMS = programs  # plan_grid reads it at each call
-                row = measure(batch, q_len, ctx, args.kv_heads, scale)
-                result["rows"].append(row)
-                print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+                for row in measure(batch, q_len, ctx, args.kv_heads, scale, args.index32):
+                    result["rows"].append(row)
+                    print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
                 torch.cuda.empty_cache()
     print_table("paged attention per layer call, ms (bf16; diffs against a float32 torch reference)",
-                result["rows"], ["context", "q_len", "batch", "kv_heads", "target_programs", "plan",
+                result["rows"], ["context", "q_len", "batch", "kv_heads", "target_programs", "index32", "plan",
                                  "torch_ms", "triton_ms", "speedup",
                                  "max_diff_triton_fp32", "max_diff_torch_fp32"])
     write_json(args.out, result)

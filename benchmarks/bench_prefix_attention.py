@@ -41,7 +41,7 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is fir
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import ATTENTION_KERNELS, environment, kernel_trace, kernel_us, print_table, write_json  # noqa: E402
+from common import ATTENTION_KERNELS, environment, kernel_trace, kernel_us, print_table, replay_times_ms, write_json  # noqa: E402
 from prefix_variants import VARIANTS  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
@@ -149,14 +149,7 @@ def call_ms(fn, device: str, calls: int, repeats: int) -> tuple[float, float]:
         for _ in range(calls):
             fn()
     graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
+    (times,) = replay_times_ms([graph], calls, repeats)
     return statistics.median(times), max(times) - min(times)
 
 

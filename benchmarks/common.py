@@ -128,6 +128,21 @@ def graph_ms(fn, device: str, iters: int = 20) -> float | None:
     return time_ms(graph.replay, device, iters)
 
 
+def replay_times_ms(graphs: list, calls: int, repeats: int) -> list[list[float]]:
+    """Milliseconds per call of each CUDA graph (of `calls` calls) over `repeats` replays, the
+    graphs replayed in turn so that a drift of clocks or caches touches them alike."""
+    times = [[] for _ in graphs]
+    for _ in range(repeats):
+        for graph, out in zip(graphs, times, strict=True):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            out.append(start.elapsed_time(end) / calls)
+    return times
+
+
 def time_us(fn, device: str, reps: int, capture: bool = True) -> float:
     """Median microseconds of one `fn()`: on CUDA timed with events around each call, `fn`
     captured as a CUDA graph first (after a warm-up call outside the capture: compilation, lazy

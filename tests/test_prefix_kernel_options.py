@@ -14,6 +14,7 @@ from test_prefix_attention import CASES, DEVICE, LAUNCHES, expected_and_plan, ne
 import rollout.engine.triton_prefix_attention as tpa
 from rollout.engine.prefix_launch import DEFAULT_LAUNCH, LaunchConfigs
 from rollout.engine.triton_prefix_lone import all_heads
+from rollout.engine.triton_prefix_tiles import index32_fits
 
 
 @pytest.mark.parametrize("shape, view, fits", [
@@ -24,7 +25,7 @@ from rollout.engine.triton_prefix_lone import all_heads
 ])
 def test_int32_offsets_are_taken_only_where_the_caches_fit(shape, view, fits):
     cache = torch.empty(shape, dtype=torch.bfloat16, device="meta")
-    assert tpa.index32_fits(cache if view is None else cache[view]) is fits
+    assert index32_fits(cache if view is None else cache[view]) is fits
 
 
 LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_lazy_rescale=True),) * 2),

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_spec_engine import PROMPTS, _generate
 
+from rollout.engine import triton_attention
 from rollout.engine.attention import AttentionMetadata, paged_attention, write_kv
 from rollout.engine.params import SamplingParams
 from rollout.engine.triton_attention import paged_attention_triton, plan_grid, supported
@@ -70,8 +71,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("index32", [True, False], ids=["int32 offsets", "int64 offsets"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_equals_the_torch_reference(name):
+def test_kernel_equals_the_torch_reference(name, index32, monkeypatch):
+    """Key rows' offsets in int32 (triton_attention.INDEX32, the default where the caches fit) and in
+    int64 (larger caches)."""
+    monkeypatch.setattr(triton_attention, "INDEX32", index32)
     q_lens, ctx_lens, heads, kv_heads, head_dim, block_size = CASES[name]
     q, k, v, k_cache, v_cache, meta = _ragged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size)
     scale = head_dim**-0.5

@@ -30,7 +30,7 @@ class LaunchConfig:
     fuse_suffix: bool = True  # a group member's own keys join its group's items (no partial result)
     enabled: bool = True  # False: steps of this kind run the plain paged kernel
     index32: bool = False  # key rows' offsets in int32 where every element of the caches lies within 2**31 of
-    # their start (triton_prefix_attention.index32_fits; else int64): fewer instructions a tile
+    # their start (triton_prefix_tiles.index32_fits; else int64): fewer instructions a tile
     # Lone units' items (suffixes read alone, sequences in no group) in a launch of their own after
     # the shared units', compiled with these: a lean body fits more programs on an SM than the
     # shared one, and short items are bound by their chain of dependent loads, not by bandwidth.

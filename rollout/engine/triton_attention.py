@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine import triton_pdl
-from rollout.engine.triton_prefix_tiles import LOG2E
+from rollout.engine.triton_prefix_tiles import LOG2E, index32_fits
 
 try:
     import triton
@@ -45,6 +45,8 @@ TARGET_PROGRAMS = 512  # split the keys until the grid has about this many progr
 # program against 7.5 split in two and merged (H200), yet the engine at batch 1 decoded 1.2% (8B) and
 # 2.3% (30B-A3B) slower with contexts of up to 4 key tiles unsplit (BENCHMARKS.md, eighth session).
 BLOCK_N = 64  # keys per inner iteration
+INDEX32 = True  # key rows' offsets in int32 where every element of the caches lies within 2**31 of their start
+# (index32_fits; else int64), as the shared-prefix kernels' (BENCHMARKS.md, twenty-second session)
 MAX_BLOCK_M = 64  # query rows (token x group head) per program
 
 
@@ -70,9 +72,10 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, INDEX32: tl.constexpr,
     ):
-        # 64-bit offsets: a row or block index times its stride can pass 2**31 in a large step / pool
+        # 64-bit offsets: a row or block index times its stride can pass 2**31 in a large step / pool (key
+        # rows' offsets are int32 where the caches fit: INDEX32)
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         tile = tl.program_id(2) // NUM_SPLITS
@@ -102,7 +105,7 @@ if triton is not None:
                 seen = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
                 m_i, l_i, acc = _key_tile(q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, block, keys,
                                           key_ok, seen, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_vb,
-                                          stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION)
+                                          stride_vs, HEAD_DIM, BLOCK_SIZE, DOT_PRECISION, True, INDEX32)
             token = q_start + tok
             if NUM_SPLITS == 1:  # a row that saw no key has acc = 0, l = 0: it gives 0 (torch's SDPA too)
                 out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -181,7 +184,7 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         NUM_HEADS=num_heads, GROUPS=groups, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
-        **triton_pdl.launch(q),
+        INDEX32=INDEX32 and index32_fits(k_cache, v_cache), **triton_pdl.launch(q),
     )
     if splits > 1:
         _merge_kernel[(num_tokens, num_heads)](

@@ -53,7 +53,7 @@ from rollout.engine.prefix_attention import SharedPrefixPlan
 from rollout.engine.prefix_items import ITEM_FIELDS
 from rollout.engine.prefix_launch import lone_launch, max_segments
 from rollout.engine.triton_prefix_lone import all_heads
-from rollout.engine.triton_prefix_tiles import LOG2E
+from rollout.engine.triton_prefix_tiles import LOG2E, index32_fits
 
 try:
     import triton
@@ -267,7 +267,7 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         SHARED_BLOCK_M=config.block_m, SUFFIX_BLOCK_M=plan.suffix_block_m,
         MAX_SEGS=max_segments(config.block_m, groups) if config.fuse_suffix else 1, FUSED=config.fuse_suffix,
         NUM_FIELDS=len(ITEM_FIELDS), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INDEX32=config.index32 and index32_fits(k_cache) and index32_fits(v_cache), **pdl)
+        INDEX32=config.index32 and index32_fits(k_cache, v_cache), **pdl)
     queue = max(1, min(pairs, _resident_programs(q.device, PROGRAMS_PER_SM)))
     if lone_launch(config, plan.suffix_block_m):  # shared units' items through the queue, then the lone ones
         _item_kernel[(queue,)](*args, **constants, BLOCK_N=config.block_n, PASS=SHARED_PASS,
@@ -300,17 +300,6 @@ def shared_prefix_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     return out
 
 
-def index32_fits(cache: Tensor) -> bool:
-    """Whether every element of `cache` lies within 2**31 elements of its first (the kernels'
-    INDEX32: a key row's offset in int32). Asked every layer of every step: kept per layout."""
-    return _span_fits(tuple(cache.shape), cache.stride())
-
-
-@functools.cache
-def _span_fits(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    return sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) < 2**31
-
-
 @functools.cache
 def _resident_programs(device: torch.device, per_sm: int) -> int:
     """Programs of one item-kernel launch: `per_sm` on every SM (the queue's take work until it is
@@ -329,4 +318,4 @@ def compiled_variants() -> int:
     return sum(len(cache[0]) for k in kernels for cache in getattr(k, "device_caches", {}).values())
 
 
-__all__ = ["compiled_variants", "index32_fits", "shared_prefix_attention_triton"]
+__all__ = ["compiled_variants", "shared_prefix_attention_triton"]

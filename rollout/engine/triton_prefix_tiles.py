@@ -7,8 +7,21 @@ base 2: callers pass the softmax scale times LOG2E."""
 
 from __future__ import annotations
 
+import functools
+
 LOG2E = 1.4426950408889634
 LAZY_SLACK = 8.0  # log2 units a row's scores may pass its reference max by before a lazy softmax rescales
+
+
+def index32_fits(*caches) -> bool:
+    """Whether every element of each cache lies within 2**31 elements of its first (the kernels'
+    INDEX32: a key row's offset in int32). Asked every layer of every step: kept per layout."""
+    return all(_span_fits(tuple(cache.shape), cache.stride()) for cache in caches)
+
+
+@functools.cache
+def _span_fits(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    return sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) < 2**31
 
 try:
     import triton
