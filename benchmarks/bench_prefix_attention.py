@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="every variant of VARIANTS besides the default")
     p.add_argument("--variants", nargs="+", help="only these variants of VARIANTS (with --sweep)")
     p.add_argument("--crossover", action="store_true", help="also smaller groups and a shorter prompt (default only)")
+    p.add_argument("--workloads", nargs="+", type=workload, metavar="P,N,PROMPT[,ALONE]",
+                   help="these steps in place of the issue's two: P prompts x N samples of PROMPT tokens, beside "
+                        "ALONE sequences alone (default 0)")
     p.add_argument("--compile-only", action="store_true", help="compile every kernel variant on tiny steps, then exit")
     p.add_argument("--jobs", type=int, default=8, help="processes compiling in parallel (--compile-only)")
     p.add_argument("--repeats", type=int, default=5, help="timed graph replays (the median is reported)")
@@ -90,6 +93,22 @@ def parse_args() -> argparse.Namespace:
                         "bench_rl.py --prefix-launch), then exit")
     p.add_argument("--out", default="benchmarks/results/bench_prefix_attention.json")
     return p.parse_args()
+
+
+def workload(text: str) -> tuple[int, int, int, int]:
+    """A --workloads value: P,N,PROMPT[,ALONE] as (prompts, samples, prompt tokens, sequences alone)."""
+    try:
+        fields = [int(x) for x in text.split(",")]
+    except ValueError:
+        fields = []
+    if len(fields) not in (3, 4) or min(fields) < 0 or min(fields[:3]) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want P,N,PROMPT[,ALONE], positive integers (ALONE >= 0)")
+    return (*fields, 0)[:4]
+
+
+def main_workloads(args) -> list[tuple[int, int, int, int]]:
+    """The steps every variant is timed on: --workloads, else the issue's two (--quick: tiny ones)."""
+    return args.workloads or (QUICK if args.quick else WORKLOADS)
 
 
 def launches(args) -> dict[str, LaunchConfigs]:
@@ -240,7 +259,7 @@ def profile_workloads(chosen: dict, args, dtype) -> list[dict]:
     variant "(all)", the kernels' sum. --cold: each call after an L2 flush, itself not counted."""
     rows = []
     flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda") if args.cold else None
-    for workload in WORKLOADS:
+    for workload in main_workloads(args):
         for q_len in args.queries:
             step = Step(workload, q_len, SHAPES["qwen3-8b"], args, "cuda", dtype)
             fns = {"plain": lambda out=None, step=step: step.plain()}
@@ -397,7 +416,7 @@ def main() -> None:
         return
     result = dict(args=vars(args), env=environment(device), shape=SHAPES["tiny" if args.quick else "qwen3-8b"],
                   launch={name: repr(launch) for name, launch in chosen.items()}, rows=[])
-    run_workloads(QUICK if args.quick else WORKLOADS, chosen, args, device, dtype, result)
+    run_workloads(main_workloads(args), chosen, args, device, dtype, result)
     if args.crossover:
         run_workloads(QUICK_CROSSOVER if args.quick else CROSSOVER, {"default": DEFAULT_LAUNCH}, args, device,
                       dtype, result)

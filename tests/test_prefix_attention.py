@@ -289,12 +289,12 @@ def test_padded_graph_rows_get_zero_and_real_rows_their_attention():
 
 
 @needs_triton
-@pytest.mark.parametrize("samples", [SHARE_RULE.decode.min_members - 1, SHARE_RULE.decode.min_members])
+@pytest.mark.parametrize("samples", [SHARE_RULE.decode[0].min_members - 1, SHARE_RULE.decode[0].min_members])
 def test_the_output_does_not_depend_on_the_path_the_rule_takes(samples):
     """A decode group holding SHARE_RULE's least shared keys: one member short of the rule, the
     engine's planner sends the step to the plain kernel (no plan); at it, to the shared-prefix
     kernel. Both kernels give the same rows either way."""
-    rule = SHARE_RULE.decode
+    rule = SHARE_RULE.decode[0]  # the most members, the fewest keys
     tables, ctx, q_lens = layout(1, samples, rule.min_keys // 4, [0, 5, 2, 9])
     q, k, v, k_cache, v_cache, meta = build(tables, ctx, q_lens, 4, 2)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -277,15 +277,36 @@ def test_plans_fit_the_capacities_of_their_token_count(seed, launch):
     assert p.items[:, F["seg_count"]].max() <= max_segments(p.config.block_m, 4)
 
 
-D, V = SHARE_RULE.decode, SHARE_RULE.verify
+D, V = SHARE_RULE.decode[0], SHARE_RULE.verify[0]  # the most members, the fewest keys
 MAX_Q = SHARE_RULE.max_verify_query_len
 
 
+def _edges(steps, q_len):
+    """(samples, keys, q_len, shared) at each step of a kind's rule: at it, one member fewer (where
+    that is still a group), one block fewer (the rule is a staircase, so no other step admits those)."""
+    edges = []
+    for s in steps:
+        edges += [(s.min_members, s.min_keys, q_len, True), (s.min_members, s.min_keys - BS, q_len, False)]
+        if s.min_members > 2:
+            edges.append((s.min_members - 1, s.min_keys, q_len, False))
+    return edges
+
+
+def test_the_measured_rule_is_a_staircase():
+    """Each kind's steps: fewer members need strictly more keys (else a step would hide another,
+    and the edges tested below would not be edges)."""
+    for steps in (SHARE_RULE.decode, SHARE_RULE.verify):
+        members = [s.min_members for s in steps]
+        keys = [s.min_keys for s in steps]
+        assert members == sorted(members, reverse=True) and len(set(members)) == len(members) and min(members) >= 2
+        assert keys == sorted(keys) and len(set(keys)) == len(keys)
+        assert all(k % BS == 0 for k in keys)
+    with pytest.raises(ValueError, match="decode"):
+        ShareRule(decode=())
+
+
 @pytest.mark.parametrize("samples, keys, q_len, shared", [
-    (D.min_members, D.min_keys, 1, True), (D.min_members - 1, D.min_keys, 1, False),
-    (D.min_members, D.min_keys - BS, 1, False),
-    (V.min_members, V.min_keys, MAX_Q, True), (V.min_members, V.min_keys, 2, True),
-    (V.min_members - 1, V.min_keys, MAX_Q, False), (V.min_members, V.min_keys - BS, MAX_Q, False),
+    *_edges(SHARE_RULE.decode, 1), *_edges(SHARE_RULE.verify, MAX_Q), (V.min_members, V.min_keys, 2, True),
     (V.min_members, V.min_keys, MAX_Q + 1, False), (D.min_members, D.min_keys, 2, False),  # decode-sized, verifying
 ])
 def test_the_measured_rule_decides_which_groups_share(samples, keys, q_len, shared):

@@ -118,13 +118,21 @@ class GroupRule:
 @dataclass(frozen=True)
 class ShareRule:
     """Which groups the planner shares, by the kind of their rows: decode (every member's query is
-    one token) or verify (longer queries, at most `max_verify_query_len`). A group that fails it
-    is not shared: its members read their whole context alone, and a step with no group left runs
-    the plain paged kernel. The default-constructed rule shares every group (tests)."""
+    one token) or verify (longer queries, at most `max_verify_query_len`). Each kind has steps of
+    GroupRules, a group sharing where any of them admits it (the fewer members, the more keys a
+    group needs to win). A group that fails it is not shared: its members read their whole
+    context alone, and a step with no group left runs the plain paged kernel. The
+    default-constructed rule shares every group (tests)."""
 
-    decode: GroupRule = GroupRule()
-    verify: GroupRule = GroupRule()
+    decode: tuple[GroupRule, ...] = (GroupRule(),)
+    verify: tuple[GroupRule, ...] = (GroupRule(),)
     max_verify_query_len: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        for kind in ("decode", "verify"):
+            steps = getattr(self, kind)
+            if not steps or not all(isinstance(step, GroupRule) for step in steps):
+                raise ValueError(f"{kind} must be a non-empty tuple of GroupRules, got {steps!r}")
 
 
 # Measured on the H200 with the default launch (notes: "The lone pass", crossover run), ratio of
@@ -136,8 +144,17 @@ class ShareRule:
 #   n=8 / 256 (1.152) and n=2 / 1024 (1.027); nothing measured past q=9. n=8 / 512 won then (0.921)
 #   and loses at five stages (1.089, sixteenth session, call 3: the plain kernel's verify got
 #   faster, 0.40 -> 0.32 ms at 32x8x1024), where n=4 / 1024 still wins (0.948): 1024 keys.
-SHARE_RULE = ShareRule(decode=GroupRule(min_members=4, min_keys=256),
-                       verify=GroupRule(min_members=4, min_keys=1024), max_verify_query_len=9)
+# Again with int32 offsets in both kernels (twenty-second session, calls 5-6; 256 sequences a step, 128 at
+# 4096 tokens), smaller groups win from more keys:
+# - decode: n=2 loses at 256 (1.167), ties at 512 (0.975), wins from 1024 (0.830; 2048 0.739, 4096 0.685);
+#   n=3 wins from 512 (0.792; 1024 0.667); n=4 from 256 (0.892; 512 0.680); n=8 / 256 0.731.
+# - verify: n=2 loses to 1024 (1.581, 1.256, 1.023), wins from 2048 (0.872; 4096 0.780); n=3 loses at
+#   512 (1.081), wins at 1024 (0.851); n=4 loses at 512 (1.099), wins at 1024 (0.852); n=8 / 512 1.030.
+SHARE_RULE = ShareRule(
+    decode=(GroupRule(min_members=4, min_keys=256), GroupRule(min_members=3, min_keys=512),
+            GroupRule(min_members=2, min_keys=1024)),
+    verify=(GroupRule(min_members=3, min_keys=1024), GroupRule(min_members=2, min_keys=2048)),
+    max_verify_query_len=9)
 
 
 MAX_FUSED_SEGMENTS = 32  # past this many segments a row tile's lookup spills registers: suffixes read alone

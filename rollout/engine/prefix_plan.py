@@ -23,7 +23,7 @@ sharing. Every range end is clamped to the first query position of every member,
 precede every query of the group (they were written in earlier steps, and need no causal mask);
 that clamp is also what lets a range end mid-block, should sequences ever share a block that is
 not full (today's block manager shares only full, computed blocks). A group is kept only where
-the H200 measured sharing to win (`SHARE_RULE` in prefix_launch.py: enough members, enough shared
+the H200 measured sharing to win (`SHARE_RULE` in prefix_launch.py: enough members for its shared
 keys, a short enough query; its members otherwise read their whole context alone) and the key
 reads it saves outweigh the partial results it may add: `(members - 1) * keys > members * q_max
 * groups` (writing and merging a query's partial results moves about as many bytes as `groups`
@@ -59,6 +59,7 @@ from rollout.engine.prefix_launch import (
     DEFAULT_LAUNCH,
     MAX_FUSED_SEGMENTS,
     SHARE_RULE,
+    GroupRule,
     LaunchConfig,
     LaunchConfigs,
     ShareRule,
@@ -316,10 +317,14 @@ def _worth(gid: np.ndarray, keys: np.ndarray, size: np.ndarray, q: np.ndarray, g
     and reading it moves about as many bytes as `groups` keys)."""
     q_max = np.zeros(len(size), np.int64)
     np.maximum.at(q_max, gid[gid >= 0], q[gid >= 0])
-    decode = (q_max <= 1) & (size >= rule.decode.min_members) & (keys >= rule.decode.min_keys)
-    verify = ((q_max > 1) & (q_max <= rule.max_verify_query_len) & (size >= rule.verify.min_members)
-              & (keys >= rule.verify.min_keys))
+    decode = (q_max <= 1) & _admitted(rule.decode, size, keys)
+    verify = (q_max > 1) & (q_max <= rule.max_verify_query_len) & _admitted(rule.verify, size, keys)
     return (decode | verify) & ((size - 1) * keys > size * q_max * groups)
+
+
+def _admitted(steps: tuple[GroupRule, ...], size: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """[num groups] whether any of a kind's GroupRules admits a group (its members, its keys)."""
+    return np.logical_or.reduce([(size >= step.min_members) & (keys >= step.min_keys) for step in steps])
 
 
 def _leading_run(mask: np.ndarray) -> np.ndarray:
