@@ -28,6 +28,14 @@ def test_int32_offsets_are_taken_only_where_the_caches_fit(shape, view, fits):
     assert index32_fits(cache if view is None else cache[view]) is fits
 
 
+def test_int32_offsets_need_every_cache_to_fit():
+    """The kernels read keys and values through one INDEX32: both caches must fit."""
+    small, large = (torch.empty(shape, dtype=torch.bfloat16, device="meta")
+                    for shape in ((1000, 16, 8, 128), (131073, 16, 8, 128)))
+    assert index32_fits(small, small)
+    assert not index32_fits(small, large) and not index32_fits(large, small)
+
+
 LAZY = {"lone heads": LaunchConfigs(*(replace(LAUNCHES["lone heads"].decode, lone_lazy_rescale=True),) * 2),
         "lone heads, merge kernel": LaunchConfigs(*(replace(LAUNCHES["lone heads, merge kernel"].decode,
                                                             lone_lazy_rescale=True),) * 2)}
