@@ -18,13 +18,14 @@ import argparse
 import statistics
 
 import torch
-from common import environment, print_table, replay_times_ms, write_json
+from common import captured, environment, print_table, replay_times_ms, write_json
 
 from rollout.engine import triton_attention
 from rollout.engine.attention import AttentionMetadata, paged_attention
 from rollout.engine.triton_attention import paged_attention_triton, plan_grid
 
 HEADS, HEAD_DIM, BLOCK = 32, 128, 16
+CALLS = 20  # calls a timed CUDA graph holds
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,19 +67,6 @@ def case(batch: int, q_len: int, ctx: int, kv_heads: int, dtype=torch.bfloat16):
     return q, k, v, k_cache, v_cache, meta
 
 
-def graphed(fn, iters: int = 20):
-    """A CUDA graph of `iters` calls of fn (warmed up, replayed once)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def measure(batch: int, q_len: int, ctx: int, kv_heads: int, scale: float, index32s: list[int]) -> list[dict]:
     """One row for each value of triton_attention.INDEX32 in index32s, on the same case."""
     q, k, v, k_cache, v_cache, meta = case(batch, q_len, ctx, kv_heads)
@@ -92,20 +80,18 @@ def measure(batch: int, q_len: int, ctx: int, kv_heads: int, scale: float, index
     def torch_fn():
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
-    graphs, diffs = [graphed(torch_fn)], []
+    graphs, diffs = [captured(torch_fn, CALLS)], []
     for index32 in index32s:
         triton_attention.INDEX32 = bool(index32)  # paged_attention_triton reads it at each call
         diffs.append((triton_fn().float() - ref32).abs().max().item())
-        graphs.append(graphed(triton_fn))
-    torch_ms, *triton_ms = (statistics.median(t) for t in replay_times_ms(graphs, calls=20, repeats=5))
-    rows = []
-    for index32, ms, diff in zip(index32s, triton_ms, diffs, strict=True):
-        rows.append(dict(context=ctx, q_len=q_len, batch=batch, kv_heads=kv_heads,
-                         target_programs=triton_attention.TARGET_PROGRAMS, index32=index32,
-                         plan=str(plan_grid(batch, kv_heads, HEADS // kv_heads, q_len, ctx)),
-                         torch_ms=torch_ms, triton_ms=ms, speedup=torch_ms / ms, max_diff_triton_fp32=diff,
-                         max_diff_torch_fp32=(want.float() - ref32).abs().max().item()))
-    return rows
+        graphs.append(captured(triton_fn, CALLS))
+    torch_ms, *triton_ms = (statistics.median(t) for t in replay_times_ms(graphs, CALLS, repeats=5))
+    shared = dict(context=ctx, q_len=q_len, batch=batch, kv_heads=kv_heads,
+                  target_programs=triton_attention.TARGET_PROGRAMS,
+                  plan=str(plan_grid(batch, kv_heads, HEADS // kv_heads, q_len, ctx)), torch_ms=torch_ms,
+                  max_diff_torch_fp32=(want.float() - ref32).abs().max().item())
+    return [dict(shared, index32=index32, triton_ms=ms, speedup=torch_ms / ms, max_diff_triton_fp32=diff)
+            for index32, ms, diff in zip(index32s, triton_ms, diffs, strict=True)]
 
 
 def main() -> None:

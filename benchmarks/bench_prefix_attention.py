@@ -41,7 +41,16 @@ if "--quick" in sys.argv:  # the interpreter must be chosen before triton is fir
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import ATTENTION_KERNELS, environment, kernel_trace, kernel_us, print_table, replay_times_ms, write_json  # noqa: E402
+from common import (  # noqa: E402
+    ATTENTION_KERNELS,
+    captured,
+    environment,
+    kernel_trace,
+    kernel_us,
+    print_table,
+    replay_times_ms,
+    write_json,
+)
 from prefix_variants import VARIANTS  # noqa: E402
 
 from rollout.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
@@ -162,13 +171,7 @@ def call_ms(fn, device: str, calls: int, repeats: int) -> tuple[float, float]:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3, 0.0
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    (times,) = replay_times_ms([graph], calls, repeats)
+    (times,) = replay_times_ms([captured(fn, calls)], calls, repeats)
     return statistics.median(times), max(times) - min(times)
 
 

@@ -120,12 +120,21 @@ def graph_ms(fn, device: str, iters: int = 20) -> float | None:
     once first, so lazy tables and attention plans are built outside the capture."""
     if device != "cuda":
         return None
+    return time_ms(captured(fn, 1).replay, device, iters)
+
+
+def captured(fn, calls: int):
+    """A CUDA graph of `calls` calls of fn. fn runs once first (lazy tables and plans are built
+    outside the capture), and the graph is replayed once before it is returned."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay, device, iters)
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
 
 
 def replay_times_ms(graphs: list, calls: int, repeats: int) -> list[list[float]]:
